@@ -1,0 +1,62 @@
+#include "tests/test_paths.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace kvforge::testing {
+namespace {
+
+std::filesystem::path env_path(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return (value == nullptr || *value == '\0') ? fallback : value;
+}
+
+}  // namespace
+
+std::filesystem::path shared_dir() { return env_path("KVFORGE_SHARED", KVFORGE_SHARED_DEFAULT); }
+std::filesystem::path fixtures_dir() { return env_path("KVFORGE_FIXTURES", KVFORGE_FIXTURES_DEFAULT); }
+std::filesystem::path kvforge_binary() { return env_path("KVFORGE_BIN", KVFORGE_BIN_DEFAULT); }
+std::filesystem::path pyllama_dir() { return shared_dir() / "models" / "pyllama-16m"; }
+
+std::filesystem::path scratch_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("kvforge-test-" + name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+CommandResult run_kvforge(const std::string& args) {
+  const auto dir = scratch_dir("cmd");
+  const auto out_path = dir / "stdout";
+  const auto err_path = dir / "stderr";
+  const std::string command = "'" + kvforge_binary().string() + "' " + args + " >'" +
+                              out_path.string() + "' 2>'" + err_path.string() + "' </dev/null";
+  const int status = std::system(command.c_str());
+  CommandResult result{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
+                       read_file(out_path), read_file(err_path)};
+  std::filesystem::remove_all(dir);
+  return result;
+}
+
+}  // namespace kvforge::testing
