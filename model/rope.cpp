@@ -1,0 +1,64 @@
+#include "model/rope.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <numbers>
+
+namespace kvforge {
+
+at::Tensor rope_inverse_frequencies(const RopeConfig& rope, int64_t head_dim) {
+  // Same float32 arithmetic as transformers' _compute_default_rope_parameters.
+  const auto exponents =
+      at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
+      static_cast<double>(head_dim);
+  at::Tensor inv_freq = 1.0 / at::pow(rope.theta, exponents);
+  switch (rope.type) {
+    case RopeType::kDefault: return inv_freq;
+    case RopeType::kLinear: return inv_freq / rope.factor;
+    case RopeType::kLlama3: {
+      // Llama 3.1: long wavelengths are divided by `factor`, short ones kept,
+      // and the band in between interpolated smoothly.
+      const double old_context = static_cast<double>(rope.original_max_position_embeddings);
+      const double low_freq_wavelen = old_context / rope.low_freq_factor;
+      const double high_freq_wavelen = old_context / rope.high_freq_factor;
+      const at::Tensor wavelen = 2 * std::numbers::pi / inv_freq;
+      at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq);
+      const at::Tensor smooth = (old_context / wavelen - rope.low_freq_factor) /
+                                (rope.high_freq_factor - rope.low_freq_factor);
+      const at::Tensor smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled;
+      const at::Tensor medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+      return at::where(medium, smoothed, scaled);
+    }
+  }
+  return inv_freq;
+}
+
+RotaryEmbedding::RotaryEmbedding(const RopeConfig& rope, int64_t head_dim, c10::Device device)
+    : inv_freq_(rope_inverse_frequencies(rope, head_dim).to(device)) {}
+
+RopeTables RotaryEmbedding::tables(int64_t start, int64_t length, c10::ScalarType dtype) const {
+  const auto positions =
+      at::arange(start, start + length, at::TensorOptions().dtype(at::kLong).device(inv_freq_.device()))
+          .to(at::kFloat);
+  const at::Tensor freqs = at::outer(positions, inv_freq_);  // float32, as HF's fp32 matmul
+  const at::Tensor angles = at::cat({freqs, freqs}, -1);
+  return {angles.cos().to(dtype), angles.sin().to(dtype)};
+}
+
+namespace {
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+}  // namespace
+
+at::Tensor RotaryEmbedding::apply(const at::Tensor& x, const RopeTables& tables) {
+  return x * tables.cos + rotate_half(x) * tables.sin;
+}
+
+at::Tensor RotaryEmbedding::invert(const at::Tensor& x, const RopeTables& tables) {
+  return x * tables.cos - rotate_half(x) * tables.sin;
+}
+
+}  // namespace kvforge

@@ -1,0 +1,181 @@
+#include "model/transformer.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "formats/safetensors.h"
+
+namespace kvforge {
+namespace {
+
+c10::ScalarType to_scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return c10::kFloat;
+    case DType::kF16: return c10::kHalf;
+    case DType::kBF16: return c10::kBFloat16;
+  }
+  return c10::kFloat;
+}
+
+// Copies a mapped checkpoint tensor onto the target device and dtype.
+at::Tensor load_tensor(const Checkpoint& checkpoint, const std::string& name,
+                       const std::vector<int64_t>& shape, const ComputeTarget& target) {
+  const TensorView& view = checkpoint.tensor(name, shape);
+  // from_blob does not take ownership; the copy below detaches from the mmap.
+  const at::Tensor mapped = at::from_blob(const_cast<std::byte*>(view.bytes.data()), view.shape,
+                                          at::TensorOptions().dtype(to_scalar_type(view.dtype)));
+  return mapped.to(target.device, target.dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
+
+}  // namespace
+
+at::Tensor attention_mask(int64_t start, int64_t queries, int64_t keys, int64_t window,
+                          c10::Device device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor query_pos = at::arange(start, start + queries, options).unsqueeze(1);
+  const at::Tensor key_pos = at::arange(0, keys, options).unsqueeze(0);
+  at::Tensor mask = key_pos <= query_pos;
+  if (window > 0) mask = mask.logical_and(query_pos - key_pos < window);
+  return mask;
+}
+
+Transformer Transformer::load(const std::filesystem::path& model_dir, const ComputeTarget& target) {
+  ModelConfig config = load_model_config(model_dir);
+  const Checkpoint checkpoint(model_dir);
+  return Transformer(std::move(config), checkpoint, target);
+}
+
+Transformer::Transformer(ModelConfig config, const Checkpoint& checkpoint,
+                         const ComputeTarget& target)
+    : config_(std::move(config)), target_(target), rope_(config_.rope, config_.head_dim, target.device) {
+  const int64_t hidden = config_.hidden_size;
+  const int64_t q_dim = config_.num_heads * config_.head_dim;
+  const int64_t kv_dim = config_.num_kv_heads * config_.head_dim;
+  const int64_t inter = config_.intermediate_size;
+  embed_tokens_ = load_tensor(checkpoint, "model.embed_tokens.weight", {config_.vocab_size, hidden}, target);
+  final_norm_ = load_tensor(checkpoint, "model.norm.weight", {hidden}, target);
+  // Some tied checkpoints still store lm_head.weight; the tie wins, as in HF.
+  lm_head_ = config_.tie_word_embeddings
+                 ? embed_tokens_
+                 : load_tensor(checkpoint, "lm_head.weight", {config_.vocab_size, hidden}, target);
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    LayerWeights w;
+    w.input_norm = load_tensor(checkpoint, p + "input_layernorm.weight", {hidden}, target);
+    w.post_attention_norm = load_tensor(checkpoint, p + "post_attention_layernorm.weight", {hidden}, target);
+    w.q_proj = load_tensor(checkpoint, p + "self_attn.q_proj.weight", {q_dim, hidden}, target);
+    w.k_proj = load_tensor(checkpoint, p + "self_attn.k_proj.weight", {kv_dim, hidden}, target);
+    w.v_proj = load_tensor(checkpoint, p + "self_attn.v_proj.weight", {kv_dim, hidden}, target);
+    w.o_proj = load_tensor(checkpoint, p + "self_attn.o_proj.weight", {hidden, q_dim}, target);
+    if (config_.attention_bias) {
+      w.q_bias = load_tensor(checkpoint, p + "self_attn.q_proj.bias", {q_dim}, target);
+      w.k_bias = load_tensor(checkpoint, p + "self_attn.k_proj.bias", {kv_dim}, target);
+      w.v_bias = load_tensor(checkpoint, p + "self_attn.v_proj.bias", {kv_dim}, target);
+    }
+    if (config_.qk_norm) {
+      w.q_norm = load_tensor(checkpoint, p + "self_attn.q_norm.weight", {config_.head_dim}, target);
+      w.k_norm = load_tensor(checkpoint, p + "self_attn.k_norm.weight", {config_.head_dim}, target);
+    }
+    w.gate_proj = load_tensor(checkpoint, p + "mlp.gate_proj.weight", {inter, hidden}, target);
+    w.up_proj = load_tensor(checkpoint, p + "mlp.up_proj.weight", {inter, hidden}, target);
+    w.down_proj = load_tensor(checkpoint, p + "mlp.down_proj.weight", {hidden, inter}, target);
+    layers_.push_back(std::move(w));
+  }
+}
+
+int64_t Transformer::parameter_count() const {
+  int64_t count = embed_tokens_.numel() + final_norm_.numel();
+  if (!config_.tie_word_embeddings) count += lm_head_.numel();
+  for (const auto& w : layers_) {
+    for (const at::Tensor* t : {&w.input_norm, &w.post_attention_norm, &w.q_proj, &w.k_proj,
+                                &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+      count += t->numel();
+    }
+    for (const auto* t : {&w.q_bias, &w.k_bias, &w.v_bias, &w.q_norm, &w.k_norm}) {
+      if (t->has_value()) count += (*t)->numel();
+    }
+  }
+  return count;
+}
+
+KVCache Transformer::make_cache(int64_t batch, int64_t capacity) const {
+  return KVCache(config_, batch, capacity, target_.device, target_.dtype);
+}
+
+at::Tensor Transformer::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+  // HF LlamaRMSNorm: statistics in float32, cast back before the weight.
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor normed = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + config_.rms_norm_eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor Transformer::mlp(const LayerWeights& w, const at::Tensor& x) const {
+  return at::linear(at::silu(at::linear(x, w.gate_proj)) * at::linear(x, w.up_proj), w.down_proj);
+}
+
+at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t start, KVCache* cache,
+                                  AttentionObserver* observer) const {
+  const LayerWeights& w = layers_[static_cast<size_t>(layer)];
+  const int64_t batch = x.size(0);
+  const int64_t tokens = x.size(1);
+  const int64_t head_dim = config_.head_dim;
+  auto project = [&](const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t heads,
+                     const std::optional<at::Tensor>& norm) {
+    at::Tensor y = at::linear(x, weight, bias).view({batch, tokens, heads, head_dim});
+    if (norm) y = rms_norm(y, *norm);
+    return y.transpose(1, 2);  // [B, heads, T, head_dim]
+  };
+  at::Tensor q = project(w.q_proj, w.q_bias, config_.num_heads, w.q_norm);
+  const at::Tensor k_pre = project(w.k_proj, w.k_bias, config_.num_kv_heads, w.k_norm);
+  at::Tensor v = project(w.v_proj, w.v_bias, config_.num_kv_heads, std::nullopt);
+
+  const RopeTables tables = rope_.tables(start, tokens, x.scalar_type());
+  q = RotaryEmbedding::apply(q, tables);
+  at::Tensor k = RotaryEmbedding::apply(k_pre, tables);
+  if (observer != nullptr) {
+    observer->on_attention({layer, start, q, k_pre, k, v});
+  }
+  if (cache != nullptr) std::tie(k, v) = cache->append(layer, k, v);
+
+  const int64_t keys = k.size(2);
+  const int64_t window = config_.layer_window.empty() ? 0 : config_.layer_window[static_cast<size_t>(layer)];
+  std::optional<at::Tensor> mask;
+  bool is_causal = false;
+  const bool window_bites = window > 0 && start + tokens > window;
+  if (!window_bites && keys == tokens && start == 0 && tokens > 1) {
+    is_causal = true;  // the fused kernels' own causal mask
+  } else if (window_bites || tokens > 1) {
+    mask = attention_mask(start, tokens, keys, window, x.device());
+  }
+  const bool grouped = config_.num_heads != config_.num_kv_heads;
+  const at::Tensor out = at::scaled_dot_product_attention(
+      q, k, v, mask, /*dropout_p=*/0.0, is_causal, 1.0 / std::sqrt(static_cast<double>(head_dim)),
+      /*enable_gqa=*/grouped);
+  return at::linear(out.transpose(1, 2).reshape({batch, tokens, config_.num_heads * head_dim}), w.o_proj);
+}
+
+at::Tensor Transformer::hidden_states(const at::Tensor& input_ids, const ForwardOptions& options) const {
+  const at::Tensor ids = input_ids.to(target_.device, at::kLong);
+  const int64_t start = options.cache != nullptr ? options.cache->length() : options.position_start;
+  at::Tensor h = at::embedding(embed_tokens_, ids);
+  for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+    const LayerWeights& w = layers_[static_cast<size_t>(layer)];
+    h = h + attention(layer, rms_norm(h, w.input_norm), start, options.cache, options.observer);
+    h = h + mlp(w, rms_norm(h, w.post_attention_norm));
+  }
+  if (options.cache != nullptr) options.cache->commit(ids.size(1));
+  return rms_norm(h, final_norm_);
+}
+
+at::Tensor Transformer::logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, lm_head_).to(at::kFloat);
+}
+
+at::Tensor Transformer::forward(const at::Tensor& input_ids, const ForwardOptions& options) const {
+  return logits(hidden_states(input_ids, options));
+}
+
+}  // namespace kvforge

@@ -1,1 +1,62 @@
-int main() { return 0; }
+// kvforge: make 2-bit KV caches safe to ship. One subcommand per job.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "formats/input_error.h"
+#include "kvforge/version.h"
+#include "log/log.h"
+#include "tools/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvforge: calibrate, rotate and evaluate 2-bit KV caches for Llama-family models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("kvforge ") + kvforge::kVersion);
+  bool quiet = false;
+  bool verbose = false;
+  bool log_json = false;
+  app.add_flag("-q,--quiet", quiet, "Log warnings and errors only");
+  app.add_flag("-v,--verbose", verbose, "Log debug details");
+  app.add_flag("--log-json", log_json, "Log one JSON object per line on stderr");
+
+  std::map<CLI::App*, kvforge::cli::Command> commands;
+  auto add = [&](auto adder) {
+    const size_t before = app.get_subcommands({}).size();
+    kvforge::cli::Command run = adder(app);
+    commands[app.get_subcommands({}).at(before)] = std::move(run);
+  };
+  add(kvforge::cli::add_info_command);
+  add(kvforge::cli::add_perplexity_command);
+  add(kvforge::cli::add_generate_command);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  kvforge::log::configure({.level = quiet     ? kvforge::log::Level::kWarn
+                                    : verbose ? kvforge::log::Level::kDebug
+                                              : kvforge::log::Level::kInfo,
+                           .json = log_json});
+  try {
+    for (auto& [subcommand, run] : commands) {
+      if (subcommand->parsed()) return run();
+    }
+  } catch (const kvforge::InputError& e) {
+    kvforge::log::error(e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    // torch's own message without its C++ backtrace: one line for the user.
+    const std::string message = e.what_without_backtrace();
+    kvforge::log::error(message.substr(0, message.find('\n')));
+    return 1;
+  } catch (const std::exception& e) {
+    kvforge::log::error(e.what());
+    return 1;
+  }
+  return 1;
+}

@@ -1,0 +1,33 @@
+#pragma once
+// Rotary position embeddings as Hugging Face computes them: inverse
+// frequencies per RoPE type (default, linear, llama3) in float32, cos/sin
+// tables from float32 position x frequency products, cast to the model dtype.
+#include <ATen/core/Tensor.h>
+
+#include "formats/hf_config.h"
+
+namespace kvforge {
+
+// [head_dim / 2] float32 on the CPU.
+at::Tensor rope_inverse_frequencies(const RopeConfig& rope, int64_t head_dim);
+
+struct RopeTables {
+  at::Tensor cos;  // [T, head_dim], model dtype
+  at::Tensor sin;
+};
+
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding(const RopeConfig& rope, int64_t head_dim, c10::Device device);
+  // Tables for positions [start, start + length).
+  RopeTables tables(int64_t start, int64_t length, c10::ScalarType dtype) const;
+  // x: [B, heads, T, head_dim]; returns x*cos + rotate_half(x)*sin.
+  static at::Tensor apply(const at::Tensor& x, const RopeTables& tables);
+  // The inverse: rotates by -angle. Turns post-RoPE keys back into pre-RoPE.
+  static at::Tensor invert(const at::Tensor& x, const RopeTables& tables);
+
+ private:
+  at::Tensor inv_freq_;  // [head_dim / 2] float32 on device
+};
+
+}  // namespace kvforge
