@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what kvforge needs and is missing, then configures and builds.
+# Safe to rerun: every step checks first. Usage: scripts/setup.sh [BUILD_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${1:-build}
+TORCH_VERSION=2.11.0
+
+say() { echo "[setup] $*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# Debian -dev packages (the GPU machine has them preinstalled).
+packages=(cmake ninja-build g++ pkg-config python3-pip libeigen3-dev libhdf5-dev libcli11-dev
+          libspdlog-dev nlohmann-json3-dev libgtest-dev libgmock-dev libpcre2-dev libssl-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null; then
+    say "installing ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    say "missing packages ${missing[*]} and no apt-get: install them by hand"; exit 1
+  fi
+fi
+
+# libtorch from the torch wheel, the version the GPU machine runs.
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  say "installing torch==$TORCH_VERSION (libtorch for C++)"
+  python3 -m pip install -q "torch==$TORCH_VERSION"
+fi
+
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_ARCH_LIST=9.0 >/dev/null
+fi
+say "building in $BUILD_DIR"
+cmake --build "$BUILD_DIR" -j "$(nproc)"
