@@ -1,0 +1,45 @@
+#pragma once
+// Unicode helpers for the tokenizer: UTF-8 decoding and validation, Rust's
+// String::from_utf8_lossy, the GPT-2 byte <-> unicode table of ByteLevel,
+// and the few Unicode properties and normal forms HF tokenizers relies on
+// (through ICU).
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace kvforge::tokenizer_detail {
+
+// Byte length of the UTF-8 sequence that starts with `lead` (1 for a stray
+// continuation or invalid byte, so that loops always advance).
+size_t utf8_sequence_length(unsigned char lead);
+// Decodes the code point at `pos` of valid UTF-8 and advances `pos`.
+char32_t next_code_point(std::string_view text, size_t& pos);
+void append_utf8(std::string& out, char32_t code_point);
+// Offset of the first byte that is not part of well-formed UTF-8, if any.
+std::optional<size_t> first_invalid_utf8(std::string_view bytes);
+// Rust's String::from_utf8_lossy: every maximal invalid subpart becomes one
+// U+FFFD.
+std::string utf8_lossy(std::string_view bytes);
+
+// GPT-2 bytes_to_unicode: the code point that stands for `byte` in
+// byte-level vocabularies, and the inverse (nullopt for other code points).
+char32_t byte_to_unicode(unsigned char byte);
+std::optional<unsigned char> unicode_to_byte(char32_t code_point);
+// Every byte of `bytes` replaced by its byte-level code point, as UTF-8.
+std::string bytes_to_byte_level(std::string_view bytes);
+
+// Rust's char::is_whitespace (Unicode White_Space) and char::is_numeric
+// (general categories Nd, Nl, No).
+bool is_whitespace(char32_t code_point);
+bool is_numeric(char32_t code_point);
+// Oniguruma's \w: letters, marks, numbers and connector punctuation.
+bool is_word_character(char32_t code_point);
+
+enum class NormalForm { kNfc, kNfd, kNfkc, kNfkd };
+// `text` (valid UTF-8) in the given Unicode normal form.
+std::string unicode_normalize(std::string_view text, NormalForm form);
+// Full Unicode lowercase mapping (Rust's str::to_lowercase).
+std::string unicode_lowercase(std::string_view text);
+
+}  // namespace kvforge::tokenizer_detail
