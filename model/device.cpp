@@ -51,4 +51,15 @@ std::string dtype_label(c10::ScalarType dtype) {
   }
 }
 
+AttentionBackend parse_attention(const std::string& text, c10::Device device) {
+  if (text == "eager") return AttentionBackend::kEager;
+  if (text == "sdpa") return AttentionBackend::kFused;
+  if (text == "auto") return device.is_cuda() ? AttentionBackend::kFused : AttentionBackend::kEager;
+  throw std::invalid_argument("--attention " + text + ": expected auto, eager or sdpa");
+}
+
+std::string attention_label(AttentionBackend backend) {
+  return backend == AttentionBackend::kEager ? "eager" : "sdpa";
+}
+
 }  // namespace kvforge

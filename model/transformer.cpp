@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "formats/safetensors.h"
@@ -40,6 +42,41 @@ at::Tensor attention_mask(int64_t start, int64_t queries, int64_t keys, int64_t 
   at::Tensor mask = key_pos <= query_pos;
   if (window > 0) mask = mask.logical_and(query_pos - key_pos < window);
   return mask;
+}
+
+at::Tensor Transformer::eager_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        int64_t start, int64_t window, double scale) const {
+  // transformers' eager_attention_forward: repeat KV heads, scores in the
+  // model dtype, softmax in float32 cast back, then the weighted sum.
+  const int64_t groups = config_.q_per_kv();
+  auto repeat = [groups](const at::Tensor& x) {
+    if (groups == 1) return x;
+    const auto s = x.sizes();
+    return x.unsqueeze(2).expand({s[0], s[1], groups, s[2], s[3]}).reshape({s[0], s[1] * groups, s[2], s[3]});
+  };
+  at::Tensor scores = at::matmul(q, repeat(k).transpose(2, 3)) * scale;
+  if (q.size(2) > 1 || window > 0) {
+    const at::Tensor mask = attention_mask(start, q.size(2), k.size(2), window, q.device());
+    scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, repeat(v));
+}
+
+at::Tensor Transformer::fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        int64_t start, int64_t window, double scale) const {
+  const int64_t tokens = q.size(2);
+  const int64_t keys = k.size(2);
+  std::optional<at::Tensor> mask;
+  bool is_causal = false;
+  const bool window_bites = window > 0 && start + tokens > window;
+  if (!window_bites && keys == tokens && start == 0 && tokens > 1) {
+    is_causal = true;  // the fused kernels' own causal mask
+  } else if (window_bites || tokens > 1) {
+    mask = attention_mask(start, tokens, keys, window, q.device());
+  }
+  return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, is_causal, scale,
+                                          /*enable_gqa=*/config_.num_heads != config_.num_kv_heads);
 }
 
 Transformer Transformer::load(const std::filesystem::path& model_dir, const ComputeTarget& target) {
@@ -140,20 +177,11 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
   }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer, k, v);
 
-  const int64_t keys = k.size(2);
   const int64_t window = config_.layer_window.empty() ? 0 : config_.layer_window[static_cast<size_t>(layer)];
-  std::optional<at::Tensor> mask;
-  bool is_causal = false;
-  const bool window_bites = window > 0 && start + tokens > window;
-  if (!window_bites && keys == tokens && start == 0 && tokens > 1) {
-    is_causal = true;  // the fused kernels' own causal mask
-  } else if (window_bites || tokens > 1) {
-    mask = attention_mask(start, tokens, keys, window, x.device());
-  }
-  const bool grouped = config_.num_heads != config_.num_kv_heads;
-  const at::Tensor out = at::scaled_dot_product_attention(
-      q, k, v, mask, /*dropout_p=*/0.0, is_causal, 1.0 / std::sqrt(static_cast<double>(head_dim)),
-      /*enable_gqa=*/grouped);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const at::Tensor out = target_.attention == AttentionBackend::kEager
+                             ? eager_attention(q, k, v, start, window, scale)
+                             : fused_attention(q, k, v, start, window, scale);
   return at::linear(out.transpose(1, 2).reshape({batch, tokens, config_.num_heads * head_dim}), w.o_proj);
 }
 

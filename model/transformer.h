@@ -75,6 +75,11 @@ class Transformer {
  private:
   at::Tensor attention(int64_t layer, const at::Tensor& x, int64_t start, KVCache* cache,
                        AttentionObserver* observer) const;
+  // q: [B, heads, T, D]; k, v: [B, kv_heads, S, D] holding positions [0, S).
+  at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                             int64_t window, double scale) const;
+  at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                             int64_t window, double scale) const;
   at::Tensor mlp(const LayerWeights& weights, const at::Tensor& x) const;
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
 

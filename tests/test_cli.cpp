@@ -84,7 +84,7 @@ TEST(Cli, GenerateJsonStreamsIds) {
 }
 
 TEST(Cli, CudaWithoutGpuIsAClearError) {
-  const auto result = run_kvforge("perplexity --device cuda --model " + quoted(testing::pyllama_dir()) +
+  const auto result = run_kvforge("perplexity --quiet --device cuda --model " + quoted(testing::pyllama_dir()) +
                                   " --data " + quoted(testing::shared_dir() / "data" / "heldout.txt"));
   if (result.exit_code == 0) GTEST_SKIP() << "this machine has a CUDA device";
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
@@ -97,7 +97,7 @@ TEST(Cli, TruncatedShardIsAOneLineErrorNamingTheFile) {
   const auto shard = dir / "model-00002-of-00004.safetensors";
   const std::string bytes = testing::read_file(shard);
   replace_file(shard, bytes.substr(0, bytes.size() / 2));
-  const auto result = run_kvforge("info --model " + quoted(dir));
+  const auto result = run_kvforge("info --quiet --model " + quoted(dir));
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
   EXPECT_NE(result.stderr_text.find("model-00002-of-00004.safetensors"), std::string::npos) << result.stderr_text;
@@ -108,7 +108,7 @@ TEST(Cli, UnknownArchitectureIsNamed) {
   std::string config = testing::read_file(dir / "config.json");
   config.replace(config.find("LlamaForCausalLM"), 16, "GPTNeoXForCausalLM");
   replace_file(dir / "config.json", config);
-  const auto result = run_kvforge("info --model " + quoted(dir));
+  const auto result = run_kvforge("info --quiet --model " + quoted(dir));
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
   EXPECT_NE(result.stderr_text.find("GPTNeoXForCausalLM"), std::string::npos) << result.stderr_text;
@@ -118,7 +118,7 @@ TEST(Cli, UnknownArchitectureIsNamed) {
 TEST(Cli, MalformedTokenizerIsNamed) {
   const auto dir = model_copy("tokenizer");
   replace_file(dir / "tokenizer.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": ");
-  const auto result = run_kvforge("generate --model " + quoted(dir) + " --prompt hi --max-new 1");
+  const auto result = run_kvforge("generate --quiet --model " + quoted(dir) + " --prompt hi --max-new 1");
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
   EXPECT_NE(result.stderr_text.find("tokenizer.json"), std::string::npos) << result.stderr_text;
@@ -136,7 +136,7 @@ TEST(Cli, MissingTensorIsNamed) {
   config.erase("rope_scaling");
   config["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
   testing::write_file(dir / "config.json", config.dump());
-  const auto result = run_kvforge("generate --model " + quoted(dir) + " --prompt hi --max-new 1");
+  const auto result = run_kvforge("generate --quiet --model " + quoted(dir) + " --prompt hi --max-new 1");
   EXPECT_EQ(result.exit_code, 2);
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
   EXPECT_NE(result.stderr_text.find("model.layers.0.self_attn.q_proj.bias"), std::string::npos)

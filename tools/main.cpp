@@ -15,6 +15,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"kvforge: calibrate, rotate and evaluate 2-bit KV caches for Llama-family models"};
   app.require_subcommand(1);
+  app.fallthrough();  // --quiet and friends also work after the subcommand
   app.set_version_flag("--version", std::string("kvforge ") + kvforge::kVersion);
   bool quiet = false;
   bool verbose = false;

@@ -12,6 +12,7 @@ struct ModelFlags {
   std::string model_dir;
   std::string device = "cpu";
   std::string dtype;  // empty: fp32 on CPU, bf16 on CUDA
+  std::string attention = "auto";
 
   void add_to(CLI::App& command);
   ComputeTarget target() const;  // validates --device and --dtype
