@@ -67,6 +67,7 @@ CUSTOM_TEXTS = [
 # the vocabularies (byte fallback, unk).
 UNSEEN_TEXTS = [
     "runes \u16a0\u16c7\u16bb \u222e \u2153 \U0001d518\U0001d52b\U0001d526 \u0f40\u0f72",
+    "ignore_merges: zzyzx Zzyzx zzyzxzzyzx",
 ]
 
 
@@ -140,7 +141,11 @@ def train_llama3(lines):
                                       special_tokens=[("<|begin_of_text|>", bos)]),
     ])
     tok.decoder = decoders.ByteLevel()
-    return tok
+    # A whole word that merges cannot reach: with ignore_merges it is one token.
+    doc = json.loads(tok.to_str())
+    assert "\u0120zzyzx" not in doc["model"]["vocab"]
+    doc["model"]["vocab"]["\u0120zzyzx"] = max(doc["model"]["vocab"].values()) + 1
+    return Tokenizer.from_str(json.dumps(doc))
 
 
 def train_qwen2(lines):

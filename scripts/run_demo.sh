@@ -17,8 +17,9 @@ MODEL=$SHARED/models/pyllama-16m
 HELDOUT=$SHARED/data/heldout.txt
 OUT=${KVFORGE_DEMO_OUT:-out/demo}
 
-scripts/setup.sh build
-KV=build/tools/kvforge
+BUILD_DIR=${BUILD_DIR:-build}
+[ -n "${KVFORGE_SKIP_SETUP:-}" ] || scripts/setup.sh "$BUILD_DIR"
+KV=$BUILD_DIR/tools/kvforge
 mkdir -p "$OUT"
 
 echo "== kvforge info"

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <numbers>
 
@@ -155,6 +157,71 @@ TEST_F(PyLlama, GreedyGenerationEqualsTransformers) {
     options.max_new_tokens = static_cast<int64_t>(expected.size());
     EXPECT_EQ(greedy_generate(model, prompt, options).tokens, expected);
   }
+}
+
+// The same checks on a GPU; skipped where there is none.
+class CudaTinyModel : public TinyModel {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaTinyModel, Fp32LogitsEqualTransformersWithBothBackends) {
+  c10::InferenceMode guard;
+  const auto ref = reference();
+  for (const auto backend : {AttentionBackend::kEager, AttentionBackend::kFused}) {
+    const Transformer model =
+        Transformer::load(model_dir(), {c10::Device(c10::kCUDA), c10::kFloat, backend});
+    const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+    EXPECT_LT(max_relative_error(model.forward(ids), ref.at("logits")), 1e-4) << attention_label(backend);
+    KVCache cache = model.make_cache(ids.size(0), ids.size(1));
+    const at::Tensor first = model.forward(ids.narrow(1, 0, 10), {.cache = &cache});
+    const at::Tensor rest = model.forward(ids.narrow(1, 10, ids.size(1) - 10), {.cache = &cache});
+    EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4) << attention_label(backend);
+  }
+}
+
+TEST_P(CudaTinyModel, CachedDecodingEqualsFullForward) {
+  c10::InferenceMode guard;
+  const auto ref = reference();
+  const Transformer model =
+      Transformer::load(model_dir(), {c10::Device(c10::kCUDA), c10::kFloat, AttentionBackend::kFused});
+  const auto prompt = to_ids(ref.at("input_ids")[0].narrow(0, 0, 11));
+  GenerationOptions options;
+  options.max_new_tokens = 14;
+  EXPECT_EQ(greedy_generate(model, prompt, options).tokens, greedy_without_cache(model, prompt, 14));
+  EXPECT_EQ(greedy_generate(model, to_ids(ref.at("greedy_prompt")[0]), {.max_new_tokens = 12}).tokens,
+            to_ids(ref.at("greedy_tokens")[0]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, CudaTinyModel,
+                         ::testing::Values("llama3", "llama2_linear", "mistral", "qwen2", "qwen3"));
+
+// HF transformers' bf16 argmax on the same GPU (scripts/make_cuda_reference.py
+// writes it on the GPU machine and points KVFORGE_HF_CUDA_REFERENCE at it).
+TEST(CudaPyLlama, Bf16ArgmaxAgreesWithTransformersOnTheGpu) {
+  const char* reference_path = std::getenv("KVFORGE_HF_CUDA_REFERENCE");
+  if (!cuda_available() || reference_path == nullptr) {
+    GTEST_SKIP() << "needs a GPU and KVFORGE_HF_CUDA_REFERENCE";
+  }
+  c10::InferenceMode guard;
+  const auto ref = load_reference(reference_path);
+  const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+  for (const auto backend : {AttentionBackend::kFused, AttentionBackend::kEager}) {
+    const Transformer model =
+        Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kBFloat16, backend});
+    const at::Tensor argmax = model.forward(ids).argmax(-1).cpu();
+    const auto& expected = ref.at(backend == AttentionBackend::kFused ? "argmax_sdpa" : "argmax_eager");
+    const double agreement = argmax.eq(expected.to(at::kLong)).to(at::kDouble).mean().item<double>();
+    std::cout << "bf16 argmax agreement with transformers (" << attention_label(backend) << ", "
+              << argmax.numel() << " positions): " << agreement << "\n";
+    EXPECT_GE(agreement, 0.995) << attention_label(backend);
+  }
+  const Transformer fp32 = Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kFloat,
+                                                                     AttentionBackend::kFused});
+  const at::Tensor logits = fp32.forward(ids.narrow(0, 0, 1)).cpu();
+  EXPECT_LT(max_relative_error(logits.narrow(1, 0, 256), ref.at("logits_fp32_first256")), 1e-4);
 }
 
 TEST(AttentionMask, CausalWithOffsetAndWindow) {

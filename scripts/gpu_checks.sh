@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build kvforge there and run every GPU check.
+#   - the whole ctest suite, CUDA tests included (they skip on CPU machines);
+#   - HF transformers' bf16 argmax made on the same GPU (make_cuda_reference.py)
+#     against ours (CudaPyLlama test);
+#   - full-file perplexity of pyllama-16m on heldout.txt on CUDA (bf16, fp32)
+#     against transformers' on the same windows (committed fixtures), within 0.1%;
+#   - the README's demo with --device cuda.
+# Inputs: .carry/shared (models/pyllama-16m, data/*.txt) copied from ../shared,
+# and optionally .carry/debs (-dev packages the image may lack).
+# Results go to $OUT (the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export KVFORGE_SHARED=$PWD/.carry/shared
+status=0
+step() { echo; echo "=== $*"; }
+check() { if "$@"; then echo "ok: $*"; else echo "FAILED: $*"; status=1; fi; }
+
+step machine
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; git rev-parse HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
+
+step dependencies
+for pc in libpcre2-8 openssl; do
+  if ! pkg-config --exists "$pc" && ls .carry/debs/*.deb >/dev/null 2>&1; then
+    echo "$pc missing: unpacking carried -dev packages"
+    for deb in .carry/debs/*.deb; do dpkg -x "$deb" /; done
+  fi
+done
+
+step build
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_ARCH_LIST=9.0 \
+  -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$OUT/build.log" | head -60; exit 1; }
+KV=build-gpu/tools/kvforge
+MODEL=$KVFORGE_SHARED/models/pyllama-16m
+HELDOUT=$KVFORGE_SHARED/data/heldout.txt
+
+step "HF transformers reference on this GPU"
+check python3 scripts/make_cuda_reference.py --model "$MODEL" --text "$HELDOUT" --out "$OUT/hf_cuda_reference.safetensors"
+
+step ctest
+KVFORGE_HF_CUDA_REFERENCE=$PWD/$OUT/hf_cuda_reference.safetensors \
+  ctest --test-dir build-gpu -j 8 --output-on-failure > "$OUT/ctest.log" 2>&1 || status=1
+tail -5 "$OUT/ctest.log"
+grep -E "agreement with transformers|Failed|FAILED" "$OUT/ctest.log" | head -20
+./build-gpu/tests/test_transformer --gtest_filter='CudaPyLlama*' 2>&1 | grep agreement
+
+step "perplexity on CUDA, whole heldout.txt"
+for dtype in bf16 fp32; do
+  $KV perplexity --model "$MODEL" --data "$HELDOUT" --device cuda --dtype $dtype --batch 16 --json \
+    > "$OUT/ppl_${dtype}.json" 2> "$OUT/ppl_${dtype}.log" || { tail -3 "$OUT/ppl_${dtype}.log"; status=1; }
+done
+check python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+ok = True
+for dtype, ref_name in (("bf16", "bfloat16"), ("fp32", "float32")):
+    ours = json.load(open(f"{out}/ppl_{dtype}.json"))
+    ref = json.load(open(f"tests/fixtures/reference/pyllama_full_ppl_{ref_name}_cuda.json"))
+    ref_ppl = ref.get("perplexity") or ref["results"]["perplexity"]
+    rel = abs(ours["perplexity"] / ref_ppl - 1)
+    line = (f"{dtype}: kvforge {ours['perplexity']:.5f} ({ours['windows']} windows, {ours['tokens_scored']} tokens, "
+            f"{ours['tokens_per_second']:.0f} tok/s) vs transformers {ref_ppl:.5f}: relative difference {rel:.2e}")
+    print(line)
+    ok = ok and rel < 1e-3
+sys.exit(0 if ok else 1)
+PY
+
+step "demo with --device cuda"
+KVFORGE_DEMO_OUT=$OUT/demo KVFORGE_SKIP_SETUP=1 BUILD_DIR=build-gpu bash scripts/run_demo.sh --device cuda > "$OUT/demo.log" 2>&1 || status=1
+tail -8 "$OUT/demo.log"
+
+echo
+echo "gpu_checks: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status
