@@ -25,8 +25,11 @@ class Tokenizer {
   ~Tokenizer();
 
   // add_special_tokens applies the post-processor's template (e.g. Llama's
-  // leading <s>), as HF's encode(add_special_tokens=True) does.
+  // leading <s>), as HF's encode(add_special_tokens=True) does. `text` must
+  // be UTF-8 (InputError naming the byte offset otherwise). Thread-safe.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // Ids the tokenizer does not know are skipped, as HF does; invalid UTF-8
+  // produced by byte-level tokens becomes U+FFFD.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
   int64_t vocab_size() const;  // largest id + 1, added tokens included

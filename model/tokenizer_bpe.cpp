@@ -146,6 +146,7 @@ void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const 
   }
   std::vector<int32_t> ids = merge_word(word);
   out.insert(out.end(), ids.begin(), ids.end());
+  if (word.size() > kMaxCachedWordBytes) return;
   std::unique_lock lock(cache_mutex_);
   if (cache_.size() < kCacheCapacity) cache_.emplace(std::string(word), std::move(ids));
 }

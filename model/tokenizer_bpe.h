@@ -77,7 +77,9 @@ class BpeModel {
   std::array<int32_t, 256> byte_ids_{};  // <0xNN> ids, -1 when absent
 
   // Word -> ids. Bounded; once full, new words are no longer remembered.
+  // Long words (a whole line without pre-tokenizer) are rarely repeated.
   static constexpr size_t kCacheCapacity = 1 << 16;
+  static constexpr size_t kMaxCachedWordBytes = 256;
   mutable std::shared_mutex cache_mutex_;
   mutable StringMap<std::vector<int32_t>> cache_;
 };

@@ -198,8 +198,10 @@ bool is_numeric(char32_t cp) {
 }
 
 bool is_word_character(char32_t cp) {
-  const uint32_t mask = U_GET_GC_MASK(static_cast<UChar32>(cp));
-  return (mask & (U_GC_L_MASK | U_GC_M_MASK | U_GC_N_MASK | U_GC_PC_MASK)) != 0;
+  const auto c = static_cast<UChar32>(cp);
+  const uint32_t mask = U_GET_GC_MASK(c);
+  return (mask & (U_GC_M_MASK | U_GC_ND_MASK | U_GC_PC_MASK)) != 0 || u_hasBinaryProperty(c, UCHAR_ALPHABETIC) ||
+         u_hasBinaryProperty(c, UCHAR_JOIN_CONTROL);
 }
 
 std::string unicode_normalize(std::string_view text, NormalForm form) {
@@ -224,16 +226,27 @@ std::string unicode_normalize(std::string_view text, NormalForm form) {
 }
 
 std::string unicode_lowercase(std::string_view text) {
-  const std::u16string source = to_utf16(text);
-  UErrorCode status = U_ZERO_ERROR;
-  const int32_t length = u_strToLower(nullptr, 0, reinterpret_cast<const UChar*>(source.data()),
-                                      static_cast<int32_t>(source.size()), "", &status);
-  std::u16string out(static_cast<size_t>(length), u'\0');
-  status = U_ZERO_ERROR;
-  u_strToLower(reinterpret_cast<UChar*>(out.data()), length, reinterpret_cast<const UChar*>(source.data()),
-               static_cast<int32_t>(source.size()), "", &status);
-  if (U_FAILURE(status)) throw std::runtime_error(std::string("ICU u_strToLower: ") + u_errorName(status));
-  return to_utf8(out);
+  std::string out;
+  out.reserve(text.size());
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const size_t begin = pos;
+    const char32_t cp = next_code_point(text, pos);
+    if (cp < 0x80) {
+      out += static_cast<char>(cp >= 'A' && cp <= 'Z' ? cp + ('a' - 'A') : cp);
+      continue;
+    }
+    // One code point at a time, so that ICU sees no context (a lone sigma
+    // is never word-final).
+    const std::u16string source = to_utf16(text.substr(begin, pos - begin));
+    UChar lowered[16];
+    UErrorCode status = U_ZERO_ERROR;
+    const int32_t length = u_strToLower(lowered, 16, reinterpret_cast<const UChar*>(source.data()),
+                                        static_cast<int32_t>(source.size()), "", &status);
+    if (U_FAILURE(status)) throw std::runtime_error(std::string("ICU u_strToLower: ") + u_errorName(status));
+    out += to_utf8(std::u16string(reinterpret_cast<const char16_t*>(lowered), static_cast<size_t>(length)));
+  }
+  return out;
 }
 
 }  // namespace kvforge::tokenizer_detail

@@ -33,13 +33,16 @@ std::string bytes_to_byte_level(std::string_view bytes);
 // (general categories Nd, Nl, No).
 bool is_whitespace(char32_t code_point);
 bool is_numeric(char32_t code_point);
-// Oniguruma's \w: letters, marks, numbers and connector punctuation.
+// The Rust regex crate's \w (what HF uses for single_word added tokens):
+// Alphabetic, marks, decimal digits, connector punctuation, Join_Control.
 bool is_word_character(char32_t code_point);
 
 enum class NormalForm { kNfc, kNfd, kNfkc, kNfkd };
 // `text` (valid UTF-8) in the given Unicode normal form.
 std::string unicode_normalize(std::string_view text, NormalForm form);
-// Full Unicode lowercase mapping (Rust's str::to_lowercase).
+// Every code point replaced by its full lowercase mapping, without context
+// (Rust's char::to_lowercase, which HF's Lowercase applies per character:
+// no final-sigma rule).
 std::string unicode_lowercase(std::string_view text);
 
 }  // namespace kvforge::tokenizer_detail
