@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "formats/input_error.h"
+#include "model/tokenizer_unicode.h"
 
 namespace kvforge::tokenizer_detail {
 namespace {
@@ -27,30 +28,28 @@ std::string child_path(const std::string& parent, std::string_view key) {
 
 std::string one_line(std::string_view text, size_t limit) {
   std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (out.size() >= limit) {
-      // Do not cut a UTF-8 sequence in the middle.
-      while (!out.empty() && (static_cast<unsigned char>(out.back()) & 0xC0) == 0x80) out.pop_back();
-      if (!out.empty() && static_cast<unsigned char>(out.back()) >= 0xC0) out.pop_back();
-      return out + "...";
-    }
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c == 0x7F) {
+  size_t pos = 0;
+  while (pos < text.size()) {
+    if (out.size() >= limit) return out + "...";
+    const auto c = static_cast<unsigned char>(text[pos]);
+    const size_t length = c < 0x80 ? 1 : utf8_valid_length_at(text, pos);
+    if (c < 0x20 || c == 0x7F || length == 0) {
+      // Control characters and bytes of ill-formed UTF-8 are shown escaped.
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\x%02X", c);
       out += buf;
+      ++pos;
     } else {
-      out += static_cast<char>(c);
+      out.append(text.substr(pos, length));
+      pos += length;
     }
   }
   return out;
 }
 
 std::string describe_json(const nlohmann::json& value) {
-  if (value.is_array()) return "an array of " + std::to_string(value.size());
-  if (value.is_object()) return "an object";
-  // Strings may hold invalid UTF-8 only if the parser let it through; the
-  // replace handler keeps dump() from throwing on it.
+  // The replace handler keeps dump() from throwing on invalid UTF-8 (which
+  // the parser rejects anyway). Long arrays and objects are cut short.
   return one_line(value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
 

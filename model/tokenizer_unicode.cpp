@@ -130,6 +130,11 @@ void append_utf8(std::string& out, char32_t cp) {
   }
 }
 
+size_t utf8_valid_length_at(std::string_view bytes, size_t pos) {
+  size_t prefix = 0;
+  return well_formed_length(bytes, pos, prefix);
+}
+
 std::optional<size_t> first_invalid_utf8(std::string_view bytes) {
   size_t pos = 0;
   while (pos < bytes.size()) {

@@ -16,6 +16,8 @@ size_t utf8_sequence_length(unsigned char lead);
 // Decodes the code point at `pos` of valid UTF-8 and advances `pos`.
 char32_t next_code_point(std::string_view text, size_t& pos);
 void append_utf8(std::string& out, char32_t code_point);
+// Length of the well-formed UTF-8 sequence at `pos`, 0 if it is ill-formed.
+size_t utf8_valid_length_at(std::string_view bytes, size_t pos);
 // Offset of the first byte that is not part of well-formed UTF-8, if any.
 std::optional<size_t> first_invalid_utf8(std::string_view bytes);
 // Rust's String::from_utf8_lossy: every maximal invalid subpart becomes one
