@@ -20,14 +20,11 @@ c10::ScalarType to_scalar_type(DType dtype) {
   return c10::kFloat;
 }
 
-// Copies a mapped checkpoint tensor onto the target device and dtype.
-at::Tensor load_tensor(const Checkpoint& checkpoint, const std::string& name,
-                       const std::vector<int64_t>& shape, const ComputeTarget& target) {
+// A view of a mapped checkpoint tensor (no copy; valid while the mapping lives).
+at::Tensor mapped_tensor(const Checkpoint& checkpoint, const std::string& name, const std::vector<int64_t>& shape) {
   const TensorView& view = checkpoint.tensor(name, shape);
-  // from_blob does not take ownership; the copy below detaches from the mmap.
-  const at::Tensor mapped = at::from_blob(const_cast<std::byte*>(view.bytes.data()), view.shape,
-                                          at::TensorOptions().dtype(to_scalar_type(view.dtype)));
-  return mapped.to(target.device, target.dtype, /*non_blocking=*/false, /*copy=*/true);
+  return at::from_blob(const_cast<std::byte*>(view.bytes.data()), view.shape,
+                       at::TensorOptions().dtype(to_scalar_type(view.dtype)));
 }
 
 std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
@@ -85,40 +82,63 @@ Transformer Transformer::load(const std::filesystem::path& model_dir, const Comp
   return Transformer(std::move(config), checkpoint, target);
 }
 
-Transformer::Transformer(ModelConfig config, const Checkpoint& checkpoint,
-                         const ComputeTarget& target)
+Transformer Transformer::random(ModelConfig config, const ComputeTarget& target, uint64_t seed) {
+  // Drawn on the target device: an 8B model's weights drawn on the CPU
+  // would take minutes. Seeds torch's default generators.
+  at::manual_seed(seed);
+  const auto options = at::TensorOptions().dtype(target.dtype).device(target.device);
+  const WeightLoader loader = [options](const std::string& name, const std::vector<int64_t>& shape) {
+    if (name.find("norm") != std::string::npos) return at::ones(shape, options);
+    if (name.ends_with(".bias")) return at::zeros(shape, options);
+    return at::empty(shape, options).normal_(0.0, 0.02);
+  };
+  return Transformer(std::move(config), loader, target);
+}
+
+Transformer::Transformer(ModelConfig config, const Checkpoint& checkpoint, const ComputeTarget& target)
+    : Transformer(std::move(config),
+                  [&checkpoint](const std::string& name, const std::vector<int64_t>& shape) {
+                    return mapped_tensor(checkpoint, name, shape);
+                  },
+                  target) {}
+
+Transformer::Transformer(ModelConfig config, const WeightLoader& load, const ComputeTarget& target)
     : config_(std::move(config)), target_(target), rope_(config_.rope, config_.head_dim, target.device) {
+  // The copy detaches weights from their source (a mapping, a generator).
+  const auto load_tensor = [&load, &target](const std::string& name, const std::vector<int64_t>& shape) {
+    return load(name, shape).to(target.device, target.dtype, /*non_blocking=*/false, /*copy=*/true);
+  };
   const int64_t hidden = config_.hidden_size;
   const int64_t q_dim = config_.num_heads * config_.head_dim;
   const int64_t kv_dim = config_.num_kv_heads * config_.head_dim;
   const int64_t inter = config_.intermediate_size;
-  embed_tokens_ = load_tensor(checkpoint, "model.embed_tokens.weight", {config_.vocab_size, hidden}, target);
-  final_norm_ = load_tensor(checkpoint, "model.norm.weight", {hidden}, target);
+  embed_tokens_ = load_tensor("model.embed_tokens.weight", {config_.vocab_size, hidden});
+  final_norm_ = load_tensor("model.norm.weight", {hidden});
   // Some tied checkpoints still store lm_head.weight; the tie wins, as in HF.
   lm_head_ = config_.tie_word_embeddings
                  ? embed_tokens_
-                 : load_tensor(checkpoint, "lm_head.weight", {config_.vocab_size, hidden}, target);
+                 : load_tensor("lm_head.weight", {config_.vocab_size, hidden});
   for (int64_t i = 0; i < config_.num_layers; ++i) {
     const std::string p = layer_prefix(i);
     LayerWeights w;
-    w.input_norm = load_tensor(checkpoint, p + "input_layernorm.weight", {hidden}, target);
-    w.post_attention_norm = load_tensor(checkpoint, p + "post_attention_layernorm.weight", {hidden}, target);
-    w.q_proj = load_tensor(checkpoint, p + "self_attn.q_proj.weight", {q_dim, hidden}, target);
-    w.k_proj = load_tensor(checkpoint, p + "self_attn.k_proj.weight", {kv_dim, hidden}, target);
-    w.v_proj = load_tensor(checkpoint, p + "self_attn.v_proj.weight", {kv_dim, hidden}, target);
-    w.o_proj = load_tensor(checkpoint, p + "self_attn.o_proj.weight", {hidden, q_dim}, target);
+    w.input_norm = load_tensor(p + "input_layernorm.weight", {hidden});
+    w.post_attention_norm = load_tensor(p + "post_attention_layernorm.weight", {hidden});
+    w.q_proj = load_tensor(p + "self_attn.q_proj.weight", {q_dim, hidden});
+    w.k_proj = load_tensor(p + "self_attn.k_proj.weight", {kv_dim, hidden});
+    w.v_proj = load_tensor(p + "self_attn.v_proj.weight", {kv_dim, hidden});
+    w.o_proj = load_tensor(p + "self_attn.o_proj.weight", {hidden, q_dim});
     if (config_.attention_bias) {
-      w.q_bias = load_tensor(checkpoint, p + "self_attn.q_proj.bias", {q_dim}, target);
-      w.k_bias = load_tensor(checkpoint, p + "self_attn.k_proj.bias", {kv_dim}, target);
-      w.v_bias = load_tensor(checkpoint, p + "self_attn.v_proj.bias", {kv_dim}, target);
+      w.q_bias = load_tensor(p + "self_attn.q_proj.bias", {q_dim});
+      w.k_bias = load_tensor(p + "self_attn.k_proj.bias", {kv_dim});
+      w.v_bias = load_tensor(p + "self_attn.v_proj.bias", {kv_dim});
     }
     if (config_.qk_norm) {
-      w.q_norm = load_tensor(checkpoint, p + "self_attn.q_norm.weight", {config_.head_dim}, target);
-      w.k_norm = load_tensor(checkpoint, p + "self_attn.k_norm.weight", {config_.head_dim}, target);
+      w.q_norm = load_tensor(p + "self_attn.q_norm.weight", {config_.head_dim});
+      w.k_norm = load_tensor(p + "self_attn.k_norm.weight", {config_.head_dim});
     }
-    w.gate_proj = load_tensor(checkpoint, p + "mlp.gate_proj.weight", {inter, hidden}, target);
-    w.up_proj = load_tensor(checkpoint, p + "mlp.up_proj.weight", {inter, hidden}, target);
-    w.down_proj = load_tensor(checkpoint, p + "mlp.down_proj.weight", {hidden, inter}, target);
+    w.gate_proj = load_tensor(p + "mlp.gate_proj.weight", {inter, hidden});
+    w.up_proj = load_tensor(p + "mlp.up_proj.weight", {inter, hidden});
+    w.down_proj = load_tensor(p + "mlp.down_proj.weight", {hidden, inter});
     layers_.push_back(std::move(w));
   }
 }
@@ -185,17 +205,27 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
   return at::linear(out.transpose(1, 2).reshape({batch, tokens, config_.num_heads * head_dim}), w.o_proj);
 }
 
+at::Tensor Transformer::embed(const at::Tensor& input_ids) const {
+  return at::embedding(embed_tokens_, input_ids.to(target_.device, at::kLong));
+}
+
+at::Tensor Transformer::decoder_layer(int64_t layer, const at::Tensor& hidden, int64_t position_start,
+                                      KVCache* cache, AttentionObserver* observer) const {
+  const LayerWeights& w = layers_.at(static_cast<size_t>(layer));
+  const at::Tensor h = hidden + attention(layer, rms_norm(hidden, w.input_norm), position_start, cache, observer);
+  return h + mlp(w, rms_norm(h, w.post_attention_norm));
+}
+
+at::Tensor Transformer::final_norm(const at::Tensor& hidden) const { return rms_norm(hidden, final_norm_); }
+
 at::Tensor Transformer::hidden_states(const at::Tensor& input_ids, const ForwardOptions& options) const {
-  const at::Tensor ids = input_ids.to(target_.device, at::kLong);
   const int64_t start = options.cache != nullptr ? options.cache->length() : options.position_start;
-  at::Tensor h = at::embedding(embed_tokens_, ids);
+  at::Tensor h = embed(input_ids);
   for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
-    const LayerWeights& w = layers_[static_cast<size_t>(layer)];
-    h = h + attention(layer, rms_norm(h, w.input_norm), start, options.cache, options.observer);
-    h = h + mlp(w, rms_norm(h, w.post_attention_norm));
+    h = decoder_layer(layer, h, start, options.cache, options.observer);
   }
-  if (options.cache != nullptr) options.cache->commit(ids.size(1));
-  return rms_norm(h, final_norm_);
+  if (options.cache != nullptr) options.cache->commit(input_ids.size(1));
+  return final_norm(h);
 }
 
 at::Tensor Transformer::logits(const at::Tensor& hidden) const {

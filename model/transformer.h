@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <functional>
+#include <string>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -52,11 +54,19 @@ struct LayerWeights {
   at::Tensor gate_proj, up_proj, down_proj;
 };
 
+// Supplies the weight called `name` (HF naming) with the given shape, on any
+// device and dtype; the transformer moves it to its target.
+using WeightLoader = std::function<at::Tensor(const std::string& name, const std::vector<int64_t>& shape)>;
+
 class Transformer {
  public:
   // Loads config.json and the safetensors weights of `model_dir`.
   static Transformer load(const std::filesystem::path& model_dir, const ComputeTarget& target);
+  // Random weights of the config's shapes (benchmarks): projections
+  // N(0, 0.02), norms 1, biases 0.
+  static Transformer random(ModelConfig config, const ComputeTarget& target, uint64_t seed);
   Transformer(ModelConfig config, const Checkpoint& checkpoint, const ComputeTarget& target);
+  Transformer(ModelConfig config, const WeightLoader& load, const ComputeTarget& target);
 
   // input_ids: [B, T] int64 on any device. Returns logits [B, T, vocab] in
   // float32.
@@ -64,6 +74,13 @@ class Transformer {
   // Final hidden states after the last norm, [B, T, hidden] in the model dtype.
   at::Tensor hidden_states(const at::Tensor& input_ids, const ForwardOptions& options = {}) const;
   at::Tensor logits(const at::Tensor& hidden) const;  // float32
+
+  // The pieces of hidden_states(), for layer-by-layer work (capture's
+  // recomputation): embed, one decoder layer at a time, final norm.
+  at::Tensor embed(const at::Tensor& input_ids) const;  // [B, T, hidden], model dtype
+  at::Tensor decoder_layer(int64_t layer, const at::Tensor& hidden, int64_t position_start,
+                           KVCache* cache = nullptr, AttentionObserver* observer = nullptr) const;
+  at::Tensor final_norm(const at::Tensor& hidden) const;
 
   KVCache make_cache(int64_t batch, int64_t capacity) const;
 
