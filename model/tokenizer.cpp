@@ -6,7 +6,6 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
-#include <stdexcept>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
@@ -47,6 +46,10 @@ struct Tokenizer::Impl {
 
   void encode_text(std::string_view text, bool at_origin, std::vector<int32_t>& ids) const;
   void encode_normalized(const std::string& text, bool at_origin, std::vector<int32_t>& ids) const;
+  // The token of `id`: added tokens first, then the model; nullptr if unknown.
+  const std::string* token_of(int32_t id) const;
+  // Registers the "added_tokens" list (after the model and normalizer).
+  void add_tokens(const Field& list);
 };
 
 namespace {
@@ -119,6 +122,32 @@ void Tokenizer::Impl::encode_normalized(const std::string& text, bool at_origin,
   }
 }
 
+void Tokenizer::Impl::add_tokens(const Field& list) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    AddedToken token = parse_added_token(list.at(i));
+    // As in HF, a content already in the model vocab keeps the model's id.
+    if (auto model_id = model->token_to_id(token.content)) token.id = *model_id;
+    const size_t index = added_tokens.size();
+    added_by_id.emplace(token.id, index);
+    added_by_content.emplace(token.content, index);
+    if (token.special) special_contents.insert(token.content);
+    vocab_size = std::max<int64_t>(vocab_size, int64_t{token.id} + 1);
+    if (!token.normalized) {
+      raw_matcher.add(token.content, index);
+    } else if (!token.content.empty()) {
+      // Normalized tokens are looked for in their normalized form.
+      normalized_matcher.add(normalizer ? normalizer->normalize(token.content) : token.content, index);
+    }
+    added_tokens.push_back(std::move(token));
+  }
+}
+
+const std::string* Tokenizer::Impl::token_of(int32_t id) const {
+  auto it = added_by_id.find(id);
+  if (it != added_by_id.end()) return &added_tokens[it->second].content;
+  return model->id_to_token(id);
+}
+
 Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json) {
   return from_json(read_whole_file(tokenizer_json), tokenizer_json.string());
 }
@@ -147,27 +176,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
     if (auto field = root.find("decoder")) impl->decoder = tokenizer_detail::parse_decoder(*field);
 
     impl->vocab_size = impl->model->max_id() + 1;
-    if (auto list = root.find("added_tokens")) {
-      for (size_t i = 0; i < list->size(); ++i) {
-        AddedToken token = parse_added_token(list->at(i));
-        // As in HF, a content already in the model vocab keeps the model's id.
-        if (auto model_id = impl->model->token_to_id(token.content)) token.id = *model_id;
-        impl->added_tokens.push_back(std::move(token));
-      }
-    }
-    for (size_t i = 0; i < impl->added_tokens.size(); ++i) {
-      const AddedToken& token = impl->added_tokens[i];
-      impl->added_by_id.emplace(token.id, i);
-      impl->added_by_content.emplace(token.content, i);
-      if (token.special) impl->special_contents.insert(token.content);
-      impl->vocab_size = std::max<int64_t>(impl->vocab_size, int64_t{token.id} + 1);
-      if (!token.normalized) {
-        impl->raw_matcher.add(token.content, i);
-      } else if (!token.content.empty()) {
-        // Normalized tokens are looked for in their normalized form.
-        impl->normalized_matcher.add(impl->normalizer ? impl->normalizer->normalize(token.content) : token.content, i);
-      }
-    }
+    if (auto list = root.find("added_tokens")) impl->add_tokens(*list);
   } catch (const nlohmann::json::exception& error) {
     // Field checks types before every access; this is a safety net only.
     throw InputError(file_for_errors, "", "unexpected JSON content: " + parse_error_text(error));
@@ -201,11 +210,11 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
   for (int32_t id : ids) {
-    std::string token = id_to_token(id);
-    const bool known = impl_->added_by_id.count(id) > 0 || impl_->model->id_to_token(id) != nullptr;
-    if (!known) continue;  // HF drops ids it does not know
-    if (skip_special_tokens && impl_->special_contents.count(token) > 0) continue;
-    tokens.push_back(std::move(token));
+    const std::string* token = impl_->token_of(id);
+    if (token == nullptr) continue;  // HF drops ids it does not know
+    // As in HF, "special" is a property of the content, whatever the id.
+    if (skip_special_tokens && impl_->special_contents.count(*token) > 0) continue;
+    tokens.push_back(*token);
   }
   if (!impl_->decoder) {
     std::string joined;
@@ -227,9 +236,7 @@ std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {
-  auto it = impl_->added_by_id.find(id);
-  if (it != impl_->added_by_id.end()) return impl_->added_tokens[it->second].content;
-  const std::string* token = impl_->model->id_to_token(id);
+  const std::string* token = impl_->token_of(id);
   return token == nullptr ? std::string() : *token;
 }
 
