@@ -1,22 +1,30 @@
 #include "model/tokenizer_added.h"
 
+#include "model/tokenizer_pattern.h"
 #include "model/tokenizer_unicode.h"
 
 namespace kvforge::tokenizer_detail {
 namespace {
 
-// The code point that ends at `end` (end > 0, valid UTF-8).
-char32_t code_point_before(std::string_view text, size_t end) {
-  size_t start = end - 1;
-  while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
-  return next_code_point(text, start);
+// Whether the single character `character` is a word character of the Rust
+// regex crate's \w, which HF's single_word check uses: Alphabetic, marks,
+// decimal digits, connector punctuation, Join_Control.
+bool is_word_character(std::string_view character) {
+  // Compiled once; immutable and thread-safe afterwards.
+  static const Regex kWordCharacter(R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}])");
+  return !kWordCharacter.find_all(character).empty();
 }
 
-bool ends_with_word(std::string_view text) { return !text.empty() && is_word_character(code_point_before(text, text.size())); }
+bool ends_with_word(std::string_view text) {
+  if (text.empty()) return false;
+  size_t start = text.size() - 1;
+  while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+  return is_word_character(text.substr(start));
+}
 
 bool starts_with_word(std::string_view text) {
-  size_t pos = 0;
-  return !text.empty() && is_word_character(next_code_point(text, pos));
+  if (text.empty()) return false;
+  return is_word_character(text.substr(0, utf8_sequence_length(static_cast<unsigned char>(text[0]))));
 }
 
 // Start of the trailing whitespace run of text[0, end).

@@ -140,6 +140,11 @@ std::unique_ptr<Normalizer> parse_normalizer(const Field& field) {
     for (size_t i = 0; i < list.size(); ++i) steps.push_back(parse_normalizer(list.at(i)));
     return std::make_unique<SequenceNormalizer>(std::move(steps));
   }
+  const bool needs_tables = type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD" || type == "Lowercase";
+  if (needs_tables && !have_unicode_tables()) {
+    field.at("type").fail("a normalizer other than NFC, NFD, NFKC, NFKD, Lowercase: this kvforge was built without "
+                          "ICU (install libicu-dev and rebuild)");
+  }
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(field.at("prepend").as_string());
   if (type == "Replace") {
     return std::make_unique<ReplaceNormalizer>(parse_pattern(field.at("pattern")), field.at("content").as_string());

@@ -137,11 +137,14 @@ class MetaspacePreTokenizer final : public PreTokenizer {
   Pattern split_pattern_;
 };
 
+// Numeric characters (Rust's char::is_numeric: categories Nd, Nl, No) alone
+// or in runs. A one-character regex yields one match per character, like
+// HF's per-character predicate.
 class DigitsPreTokenizer final : public PreTokenizer {
  public:
   explicit DigitsPreTokenizer(bool individual_digits)
       : behavior_(individual_digits ? SplitBehavior::kIsolated : SplitBehavior::kContiguous),
-        pattern_(Pattern::characters(is_numeric)) {}
+        pattern_(Pattern::regex(R"(\p{N})")) {}
   void pre_tokenize(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](const std::string& text) {
       return split_regions(pattern_.find_matches(text), behavior_);

@@ -1,8 +1,9 @@
 #include "model/tokenizer_unicode.h"
 
-#include <unicode/uchar.h>
+#if KVFORGE_HAVE_ICU
 #include <unicode/unorm2.h>
 #include <unicode/ustring.h>
+#endif
 
 #include <algorithm>
 #include <stdexcept>
@@ -55,6 +56,7 @@ size_t well_formed_length(std::string_view bytes, size_t pos, size_t& valid_pref
   return length;
 }
 
+#if KVFORGE_HAVE_ICU
 std::u16string to_utf16(std::string_view text) {
   UErrorCode status = U_ZERO_ERROR;
   int32_t length = 0;
@@ -92,6 +94,8 @@ const UNormalizer2* normalizer_instance(NormalForm form) {
   if (U_FAILURE(status)) throw std::runtime_error(std::string("ICU normalizer: ") + u_errorName(status));
   return instance;
 }
+
+#endif  // KVFORGE_HAVE_ICU
 
 }  // namespace
 
@@ -195,19 +199,16 @@ std::string bytes_to_byte_level(std::string_view bytes) {
   return out;
 }
 
-bool is_whitespace(char32_t cp) { return u_isUWhiteSpace(static_cast<UChar32>(cp)); }
-
-bool is_numeric(char32_t cp) {
-  const int8_t type = u_charType(static_cast<UChar32>(cp));
-  return type == U_DECIMAL_DIGIT_NUMBER || type == U_LETTER_NUMBER || type == U_OTHER_NUMBER;
+bool is_whitespace(char32_t cp) {
+  // White_Space has been this set since Unicode 6.3.
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+         cp == 0x3000;
 }
 
-bool is_word_character(char32_t cp) {
-  const auto c = static_cast<UChar32>(cp);
-  const uint32_t mask = U_GET_GC_MASK(c);
-  return (mask & (U_GC_M_MASK | U_GC_ND_MASK | U_GC_PC_MASK)) != 0 || u_hasBinaryProperty(c, UCHAR_ALPHABETIC) ||
-         u_hasBinaryProperty(c, UCHAR_JOIN_CONTROL);
-}
+#if KVFORGE_HAVE_ICU
+
+bool have_unicode_tables() { return true; }
 
 std::string unicode_normalize(std::string_view text, NormalForm form) {
   const UNormalizer2* normalizer = normalizer_instance(form);
@@ -253,5 +254,19 @@ std::string unicode_lowercase(std::string_view text) {
   }
   return out;
 }
+
+#else  // KVFORGE_HAVE_ICU
+
+bool have_unicode_tables() { return false; }
+
+std::string unicode_normalize(std::string_view, NormalForm) {
+  throw std::logic_error("Unicode normal forms need kvforge built with ICU (libicu-dev)");
+}
+
+std::string unicode_lowercase(std::string_view) {
+  throw std::logic_error("Unicode lowercase needs kvforge built with ICU (libicu-dev)");
+}
+
+#endif  // KVFORGE_HAVE_ICU
 
 }  // namespace kvforge::tokenizer_detail

@@ -1,8 +1,8 @@
 #pragma once
 // Unicode helpers for the tokenizer: UTF-8 decoding and validation, Rust's
 // String::from_utf8_lossy, the GPT-2 byte <-> unicode table of ByteLevel,
-// and the few Unicode properties and normal forms HF tokenizers relies on
-// (through ICU).
+// White_Space, and the normal forms and lowercase mapping of the
+// normalizers (through ICU, when kvforge is built with it).
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -31,14 +31,13 @@ std::optional<unsigned char> unicode_to_byte(char32_t code_point);
 // Every byte of `bytes` replaced by its byte-level code point, as UTF-8.
 std::string bytes_to_byte_level(std::string_view bytes);
 
-// Rust's char::is_whitespace (Unicode White_Space) and char::is_numeric
-// (general categories Nd, Nl, No).
+// Rust's char::is_whitespace: the Unicode White_Space property.
 bool is_whitespace(char32_t code_point);
-bool is_numeric(char32_t code_point);
-// The Rust regex crate's \w (what HF uses for single_word added tokens):
-// Alphabetic, marks, decimal digits, connector punctuation, Join_Control.
-bool is_word_character(char32_t code_point);
 
+// Whether unicode_normalize and unicode_lowercase are available (kvforge
+// was built with ICU, Debian package libicu-dev); they throw
+// std::logic_error otherwise.
+bool have_unicode_tables();
 enum class NormalForm { kNfc, kNfd, kNfkc, kNfkd };
 // `text` (valid UTF-8) in the given Unicode normal form.
 std::string unicode_normalize(std::string_view text, NormalForm form);

@@ -189,10 +189,20 @@ TEST_P(TokenizerFamilies, MatchHuggingFace) {
   const json suite = read_json(tokenizer_fixtures() / (GetParam() + ".cases.json"));
   const json base = read_json(tokenizer_fixtures() / suite["tokenizer"].get<std::string>());
   const std::string heldout = testing::read_file(testing::shared_dir() / "data" / "heldout.txt");
+  std::vector<std::string> need_icu;
   for (const json& variant : suite["variants"]) {
     const std::string name = variant["name"].get<std::string>();
     SCOPED_TRACE("variant " + name);
-    const Tokenizer tokenizer = Tokenizer::from_json(apply_patch(base, variant["patch"]).dump(), name + ".json");
+    std::optional<Tokenizer> loaded;
+    try {
+      loaded.emplace(Tokenizer::from_json(apply_patch(base, variant["patch"]).dump(), name + ".json"));
+    } catch (const InputError& error) {
+      // A build without ICU refuses the Unicode normalizers by design.
+      if (std::string(error.what()).find("built without ICU") == std::string::npos) throw;
+      need_icu.push_back(name);
+      continue;
+    }
+    const Tokenizer& tokenizer = *loaded;
     for (const json& c : variant["cases"]) {
       std::string text;
       if (c.contains("text")) {
@@ -208,6 +218,11 @@ TEST_P(TokenizerFamilies, MatchHuggingFace) {
       expect_decoded(c["decoded"], tokenizer.decode(with_special, false), "decode");
       expect_decoded(c["decoded_skip_special"], tokenizer.decode(with_special, true), "decode skipping specials");
     }
+  }
+  if (!need_icu.empty()) {
+    std::string names;
+    for (const std::string& name : need_icu) names += " " + name;
+    GTEST_SKIP() << "kvforge built without ICU (libicu-dev); variants not checked:" << names;
   }
 }
 
