@@ -11,7 +11,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # Debian -dev packages (the GPU machine has them preinstalled).
 packages=(cmake ninja-build g++ pkg-config python3-pip libeigen3-dev libhdf5-dev libcli11-dev
-          libspdlog-dev nlohmann-json3-dev libgtest-dev libgmock-dev libpcre2-dev libssl-dev)
+          libspdlog-dev nlohmann-json3-dev libgtest-dev libgmock-dev libpcre2-dev libssl-dev libicu-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
