@@ -96,8 +96,7 @@ std::string shown(const LayoutItem& item) {
 // differs between a and b: {a's, b's}.
 template <class Predicate>
 std::optional<std::pair<LayoutItem, LayoutItem>> first_difference(const ActivationStoreLayout& a,
-                                                                  const ActivationStoreLayout& b,
-                                                                  Predicate compared) {
+                                                                  const ActivationStoreLayout& b, Predicate compared) {
   const auto items_a = layout_items(a);
   const auto items_b = layout_items(b);
   for (size_t i = 0; i < items_a.size(); ++i) {
@@ -134,9 +133,8 @@ std::optional<std::pair<std::string, std::string>> layout_problem(const Activati
     if (value <= 0) return std::pair{name, "a positive integer, got " + std::to_string(value)};
   }
   if (m.num_heads % m.num_kv_heads != 0) {
-    return std::pair{"model.num_kv_heads",
-                     "a divisor of num_heads (" + std::to_string(m.num_heads) + "), got " +
-                         std::to_string(m.num_kv_heads)};
+    return std::pair{"model.num_kv_heads", "a divisor of num_heads (" + std::to_string(m.num_heads) + "), got " +
+                                               std::to_string(m.num_kv_heads)};
   }
   if (p.data_tokens < 0) return std::pair{"provenance.data_tokens", "a non-negative integer"};
   if (layout.fields.empty()) return std::pair{"fields", "at least one field"};
@@ -176,8 +174,7 @@ std::vector<hsize_t> activation_shape(const ActivationStoreLayout& layout, Activ
 hdf5::StorageSpec activation_storage(const ActivationStoreLayout& layout) {
   const int64_t row_bytes = layout.model.head_dim * static_cast<int64_t>(sizeof(float));
   const int64_t rows = std::clamp<int64_t>(kMaxChunkBytes / row_bytes, 1, layout.provenance.seq_len);
-  return {{1, 1, static_cast<hsize_t>(rows), static_cast<hsize_t>(layout.model.head_dim)},
-          layout.compression_level};
+  return {{1, 1, static_cast<hsize_t>(rows), static_cast<hsize_t>(layout.model.head_dim)}, layout.compression_level};
 }
 
 std::string layer_name(int64_t layer) { return std::to_string(layer); }
@@ -249,7 +246,8 @@ CaptureProvenance read_provenance(const Group& group) {
   provenance.seed = group.read_integer<uint64_t>("seed");
   const int64_t bos = group.read_integer<int64_t>("bos");
   if (bos != 0 && bos != 1) {
-    hdf5::Location(group.where().file(), group.where().name() + "@bos").fail("expected 0 or 1, got " + std::to_string(bos));
+    hdf5::Location(group.where().file(), group.where().name() + "@bos")
+        .fail("expected 0 or 1, got " + std::to_string(bos));
   }
   provenance.bos = bos == 1;
   provenance.compute_dtype = group.read_string("compute_dtype");
@@ -272,6 +270,19 @@ std::vector<ActivationField> read_fields(const Group& root) {
 }
 
 // --- the whole store ----------------------------------------------------
+
+void write_root_attributes(Group& root, const ActivationStoreLayout& layout, const std::string& command_line) {
+  root.write_string("schema", kSchema);
+  root.write_scalar<int64_t>("schema_version", kActivationStoreVersion);
+  root.write_string("created_utc", utc_now());
+  root.write_string("tool_version", kVersion);
+  root.write_string("command_line", command_line);
+  std::vector<std::string> names;
+  for (const auto field : layout.fields) names.push_back(field_text(field));
+  root.write_strings("fields", names);
+  root.write_scalar<int64_t>("compression_level", layout.compression_level);
+  root.write_scalar<int64_t>("samples_complete", 0);
+}
 
 // What a store holds besides its arrays.
 struct StoreState {
@@ -297,7 +308,12 @@ std::vector<CaptureProvenance> read_sources(const Group& root, const CaptureProv
   std::vector<CaptureProvenance> sources;
   int64_t samples = 0;
   for (int64_t i = 0; i < group.child_count(); ++i) {
-    sources.push_back(read_provenance(group.open_group(std::to_string(i))));
+    const Group source = group.open_group(std::to_string(i));
+    if (source.read_integer<int64_t>("first_sample") != samples) {
+      hdf5::Location(source.where().file(), source.where().name() + "@first_sample")
+          .fail("expected " + std::to_string(samples) + " (the samples of the sources before it)");
+    }
+    sources.push_back(read_provenance(source));
     samples += sources.back().samples;
   }
   if (sources.empty() || samples != merged.samples) {
@@ -384,8 +400,8 @@ void check_index(const char* what, int64_t value, int64_t end) {
 
 void check_field(const ActivationStoreLayout& layout, ActivationField field) {
   if (std::find(layout.fields.begin(), layout.fields.end(), field) == layout.fields.end()) {
-    throw std::invalid_argument("field " + field_text(field) + " is not in this store (fields: " +
-                                join_fields(layout.fields) + ")");
+    throw std::invalid_argument("field " + field_text(field) +
+                                " is not in this store (fields: " + join_fields(layout.fields) + ")");
   }
 }
 
@@ -477,24 +493,14 @@ struct ActivationStoreWriter::Impl {
   }
 
   static std::unique_ptr<Impl> create(const std::filesystem::path& path, const ActivationStoreLayout& given,
-                                      const std::string& command_line,
-                                      const std::vector<CaptureProvenance>& sources) {
+                                      const std::string& command_line, const std::vector<CaptureProvenance>& sources) {
     ActivationStoreLayout layout = normalized(given);
-    if (const auto problem = layout_problem(layout)) throw InputError(path.string(), problem->first, "expected " + problem->second);
+    if (const auto problem = layout_problem(layout)) {
+      throw InputError(path.string(), problem->first, "expected " + problem->second);
+    }
     File file = File::create(path);
     Group root = file.root();
-    root.write_string("schema", kSchema);
-    root.write_scalar<int64_t>("schema_version", kActivationStoreVersion);
-    root.write_string("created_utc", utc_now());
-    root.write_string("tool_version", kVersion);
-    root.write_string("command_line", command_line);
-    root.write_strings("fields", [&] {
-      std::vector<std::string> names;
-      for (const auto field : layout.fields) names.push_back(field_text(field));
-      return names;
-    }());
-    root.write_scalar<int64_t>("compression_level", layout.compression_level);
-    root.write_scalar<int64_t>("samples_complete", 0);
+    write_root_attributes(root, layout, command_line);
     Group model = root.create_group("model");
     write_model(model, layout.model);
     Group provenance = root.create_group("provenance");
@@ -602,7 +608,8 @@ ActivationStoreWriter ActivationStoreWriter::resume(const std::filesystem::path&
     throw InputError(path.string(), stored.name,
                      "expected " + shown(stored) + " (what the store was created with), got " + shown(given));
   }
-  return ActivationStoreWriter(std::make_unique<Impl>(std::move(file), std::move(state.layout), state.samples_complete));
+  return ActivationStoreWriter(
+      std::make_unique<Impl>(std::move(file), std::move(state.layout), state.samples_complete));
 }
 
 int64_t ActivationStoreWriter::samples_complete() const { return impl().samples_complete; }
@@ -640,8 +647,8 @@ struct ActivationStoreReader::Impl {
   void check_samples(int64_t first, int64_t count) const {
     if (count < 0 || first < 0 || first + count > state.samples_complete) {
       throw std::out_of_range("samples " + std::to_string(first) + ".." + std::to_string(first + count - 1) +
-                              " are not all committed (samples_complete = " +
-                              std::to_string(state.samples_complete) + ")");
+                              " are not all committed (samples_complete = " + std::to_string(state.samples_complete) +
+                              ")");
     }
   }
 
@@ -692,8 +699,8 @@ std::vector<float> ActivationStoreReader::read(ActivationField field, int64_t la
   return impl().read_block(field, layer, sample, 1, 0, heads_of(layout().model, field));
 }
 
-std::vector<float> ActivationStoreReader::read_head(ActivationField field, int64_t layer, int64_t head,
-                                                    int64_t first, int64_t count) const {
+std::vector<float> ActivationStoreReader::read_head(ActivationField field, int64_t layer, int64_t head, int64_t first,
+                                                    int64_t count) const {
   hdf5::QuietErrors quiet;
   check_index("head", head, heads_of(layout().model, field));
   return impl().read_block(field, layer, first, count, head, 1);
@@ -766,9 +773,9 @@ void check_mergeable(const ActivationStoreReader& first, const ActivationStoreRe
   if (const auto difference = first_difference(first.layout(), other.layout(), compared_on_merge)) {
     const auto& [expected, got] = *difference;
     const std::string what = expected.name.starts_with("model.") ? "model" : expected.name;
-    throw InputError(file, expected.name,
-                     "expected the same " + what + " as " + first.path().string() + " (" + shown(expected) +
-                         "), got " + shown(got));
+    throw InputError(
+        file, expected.name,
+        "expected the same " + what + " as " + first.path().string() + " (" + shown(expected) + "), got " + shown(got));
   }
 }
 

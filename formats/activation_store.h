@@ -29,7 +29,7 @@ enum class ActivationField { kQueries, kKeysPreRope, kKeysPostRope, kValues, kFi
 
 std::string_view field_name(ActivationField field);  // "q", "k_pre", "k_post", "v", "fisher_k", "fisher_v"
 std::optional<ActivationField> parse_activation_field(std::string_view name);
-bool uses_query_heads(ActivationField field);  // true only for q: num_heads heads, others num_kv_heads
+bool uses_query_heads(ActivationField field);          // true only for q: num_heads heads, others num_kv_heads
 std::vector<ActivationField> all_activation_fields();  // in the order above
 
 struct ModelFingerprint {
@@ -125,10 +125,9 @@ class ActivationStoreReader {
   // Only committed samples (< samples_complete()) can be read.
   std::vector<float> read(ActivationField field, int64_t layer, int64_t sample) const;  // [heads, L, D]
   // One head across samples [first, first + count): [count, L, D].
-  std::vector<float> read_head(ActivationField field, int64_t layer, int64_t head, int64_t first,
-                               int64_t count) const;
+  std::vector<float> read_head(ActivationField field, int64_t layer, int64_t head, int64_t first, int64_t count) const;
   std::vector<int32_t> read_tokens(int64_t sample) const;  // seq_len tokens
-  int64_t stream_start(int64_t sample) const;               // first text token's index in its data file
+  int64_t stream_start(int64_t sample) const;              // first text token's index in its data file
   // One per merged input, in sample order; {layout().provenance} if not merged.
   std::vector<CaptureProvenance> sources() const;
 

@@ -43,7 +43,8 @@ DatatypeId utf8_string_type(const Location& where, size_t size) {
 std::vector<std::string> read_string_values(hid_t attribute, const Location& where) {
   DatatypeId file_type(where.check(H5Aget_type(attribute), "cannot read its type"));
   DataspaceId space(where.check(H5Aget_space(attribute), "cannot read its shape"));
-  const auto count = static_cast<size_t>(where.check(H5Sget_simple_extent_npoints(space.get()), "cannot read its shape"));
+  const auto count =
+      static_cast<size_t>(where.check(H5Sget_simple_extent_npoints(space.get()), "cannot read its shape"));
   std::vector<std::string> values;
   values.reserve(count);
   if (where.check(H5Tis_variable_str(file_type.get()), "cannot read its type") > 0) {
@@ -215,10 +216,11 @@ Dataset Group::create_dataset(const std::string& name, const std::vector<hsize_t
                   "cannot set the deflate filter");
     }
   }
-  DataspaceId space(where.check(H5Screate_simple(static_cast<int>(shape.size()), shape.data(), nullptr), "cannot create"));
-  DatasetId dataset(where.check(
-      H5Dcreate2(id(), name.c_str(), TypeOf<T>::file(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
-      "cannot create"));
+  DataspaceId space(
+      where.check(H5Screate_simple(static_cast<int>(shape.size()), shape.data(), nullptr), "cannot create"));
+  DatasetId dataset(
+      where.check(H5Dcreate2(id(), name.c_str(), TypeOf<T>::file(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+                  "cannot create"));
   return Dataset(std::move(dataset), std::move(where));
 }
 
@@ -258,8 +260,8 @@ AttributeId Group::create_or_open_attribute(const std::string& name, hid_t file_
     // Replaced rather than rewritten: the old one may have another type or shape.
     where.check(H5Adelete(id(), name.c_str()), "cannot replace");
   }
-  return AttributeId(where.check(H5Acreate2(id(), name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT),
-                                 "cannot create"));
+  return AttributeId(
+      where.check(H5Acreate2(id(), name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), "cannot create"));
 }
 
 void Group::write_string(const std::string& name, const std::string& value) {

@@ -72,7 +72,8 @@ std::vector<float> make_values(const ActivationStoreLayout& layout, ActivationFi
                    static_cast<uint32_t>(sample));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const bool fisher = field == ActivationField::kFisherKeys || field == ActivationField::kFisherValues;
-  std::vector<float> values(static_cast<size_t>(heads(layout, field) * layout.provenance.seq_len * layout.model.head_dim));
+  std::vector<float> values(
+      static_cast<size_t>(heads(layout, field) * layout.provenance.seq_len * layout.model.head_dim));
   for (auto& value : values) value = fisher ? 1e-12f * std::abs(normal(rng)) : normal(rng);
   return values;
 }
@@ -92,7 +93,9 @@ void write_sample(ActivationStoreWriter& writer, int64_t sample, uint32_t salt, 
   writer.write_tokens(sample, make_stream_start(sample, salt), make_tokens(layout, sample, salt));
   const int64_t layers = layers_to_write < 0 ? layout.model.num_layers : layers_to_write;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    for (const auto field : layout.fields) writer.write(field, layer, sample, make_values(layout, field, layer, sample, salt));
+    for (const auto field : layout.fields) {
+      writer.write(field, layer, sample, make_values(layout, field, layer, sample, salt));
+    }
   }
 }
 
@@ -301,7 +304,7 @@ TEST(ActivationStore, WriterRefusesMisuse) {
                std::out_of_range);
   write_sample(writer, 1, 1);
   EXPECT_THROW(writer.commit_sample(1), std::logic_error);  // 0 comes first
-  write_sample(writer, 0, 1, 1);                          // layer 1 missing
+  write_sample(writer, 0, 1, 1);                            // layer 1 missing
   try {
     writer.commit_sample(0);
     ADD_FAILURE() << "commit of an incomplete sample";
@@ -470,7 +473,9 @@ INSTANTIATE_TEST_SUITE_P(
                   "/layers/0/k_pre", "expected shape [3, 2, 16, 8], got [3, 2, 16, 4]"},
         Malformed{"wrong_type",
                   [](const fs::path& p) {
-                    edit_hdf5(p, [](hid_t f) { replace_dataset(f, "/layers/1/fisher_k", H5T_IEEE_F64LE, {3, 2, 16, 8}); });
+                    edit_hdf5(p, [](hid_t f) {
+                      replace_dataset(f, "/layers/1/fisher_k", H5T_IEEE_F64LE, {3, 2, 16, 8});
+                    });
                   },
                   "/layers/1/fisher_k", "expected float32, got float64"},
         Malformed{"wrong_tokens",
@@ -480,7 +485,8 @@ INSTANTIATE_TEST_SUITE_P(
                   "/tokens", "expected shape [3, 16]"},
         Malformed{"missing_attribute",
                   [](const fs::path& p) {
-                    edit_hdf5(p, [](hid_t f) { ASSERT_GE(H5Adelete_by_name(f, "model", "kvo_sha256", H5P_DEFAULT), 0); });
+                    edit_hdf5(p,
+                              [](hid_t f) { ASSERT_GE(H5Adelete_by_name(f, "model", "kvo_sha256", H5P_DEFAULT), 0); });
                   },
                   "/model@kvo_sha256", "missing"},
         Malformed{"string_for_integer",
@@ -571,7 +577,9 @@ TEST(ActivationStore, MergeRefusesAnotherModelNamingTheField) {
   auto c = small_layout();
   c.provenance.seq_len = 32;
   write_store(dir / "c.h5", c, 3);
-  EXPECT_EQ(input_error_of([&] { merge_activation_stores({dir / "a.h5", dir / "c.h5"}, dir / "ac.h5"); }).field(),
+  EXPECT_EQ(input_error_of([&] {
+              merge_activation_stores({dir / "a.h5", dir / "c.h5"}, dir / "ac.h5");
+            }).field(),
             "provenance.seq_len");
 }
 
