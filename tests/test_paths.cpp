@@ -1,6 +1,7 @@
 #include "tests/test_paths.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,15 +47,23 @@ void write_file(const std::filesystem::path& path, const std::string& bytes) {
   if (!out) throw std::runtime_error("cannot write " + path.string());
 }
 
-CommandResult run_kvforge(const std::string& args) {
+CommandResult run_kvforge(const std::string& args, const std::string& environment) {
   const auto dir = scratch_dir("cmd");
   const auto out_path = dir / "stdout";
   const auto err_path = dir / "stderr";
-  const std::string command = "'" + kvforge_binary().string() + "' " + args + " >'" +
-                              out_path.string() + "' 2>'" + err_path.string() + "' </dev/null";
-  const int status = std::system(command.c_str());
+  // exec: the shell becomes kvforge, so wait4's peak RSS is kvforge's own.
+  const std::string command = "exec env " + environment + " '" + kvforge_binary().string() + "' " + args +
+                              " >'" + out_path.string() + "' 2>'" + err_path.string() + "' </dev/null";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int status = 0;
+  struct rusage usage {};
+  ::wait4(pid, &status, 0, &usage);
   CommandResult result{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
-                       read_file(out_path), read_file(err_path)};
+                       read_file(out_path), read_file(err_path), usage.ru_maxrss};
   std::filesystem::remove_all(dir);
   return result;
 }

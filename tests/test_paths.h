@@ -18,8 +18,10 @@ struct CommandResult {
   int exit_code;
   std::string stdout_text;
   std::string stderr_text;
+  long max_rss_kb = 0;  // peak resident memory of the command
 };
-// Runs the kvforge binary with `args` (shell-quoted by the caller).
-CommandResult run_kvforge(const std::string& args);
+// Runs the kvforge binary with `args` (shell-quoted by the caller);
+// `environment` is prepended to the command line ("NAME=value ...").
+CommandResult run_kvforge(const std::string& args, const std::string& environment = "");
 
 }  // namespace kvforge::testing

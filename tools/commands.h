@@ -5,13 +5,20 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
 
 namespace kvforge::cli {
 
-using Command = std::function<int()>;
+// What every command may need to know about how it was started.
+struct Invocation {
+  std::string command_line;  // argv joined with spaces, for provenance records
+};
+
+using Command = std::function<int(const Invocation&)>;
 
 Command add_info_command(CLI::App& app);
 Command add_perplexity_command(CLI::App& app);
 Command add_generate_command(CLI::App& app);
+Command add_capture_command(CLI::App& app);
 
 }  // namespace kvforge::cli

@@ -100,7 +100,7 @@ Command add_generate_command(CLI::App& app) {
   command->add_flag("--no-bos", flags->no_bos, "Do not prepend the model's BOS token");
   command->add_flag("--ignore-eos", flags->ignore_eos, "Keep generating after the EOS token");
   command->add_flag("--json", flags->json, "Print prompt and generated ids as JSON");
-  return [flags]() { return run(*flags); };
+  return [flags](const Invocation&) { return run(*flags); };
 }
 
 }  // namespace kvforge::cli

@@ -114,7 +114,7 @@ Command add_info_command(CLI::App& app) {
       ->check(CLI::ExistingDirectory);
   command->add_option("--ctx", flags->context, "Context length for KV-cache totals (default: max positions)");
   command->add_flag("--json", flags->json, "Print JSON");
-  return [flags]() {
+  return [flags](const Invocation&) {
     const std::filesystem::path dir = flags->model_dir;
     int64_t context = flags->context;
     if (context <= 0) context = load_model_config(dir).max_position_embeddings;

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   add(kvforge::cli::add_info_command);
   add(kvforge::cli::add_perplexity_command);
   add(kvforge::cli::add_generate_command);
+  add(kvforge::cli::add_capture_command);
 
   try {
     app.parse(argc, argv);
@@ -43,9 +44,11 @@ int main(int argc, char** argv) {
                                     : verbose ? kvforge::log::Level::kDebug
                                               : kvforge::log::Level::kInfo,
                            .json = log_json});
+  kvforge::cli::Invocation invocation;
+  for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + std::string(argv[i]);
   try {
     for (auto& [subcommand, run] : commands) {
-      if (subcommand->parsed()) return run();
+      if (subcommand->parsed()) return run(invocation);
     }
   } catch (const kvforge::InputError& e) {
     kvforge::log::error(e.what());

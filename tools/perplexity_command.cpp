@@ -99,7 +99,7 @@ Command add_perplexity_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   command->add_flag("--no-bos", flags->no_bos, "Do not prepend the model's BOS token to each window");
   command->add_flag("--json", flags->json, "Print the result as JSON");
-  return [flags]() { return run(*flags); };
+  return [flags](const Invocation&) { return run(*flags); };
 }
 
 }  // namespace kvforge::cli
