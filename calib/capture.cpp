@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "calib/host_stager.h"
 #include "log/log.h"
 #include "log/progress.h"
 
@@ -27,10 +28,8 @@ std::vector<int64_t> sample_window_starts(int64_t stream_tokens, int64_t window_
 
 namespace {
 
-// [1, heads, T, D] on any device -> contiguous float32 on the CPU.
-std::vector<float> host_floats(const at::Tensor& values) {
-  const at::Tensor host = values.detach().to(at::kCPU, at::kFloat).contiguous();
-  return {host.data_ptr<float>(), host.data_ptr<float>() + host.numel()};
+std::span<const float> as_floats(const at::Tensor& host_float32) {
+  return {host_float32.data_ptr<float>(), static_cast<size_t>(host_float32.numel())};
 }
 
 }  // namespace
@@ -44,6 +43,7 @@ void run_capture(const Transformer& model, std::span<const int32_t> stream, cons
   const int64_t first = writer.samples_complete();
   if (first > 0) log::info("resuming at sample ", first, " of ", settings.samples);
   log::ProgressMeter progress("capture", settings.samples - first);
+  HostStager stager(model.target().device);
   for (int64_t sample = first; sample < settings.samples; ++sample) {
     std::vector<int32_t> window;
     if (settings.bos) window.push_back(*settings.bos);
@@ -52,10 +52,15 @@ void run_capture(const Transformer& model, std::span<const int32_t> stream, cons
     writer.write_tokens(sample, starts[static_cast<size_t>(sample)], window);
 
     const at::Tensor ids = at::tensor(at::ArrayRef<int32_t>(window), at::kInt).to(at::kLong).unsqueeze(0);
+    // Copies leave the GPU while it computes; the store is written once the
+    // sample's compute is done.
     const double loss = record_activations(
         model, ids, settings.recorder, [&](ActivationField field, int64_t layer, const at::Tensor& values) {
-          writer.write(field, layer, sample, host_floats(values[0]));
+          stager.stage(values[0], [&writer, field, layer, sample](const at::Tensor& host) {
+            writer.write(field, layer, sample, as_floats(host.to(at::kFloat).contiguous()));
+          });
         });
+    stager.drain();
     writer.commit_sample(sample);
     if (on_committed) on_committed(sample);
     progress.advance(1, settings.seq_len, std::isnan(loss) ? std::string() : log::concat("loss ", loss));

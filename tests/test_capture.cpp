@@ -55,6 +55,48 @@ TEST_P(RecorderAgainstTransformers, ActivationsAndFisherEqualHooksAndAutograd) {
 INSTANTIATE_TEST_SUITE_P(Models, RecorderAgainstTransformers,
                          ::testing::Values("llama3", "mistral", "qwen2", "qwen3", "pyllama"));
 
+// The same on a GPU; skipped where there is none.
+class CudaRecorderAgainstTransformers : public RecorderAgainstTransformers {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(CudaRecorderAgainstTransformers, ActivationsAndFisherEqualHooksAndAutograd) {
+  const std::string name = GetParam();
+  const auto ref = load_reference(fixtures_dir() / "reference" / ("capture_" + name + ".safetensors"));
+  const auto model_dir = name == "pyllama" ? testing::pyllama_dir() : fixtures_dir() / "models" / name;
+  for (const auto backend : {AttentionBackend::kEager, AttentionBackend::kFused}) {
+    const Transformer model = Transformer::load(model_dir, {c10::Device(c10::kCUDA), c10::kFloat, backend});
+    double loss = 0;
+    const Recorded recorded = record(model, ref.at("input_ids").to(at::kLong), &loss);
+    EXPECT_NEAR(loss, ref.at("loss").item<double>(), 1e-4);
+    for (const auto& [key, tensor] : recorded) {
+      EXPECT_LT(max_relative_error(tensor, ref.at(key)), key.find("fisher") != std::string::npos ? 2e-3 : 1e-4)
+          << key << " " << attention_label(backend);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaRecorderAgainstTransformers,
+                         ::testing::Values("llama3", "mistral", "qwen2", "qwen3", "pyllama"));
+
+TEST(CudaRecorder, Bf16CaptureEqualsTransformersToBf16Precision) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const auto ref = load_reference(fixtures_dir() / "reference" / "capture_pyllama.safetensors");
+  const Transformer model = Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kBFloat16,
+                                                                       AttentionBackend::kFused});
+  const Recorded recorded = record(model, ref.at("input_ids").to(at::kLong));
+  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
+    for (const char* field : {"q", "k_pre", "v"}) {
+      const std::string key = "layers." + std::to_string(layer) + "." + field;
+      // Other kernels than HF's CPU run: rounding differs, within a few bf16 ulps.
+      EXPECT_LT(max_relative_error(recorded.at(key), ref.at("bf16." + key)), 1.0 / 64) << key;
+    }
+  }
+}
+
 TEST(Recorder, Bf16CaptureEqualsTransformersToBf16Precision) {
   const auto ref = load_reference(fixtures_dir() / "reference" / "capture_pyllama.safetensors");
   const Transformer model = Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCPU), c10::kBFloat16});
@@ -232,6 +274,27 @@ TEST(CaptureCommand, MergeConcatenatesStoresOfOneModelAndRefusesOthers) {
   EXPECT_EQ(refused.exit_code, 2);
   EXPECT_NE(refused.stderr_text.find("rope"), std::string::npos) << refused.stderr_text;
   EXPECT_FALSE(std::filesystem::exists(dir / "e.h5"));
+}
+
+TEST(CaptureCommand, CudaStoreEqualsCpuStore) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const auto dir = testing::scratch_dir("cuda-capture");
+  ASSERT_EQ(testing::run_kvforge(capture_args(dir / "cpu.h5", 2, 64)).exit_code, 0);
+  const auto gpu = testing::run_kvforge(capture_args(dir / "gpu.h5", 2, 64) + " --device cuda --dtype fp32");
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.stderr_text;
+  const ActivationStoreReader cpu_store(dir / "cpu.h5"), gpu_store(dir / "gpu.h5");
+  for (int64_t sample = 0; sample < 2; ++sample) {
+    ASSERT_EQ(cpu_store.read_tokens(sample), gpu_store.read_tokens(sample));
+    for (int64_t layer = 0; layer < 5; ++layer) {
+      for (const auto field : all_activation_fields()) {
+        const auto a = cpu_store.read(field, layer, sample);
+        const auto b = gpu_store.read(field, layer, sample);
+        EXPECT_LT(max_relative_error(at::tensor(at::ArrayRef<float>(b)), at::tensor(at::ArrayRef<float>(a))),
+                  field == ActivationField::kFisherKeys || field == ActivationField::kFisherValues ? 2e-3 : 1e-4)
+            << field_name(field) << " layer " << layer;
+      }
+    }
+  }
 }
 
 TEST(CaptureCommand, BadFieldsAreAClearError) {
