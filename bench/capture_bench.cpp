@@ -10,8 +10,12 @@
 //   record_qkv       forward recording q, k_pre, k_post, v to pinned host memory
 //   record_fisher    the same plus the Fisher pass (layer-wise recomputed backward)
 //   store_qkv        record_qkv written to an uncompressed HDF5 store (disk-bound)
+// and with --long-context N: the Fisher pass over one window of N tokens
+// (recorded tensors discarded), its time and peak GPU memory, to show that
+// layer-wise recomputation fits the model's whole context on one GPU.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -75,6 +79,7 @@ int main(int argc, char** argv) {
   int iters = 5;
   int warmup = 2;
   std::string out;
+  std::vector<int64_t> long_contexts;
   std::string store_dir = std::filesystem::temp_directory_path().string();
   app.add_option("--device", device_name)->capture_default_str();
   app.add_option("--seq-len", seq_len)->capture_default_str();
@@ -83,6 +88,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup)->capture_default_str();
   app.add_option("--store-dir", store_dir, "Where the store_qkv run writes")->capture_default_str();
   app.add_option("--out", out, "Write the JSON result here too");
+  app.add_option("--long-context", long_contexts, "Fisher pass over one window of each of these lengths");
   CLI11_PARSE(app, argc, argv);
 
   const c10::Device device = parse_device(device_name);
@@ -149,6 +155,28 @@ int main(int argc, char** argv) {
     store_qkv = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / store_samples;
   }
   std::filesystem::remove(store_path);
+
+  for (const int64_t length : long_contexts) {
+    const at::Tensor long_ids =
+        at::randint(1, config.vocab_size, {1, length}, at::TensorOptions().dtype(at::kLong)).to(device);
+    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    synchronize(device);
+    const auto start = std::chrono::steady_clock::now();
+    int64_t recorded = 0;
+    record_activations(model, long_ids, {all_activation_fields(), 1024},
+                       [&](ActivationField, int64_t, const at::Tensor& values) { recorded += values.numel(); });
+    synchronize(device);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    nlohmann::json entry = {{"seq_len", length}, {"seconds", seconds}, {"tokens_per_second", length / seconds},
+                            {"recorded_elements", recorded}};
+    if (device.is_cuda()) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+      entry["peak_gpu_bytes"] = stats.allocated_bytes[0].peak;
+      entry["peak_gpu_gib"] = static_cast<double>(stats.allocated_bytes[0].peak) / (1ull << 30);
+    }
+    std::cerr << entry.dump() << std::endl;
+    result["long_context_fisher"].push_back(entry);
+  }
 
   const double tokens = static_cast<double>(seq_len);
   result["model"] = "Llama-3-8B shapes (" + std::to_string(layers) + " layers), random weights, " +

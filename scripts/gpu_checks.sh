@@ -72,6 +72,18 @@ step "demo with --device cuda"
 KVFORGE_DEMO_OUT=$OUT/demo KVFORGE_SKIP_SETUP=1 BUILD_DIR=build-gpu bash scripts/run_demo.sh --device cuda > "$OUT/demo.log" 2>&1 || status=1
 tail -8 "$OUT/demo.log"
 
+step "capture on CUDA: pyllama-16m, 16 x 2048 calibration windows, all fields"
+start=$(date +%s.%N)
+$KV capture --model "$MODEL" --data "$KVFORGE_SHARED/data/calib.txt" --samples 16 --seq-len 2048 --device cuda \
+  --out /tmp/acts.h5 > "$OUT/capture.log" 2>&1 || status=1
+tail -3 "$OUT/capture.log"
+ls -la /tmp/acts.h5 && python3 -c "print('capture wall seconds:', $(date +%s.%N) - $start)"
+
+step "capture benchmark: Llama-3-8B shapes, random weights"
+./build-gpu/bench/kvforge_bench_capture --device cuda --seq-len 2048 --iters 5 --store-dir /tmp \
+  --long-context 32768 131072 --out "$OUT/capture_bench.json" > "$OUT/capture_bench.log" 2>&1 || status=1
+tail -60 "$OUT/capture_bench.log"
+
 echo
 echo "gpu_checks: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
