@@ -11,15 +11,18 @@
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/gpu}
-mkdir -p "$OUT"
+# $OUT gets the few result files (the device tool returns at most 8);
+# every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
+OUT=$(realpath -m "${OUT:-out/gpu}")
+LOGS=$(realpath -m "${LOGS:-out/gpu-logs}")
+mkdir -p "$OUT" "$LOGS"
 export KVFORGE_SHARED=$PWD/.carry/shared
 status=0
 step() { echo; echo "=== $*"; }
 check() { if "$@"; then echo "ok: $*"; else echo "FAILED: $*"; status=1; fi; }
 
 step machine
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; git rev-parse HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; git rev-parse HEAD 2>/dev/null; } | tee "$LOGS/machine.txt"
 
 step dependencies
 for pc in libpcre2-8 openssl; do
@@ -31,26 +34,26 @@ done
 
 step build
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_ARCH_LIST=9.0 \
-  -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$OUT/build.log" | head -60; exit 1; }
+  -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
 KV=build-gpu/tools/kvforge
 MODEL=$KVFORGE_SHARED/models/pyllama-16m
 HELDOUT=$KVFORGE_SHARED/data/heldout.txt
 
 step "HF transformers reference on this GPU"
-check python3 scripts/make_cuda_reference.py --model "$MODEL" --text "$HELDOUT" --out "$OUT/hf_cuda_reference.safetensors"
+check python3 scripts/make_cuda_reference.py --model "$MODEL" --text "$HELDOUT" --out "$LOGS/hf_cuda_reference.safetensors"
 
 step ctest
-KVFORGE_HF_CUDA_REFERENCE=$PWD/$OUT/hf_cuda_reference.safetensors \
-  ctest --test-dir build-gpu -j 8 --output-on-failure > "$OUT/ctest.log" 2>&1 || status=1
-tail -5 "$OUT/ctest.log"
-grep -E "agreement with transformers|Failed|FAILED" "$OUT/ctest.log" | head -20
+export KVFORGE_HF_CUDA_REFERENCE=$LOGS/hf_cuda_reference.safetensors
+ctest --test-dir build-gpu -j 8 --output-on-failure > "$LOGS/ctest.log" 2>&1 || status=1
+tail -5 "$LOGS/ctest.log"
+grep -E "agreement with transformers|Failed|FAILED" "$LOGS/ctest.log" | head -20
 ./build-gpu/tests/test_transformer --gtest_filter='CudaPyLlama*' 2>&1 | grep agreement
 
 step "perplexity on CUDA, whole heldout.txt"
 for dtype in bf16 fp32; do
   $KV perplexity --model "$MODEL" --data "$HELDOUT" --device cuda --dtype $dtype --batch 16 --json \
-    > "$OUT/ppl_${dtype}.json" 2> "$OUT/ppl_${dtype}.log" || { tail -3 "$OUT/ppl_${dtype}.log"; status=1; }
+    > "$OUT/ppl_${dtype}.json" 2> "$LOGS/ppl_${dtype}.log" || { tail -3 "$LOGS/ppl_${dtype}.log"; status=1; }
 done
 check python3 - "$OUT" <<'PY'
 import json, sys
@@ -69,21 +72,23 @@ sys.exit(0 if ok else 1)
 PY
 
 step "demo with --device cuda"
-KVFORGE_DEMO_OUT=$OUT/demo KVFORGE_SKIP_SETUP=1 BUILD_DIR=build-gpu bash scripts/run_demo.sh --device cuda > "$OUT/demo.log" 2>&1 || status=1
-tail -8 "$OUT/demo.log"
+KVFORGE_DEMO_OUT=$LOGS/demo KVFORGE_SKIP_SETUP=1 BUILD_DIR=build-gpu bash scripts/run_demo.sh --device cuda > "$LOGS/demo.log" 2>&1 || status=1
+tail -8 "$LOGS/demo.log"
 
 step "capture on CUDA: pyllama-16m, 16 x 2048 calibration windows, all fields"
 start=$(date +%s.%N)
 $KV capture --model "$MODEL" --data "$KVFORGE_SHARED/data/calib.txt" --samples 16 --seq-len 2048 --device cuda \
-  --out /tmp/acts.h5 > "$OUT/capture.log" 2>&1 || status=1
-tail -3 "$OUT/capture.log"
+  --out /tmp/acts.h5 > "$LOGS/capture.log" 2>&1 || status=1
+tail -3 "$LOGS/capture.log"
 ls -la /tmp/acts.h5 && python3 -c "print('capture wall seconds:', $(date +%s.%N) - $start)"
 
 step "capture benchmark: Llama-3-8B shapes, random weights"
 ./build-gpu/bench/kvforge_bench_capture --device cuda --seq-len 2048 --iters 5 --store-dir /tmp \
-  --long-context 32768 131072 --out "$OUT/capture_bench.json" > "$OUT/capture_bench.log" 2>&1 || status=1
-tail -60 "$OUT/capture_bench.log"
+  --long-context 32768 131072 --out "$OUT/capture_bench.json" > "$LOGS/capture_bench.log" 2>&1 || status=1
+tail -60 "$LOGS/capture_bench.log"
 
+cp "$LOGS/ctest.log" "$OUT/"
+tar -czf "$OUT/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" --exclude='*.safetensors'
 echo
 echo "gpu_checks: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
