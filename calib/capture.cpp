@@ -59,6 +59,7 @@ void run_capture(const Transformer& model, std::span<const int32_t> stream, cons
           stager.stage(values[0], [&writer, field, layer, sample](const at::Tensor& host) {
             writer.write(field, layer, sample, as_floats(host.to(at::kFloat).contiguous()));
           });
+          stager.drain_ready();  // write what has arrived while the GPU computes on
         });
     stager.drain();
     writer.commit_sample(sample);

@@ -63,6 +63,14 @@ void HostStager::drain() {
   }
 }
 
+void HostStager::drain_ready() {
+  while (!impl_->items.empty() && (!impl_->items.front().done || impl_->items.front().done->query())) {
+    Impl::Item item = std::move(impl_->items.front());
+    impl_->items.pop_front();
+    item.consume(item.host);
+  }
+}
+
 size_t HostStager::pending() const { return impl_->items.size(); }
 
 }  // namespace kvforge

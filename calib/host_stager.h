@@ -23,6 +23,9 @@ class HostStager {
   void stage(const at::Tensor& values, std::function<void(const at::Tensor& host)> consume);
   // Waits for every staged copy, in order, and runs its consumer.
   void drain();
+  // Runs the consumers of the copies that have already finished, in order,
+  // without waiting: keeps host memory to what is still in flight.
+  void drain_ready();
   size_t pending() const;
 
  private:

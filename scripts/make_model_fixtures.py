@@ -489,6 +489,14 @@ def make_pyllama(shared: Path, out: Path, log) -> dict:
     agree = (argmax_bf == argmax_32).float().mean().item()
     log(f"[pyllama] bf16 vs fp32 argmax agreement over 2048 positions: {agree:.4f}")
 
+    # --- fp16, the same window (eager, CPU)
+    m16 = load_pyllama(shared / "models" / "pyllama-16m", torch.float16, "eager")
+    save_tensors(ref / "pyllama_fp16.safetensors", {
+        "input_ids": win,
+        "argmax": m16(win, use_cache=False).logits.float().argmax(-1),
+    })
+    del m16
+
     # --- perplexity, first 4 heldout windows
     windows_all = cut_windows(heldout)
     windows = windows_all[:PYLLAMA_PPL_WINDOWS]

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "tests/test_paths.h"
@@ -72,6 +73,22 @@ TEST(Cli, PerplexityEndsWithPerplexityLine) {
   const double ppl = std::stod(result.stdout_text.substr(last_line_start + 12));
   EXPECT_GT(ppl, 1.0);
   EXPECT_LT(ppl, 50.0);
+}
+
+TEST(Cli, LogJsonWritesOneObjectPerLine) {
+  const auto result = run_kvforge("--log-json perplexity --model " + quoted(testing::pyllama_dir()) + " --data " +
+                                  quoted(testing::shared_dir() / "data" / "heldout.txt") + " --ctx 64 --max-windows 2");
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  std::istringstream lines(result.stderr_text);
+  int count = 0;
+  for (std::string line; std::getline(lines, line); ++count) {
+    const auto object = nlohmann::json::parse(line);  // throws on a malformed line
+    EXPECT_TRUE(object.contains("level") && object.contains("msg") && object.contains("time")) << line;
+  }
+  EXPECT_GE(count, 2);  // tokenizing, loading, progress
+  const auto quiet = run_kvforge("perplexity --quiet --model " + quoted(testing::pyllama_dir()) + " --data " +
+                                 quoted(testing::shared_dir() / "data" / "heldout.txt") + " --ctx 64 --max-windows 2");
+  EXPECT_EQ(quiet.stderr_text, "");
 }
 
 TEST(Cli, GenerateJsonStreamsIds) {

@@ -145,6 +145,15 @@ TEST_F(PyLlama, Bf16ArgmaxAgreesOnAWholeWindow) {
   EXPECT_GE(agreement, 0.995) << "positions: " << argmax.numel();
 }
 
+TEST_F(PyLlama, Fp16ArgmaxAgreesOnAWholeWindow) {
+  c10::InferenceMode guard;
+  const auto ref = load_reference(fixtures_dir() / "reference" / "pyllama_fp16.safetensors");
+  const Transformer model = Transformer::load(model_dir(), {c10::Device(c10::kCPU), c10::kHalf});
+  const at::Tensor argmax = model.forward(ref.at("input_ids").to(at::kLong)).argmax(-1);
+  const double agreement = argmax.eq(ref.at("argmax").to(at::kLong)).to(at::kDouble).mean().item<double>();
+  EXPECT_GE(agreement, 0.995) << "positions: " << argmax.numel();
+}
+
 TEST_F(PyLlama, GreedyGenerationEqualsTransformers) {
   const auto ref = nlohmann::json::parse(testing::read_file(fixtures_dir() / "reference" / "pyllama_greedy.json"));
   const Transformer model = Transformer::load(model_dir(), kCpuFp32);
