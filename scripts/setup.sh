@@ -33,6 +33,13 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0
   python3 -m pip install -q "torch==$TORCH_VERSION"
 fi
 
+# h5py and numpy: the independent readers of the store and artifact formats
+# that the tests run (tests/check_*.py).
+if ! python3 -c "import h5py, numpy" 2>/dev/null; then
+  say "installing h5py and numpy (test-only readers of the HDF5 formats)"
+  python3 -m pip install -q h5py numpy || say "could not install h5py; the h5py reader tests will be skipped"
+fi
+
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_ARCH_LIST=9.0 >/dev/null
 fi
