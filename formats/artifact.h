@@ -1,0 +1,63 @@
+#pragma once
+// The calibration artifact: one HDF5 file per model holding the named
+// quantizer configurations `kvforge calibrate` fitted (settings, every
+// layer's fitted parameters and calibration statistics, effective bits), the
+// model they were fitted for and what they were fitted on. Serving loads it
+// (the CUDA kernels), `kvforge eval` compares its configurations. The layout
+// on disk, the arithmetic each field takes part in, the version and the
+// compatibility rules are specified in docs/artifact.md.
+//
+// Nothing degenerate is written or read: the same rules (finite values,
+// fitted scales, sorted grids of 2^bits levels, consistent thresholds, shapes
+// of the model) are checked before writing and after reading, and a broken
+// rule is an InputError naming the file and the object of the file the value
+// is (or would be) stored in, e.g.
+// "a.h5: /configs/kvquant/layers/3/keys/channel_scale: expected values > 0, element [1, 5] is 0".
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "formats/activation_store.h"
+#include "formats/quantizer_config.h"
+
+namespace kvforge {
+
+inline constexpr int kArtifactVersion = 1;  // of schema "kvforge.artifact"
+
+struct CalibrationProvenance {             // what the quantizers were fitted on
+  std::vector<CaptureProvenance> sources;  // from the activation store (ActivationStoreReader::sources())
+  int64_t calibration_tokens = 0;          // tokens the fit used
+  std::string store_file;                  // file name of the activation store
+  bool operator==(const CalibrationProvenance&) const = default;
+};
+
+struct Artifact {
+  ModelFingerprint model;
+  CalibrationProvenance calibration;
+  std::string tool_version, command_line;
+  std::string created_utc;               // "YYYY-MM-DDTHH:MM:SSZ", e.g. current_utc_timestamp()
+  std::vector<QuantizerConfig> configs;  // named configurations, names unique, kept in this order
+  bool operator==(const Artifact&) const = default;
+};
+
+// Validates (InputError(path, object, expectation) naming the first broken
+// rule, see docs/artifact.md), then writes path + ".tmp", reads it back,
+// and renames it to path: a refused or failed write leaves no file behind and
+// an existing file at path untouched.
+void write_artifact(const std::filesystem::path& path, const Artifact& artifact);
+
+// Reads and validates everything before returning: schema, version, every
+// required group, attribute and dataset (types, shapes against /model),
+// values (finite, fitted, sorted, consistent). InputError(path, object,
+// expectation) otherwise, e.g. object "/configs/kivi/layers/0/keys/grid".
+Artifact read_artifact(const std::filesystem::path& path);
+
+// InputError(artifact_file, "model.<field>", ...) naming the first
+// fingerprint field in which `model` differs from the artifact's.
+void check_artifact_matches(const Artifact& artifact, const ModelFingerprint& model, const std::string& artifact_file);
+
+// The current UTC time as the artifact stores it: "YYYY-MM-DDTHH:MM:SSZ".
+std::string current_utc_timestamp();
+
+}  // namespace kvforge
