@@ -273,12 +273,15 @@ void check_tensor(const Rules& rules, const std::string& object, Kind kind, cons
     check_absent(rules, offset, !q.channel_offset.empty() || !q.channel_offset.shape.empty(), why);
   }
 
-  // Outlier thresholds: keys with outliers only.
+  // Outlier thresholds: offline per-channel groupings with outliers only;
+  // runtime groupings find outliers per token (outlier_tau).
   const std::string low = object + "/outlier_low";
   const std::string high = object + "/outlier_high";
-  const bool thresholds = kind == Kind::kKeys && s.outlier_fraction > 0;
+  const bool thresholds = offline && s.outlier_fraction > 0;
+  const bool runtime_outliers = !offline && s.outlier_fraction > 0;
   if (thresholds) {
-    const std::string because = "when keys_outlier_fraction is " + number(s.outlier_fraction) + " (> 0)";
+    const std::string because = "when " + std::string(kind == Kind::kKeys ? "keys" : "values") +
+                                "_outlier_fraction is " + number(s.outlier_fraction) + " (> 0) with per_channel_offline";
     check_head_array(rules, low, q.outlier_low, model, because);
     check_head_array(rules, high, q.outlier_high, model, because);
     for (size_t i = 0; i < q.outlier_low.values.size(); ++i) {
@@ -301,25 +304,25 @@ void check_tensor(const Rules& rules, const std::string& object, Kind kind, cons
       }
     }
   } else {
-    const std::string why = kind == Kind::kKeys
-                                ? std::string("keys_outlier_fraction is 0")
-                                : std::string("values outliers are found per token at runtime (outlier_tau)");
+    const std::string why = s.outlier_fraction > 0
+                                ? std::string("outliers of runtime groupings are found per token (outlier_tau)")
+                                : std::string("the outlier fraction is 0");
     check_absent(rules, low, !q.outlier_low.empty() || !q.outlier_low.shape.empty(), why);
     check_absent(rules, high, !q.outlier_high.empty() || !q.outlier_high.shape.empty(), why);
   }
 
-  // tau: values with outliers only.
+  // tau: runtime groupings with outliers only.
   const std::string tau = attribute_object(object, "outlier_tau");
   if (!std::isfinite(q.outlier_tau)) rules.fail(tau, "expected a finite value, got " + number(q.outlier_tau));
-  if (kind == Kind::kValues && s.outlier_fraction > 0) {
+  if (runtime_outliers) {
     if (!(q.outlier_tau > 0)) {
-      rules.fail(tau, "expected > 0 when values_outlier_fraction is " + number(s.outlier_fraction) + ", got " +
+      rules.fail(tau, "expected > 0 when the outlier fraction is " + number(s.outlier_fraction) + ", got " +
                           number(q.outlier_tau));
     }
   } else if (q.outlier_tau != 0) {
     rules.fail(tau,
                "expected 0 (unused: " +
-                   std::string(kind == Kind::kKeys ? "keys use outlier_low/high" : "values_outlier_fraction is 0") +
+                   std::string(thresholds ? "per_channel_offline uses outlier_low/high" : "the outlier fraction is 0") +
                    "), got " + number(q.outlier_tau));
   }
 
@@ -679,7 +682,8 @@ struct Expected {
 };
 Expected expected_datasets(const QuantizerSettings& settings, Kind kind) {
   const TensorQuantizerSettings& s = settings_of(settings, kind);
-  return {s.non_uniform, s.grouping == Grouping::kPerChannelOffline, kind == Kind::kKeys && s.outlier_fraction > 0};
+  const bool offline = s.grouping == Grouping::kPerChannelOffline;
+  return {s.non_uniform, offline, offline && s.outlier_fraction > 0};
 }
 
 void write_tensor(Group& group, const TensorQuantizer& q) {

@@ -44,9 +44,10 @@ struct TensorQuantizerSettings {
   int64_t group = 128;           // channels (per-token groupings) or tokens (kPerChannelTokens)
   bool non_uniform = false;      // codes index a fitted grid instead of uniform integer levels
   // Dense-and-sparse: this fraction of elements is kept exact in a sparse side
-  // store (0: no outliers). Keys: per-channel thresholds fitted offline.
-  // Values: per-token thresholds at runtime, |x - mean_t| > tau * std_t with
-  // tau fitted offline.
+  // store (0: no outliers). kPerChannelOffline: per-channel thresholds fitted
+  // offline (KVQuant keys). Runtime groupings: per-token thresholds at
+  // runtime, |x - mean_t| > tau * std_t with tau fitted offline (KVQuant
+  // values).
   double outlier_fraction = 0.0;
   bool operator==(const TensorQuantizerSettings&) const = default;
 };
@@ -73,11 +74,11 @@ struct TensorQuantizer {
   // kPerChannelOffline: [kv_heads, head_dim]; normalized = (x - offset) / scale.
   Float32Array channel_scale;
   Float32Array channel_offset;
-  // Keys with outliers: [kv_heads, head_dim] thresholds; x < low or x > high
-  // is an outlier (kept exact). Inliers lie in [low, high].
+  // kPerChannelOffline with outliers: [kv_heads, head_dim] thresholds;
+  // x < low or x > high is an outlier (kept exact). Inliers lie in [low, high].
   Float32Array outlier_low;
   Float32Array outlier_high;
-  // Values with outliers: the runtime multiplier tau (see TensorQuantizerSettings).
+  // Runtime groupings with outliers: the multiplier tau (see TensorQuantizerSettings).
   float outlier_tau = 0.0f;
   // Uniform groupings: the (min, max) of each group is multiplied by this
   // ratio before the scale is computed (1: no clipping).

@@ -210,8 +210,8 @@ def check_tensor(t, where, kind, settings, model):
         "grid": s["non_uniform"],
         "channel_scale": offline,
         "channel_offset": offline,
-        "outlier_low": kind == "keys" and s["outlier_fraction"] > 0,
-        "outlier_high": kind == "keys" and s["outlier_fraction"] > 0,
+        "outlier_low": offline and s["outlier_fraction"] > 0,
+        "outlier_high": offline and s["outlier_fraction"] > 0,
     }
     for name in TENSOR_DATASETS:
         if not present[name] and name in t:
@@ -222,9 +222,9 @@ def check_tensor(t, where, kind, settings, model):
     if offline and clip != 1:
         fail(f"{where}@clip_ratio", f"expected 1 for per_channel_offline, got {clip}")
     tau = float_attr(t, "outlier_tau", where, "<f4")
-    if kind == "values" and s["outlier_fraction"] > 0:
+    if not offline and s["outlier_fraction"] > 0:
         if not tau > 0:
-            fail(f"{where}@outlier_tau", f"expected > 0 for values with outliers, got {tau}")
+            fail(f"{where}@outlier_tau", f"expected > 0 for runtime groupings with outliers, got {tau}")
     elif tau != 0:
         fail(f"{where}@outlier_tau", f"expected 0 where unused, got {tau}")
 
