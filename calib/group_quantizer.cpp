@@ -1,0 +1,126 @@
+#include "calib/group_quantizer.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace kvforge {
+namespace {
+
+// A group's clipped bounds; `keep` marks groups left as they are (hi <= lo),
+// whose bounds are replaced by (0, 1) so that the arithmetic stays finite.
+struct GroupBounds {
+  at::Tensor lo, hi, keep;
+};
+
+GroupBounds group_bounds(const at::Tensor& x, int64_t dim, double clip_ratio, const at::Tensor& inliers) {
+  if (x.scalar_type() != at::kDouble) throw std::invalid_argument("group quantizer: x must be float64");
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const bool masked = inliers.defined();
+  const at::Tensor low = (masked ? x.masked_fill(inliers.logical_not(), kInf) : x).amin(dim, true);
+  const at::Tensor high = (masked ? x.masked_fill(inliers.logical_not(), -kInf) : x).amax(dim, true);
+  GroupBounds bounds;
+  bounds.lo = low * clip_ratio;
+  bounds.hi = high * clip_ratio;
+  bounds.keep = (bounds.hi > bounds.lo).logical_not();
+  bounds.lo = at::where(bounds.keep, at::zeros_like(bounds.lo), bounds.lo);
+  bounds.hi = at::where(bounds.keep, at::ones_like(bounds.hi), bounds.hi);
+  return bounds;
+}
+
+// Elements returned as they are: those of kept groups and non-inliers.
+at::Tensor exact_elements(const at::Tensor& x, const GroupBounds& bounds, const at::Tensor& inliers) {
+  at::Tensor exact = bounds.keep.expand_as(x);
+  if (inliers.defined()) exact = exact.logical_or(inliers.logical_not());
+  return exact;
+}
+
+// Views x (and inliers) so that every slice along the returned dim is a group.
+std::vector<int64_t> group_shape(const at::Tensor& x, Grouping grouping, int64_t group, int64_t& dim) {
+  if (x.dim() < 2) throw std::invalid_argument("group quantizer: x must be [..., T, D]");
+  if (group < 1) throw std::invalid_argument("group quantizer: group must be >= 1");
+  const int64_t tokens = x.size(-2), channels = x.size(-1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 2);
+  switch (grouping) {
+    case Grouping::kPerToken:
+      group = std::min(group, channels);  // a group of head_dim or more is the whole head
+      if (channels % group != 0) {
+        throw std::invalid_argument("per_token groups of " + std::to_string(group) + " channels do not divide " +
+                                    std::to_string(channels) + " channels");
+      }
+      shape.insert(shape.end(), {tokens, channels / group, group});
+      dim = -1;
+      return shape;
+    case Grouping::kPerChannelTokens:
+      if (tokens % group != 0) {
+        throw std::invalid_argument("per_channel_tokens groups of " + std::to_string(group) +
+                                    " tokens do not divide " + std::to_string(tokens) + " tokens");
+      }
+      shape.insert(shape.end(), {tokens / group, group, channels});
+      dim = -2;
+      return shape;
+    case Grouping::kPerChannelOffline:
+      break;
+  }
+  throw std::invalid_argument("group quantizer: per_channel_offline is not a runtime grouping");
+}
+
+}  // namespace
+
+at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>& grid) {
+  if (grid.empty()) throw std::invalid_argument("nearest_level: empty grid");
+  const at::Tensor levels = at::tensor(at::ArrayRef<float>(grid)).to(at::kDouble);
+  if (grid.size() == 1) return at::full_like(normalized, levels[0].item<double>());
+  // Midpoints between neighbouring levels; bucketize (right=false) counts the
+  // midpoints strictly below x, so x on a midpoint goes to the lower level.
+  const at::Tensor midpoints = (levels.slice(0, 0, -1) + levels.slice(0, 1)) / 2;
+  const at::Tensor index = at::bucketize(normalized.contiguous(), midpoints);
+  return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
+}
+
+at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
+                                      const at::Tensor& inliers) {
+  if (quantizer.bits < 1 || quantizer.bits > 16) {
+    throw std::invalid_argument("group quantizer: bits must be in 1..16, got " + std::to_string(quantizer.bits));
+  }
+  const GroupBounds bounds = group_bounds(x, dim, quantizer.clip_ratio, inliers);
+  at::Tensor quantized;
+  if (quantizer.grid.empty()) {
+    const double top = static_cast<double>((int64_t{1} << quantizer.bits) - 1);
+    const at::Tensor scale = (bounds.hi - bounds.lo) / top;
+    const at::Tensor code = at::round((x - bounds.lo) / scale).clamp(0.0, top);
+    quantized = bounds.lo + code * scale;
+  } else {
+    const at::Tensor center = (bounds.lo + bounds.hi) / 2;
+    const at::Tensor half = (bounds.hi - bounds.lo) / 2;
+    quantized = center + half * nearest_level((x - center) / half, quantizer.grid);
+  }
+  return at::where(exact_elements(x, bounds, inliers), x, quantized);
+}
+
+at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, int64_t group,
+                                       const GroupQuantizer& quantizer, const at::Tensor& inliers) {
+  int64_t dim = 0;
+  const auto shape = group_shape(x, grouping, group, dim);
+  const at::Tensor mask = inliers.defined() ? inliers.reshape(shape) : at::Tensor();
+  return quantize_dequantize_groups(x.reshape(shape), dim, quantizer, mask).view(x.sizes());
+}
+
+at::Tensor normalize_grouped(const at::Tensor& x, Grouping grouping, int64_t group, double clip_ratio,
+                             const at::Tensor& inliers) {
+  int64_t dim = 0;
+  const auto shape = group_shape(x, grouping, group, dim);
+  const at::Tensor grouped = x.reshape(shape);
+  const at::Tensor mask = inliers.defined() ? inliers.reshape(shape) : at::Tensor();
+  const GroupBounds bounds = group_bounds(grouped, dim, clip_ratio, mask);
+  const at::Tensor center = (bounds.lo + bounds.hi) / 2;
+  const at::Tensor half = (bounds.hi - bounds.lo) / 2;
+  const at::Tensor normalized = (grouped - center) / half;
+  return normalized.masked_fill(exact_elements(grouped, bounds, mask), std::numeric_limits<double>::quiet_NaN())
+      .view(x.sizes());
+}
+
+}  // namespace kvforge

@@ -1,0 +1,57 @@
+#pragma once
+// Quantize-dequantize of min/max groups, the arithmetic every runtime
+// grouping shares (KIVI, INT2 per-token, RTN, KVQuant's per-token values).
+// All in float64 on the CPU; callers convert.
+//
+// For one group g with (inlier) minimum m and maximum M and clip ratio r:
+//   lo = r * m, hi = r * M
+//   uniform (no grid), 2^b levels:
+//     scale = (hi - lo) / (2^b - 1)
+//     code  = clamp(round_half_even((x - lo) / scale), 0, 2^b - 1)
+//     x^    = lo + code * scale
+//   non-uniform grid (ascending levels in [-1, 1] units):
+//     center = (lo + hi) / 2, half = (hi - lo) / 2
+//     x^ = center + half * nearest_level((x - center) / half)
+//   a group with hi == lo (constant, or without inliers) is kept as it is.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "formats/quantizer_config.h"
+
+namespace kvforge {
+
+struct GroupQuantizer {
+  int bits = 2;
+  double clip_ratio = 1.0;
+  std::vector<float> grid;  // empty: uniform integer levels
+};
+
+// The grid level nearest to each element (float64 tensor), ties to the lower
+// level. `grid` ascending, not empty.
+at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>& grid);
+
+// x: float64; every slice along `dim` is one group. `inliers`: undefined (all
+// elements are inliers) or a bool tensor of x's shape; elements outside it
+// keep their value and take no part in the group's min and max.
+at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
+                                      const at::Tensor& inliers = {});
+
+// The normalized value (x - center) / half of every element the group
+// quantizer would round (the non-uniform arithmetic's domain, also used for
+// uniform groups), NaN for the elements it keeps as they are (non-inliers,
+// constant groups). Same layout rules as quantize_dequantize_grouped.
+at::Tensor normalize_grouped(const at::Tensor& x, Grouping grouping, int64_t group, double clip_ratio,
+                             const at::Tensor& inliers = {});
+
+// x: float64 [..., T, D], one head's slab per trailing [T, D] (leading axes
+// are batch and heads). kPerToken: groups of G' = min(group, D) consecutive
+// channels of one token (D % G' == 0). kPerChannelTokens: groups of `group`
+// consecutive tokens of one channel, from token 0 (T % group == 0; callers
+// keep incomplete groups out). kPerChannelOffline is not a runtime grouping
+// (std::invalid_argument).
+at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, int64_t group,
+                                       const GroupQuantizer& quantizer, const at::Tensor& inliers = {});
+
+}  // namespace kvforge
