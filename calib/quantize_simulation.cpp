@@ -1,0 +1,152 @@
+#include "calib/quantize_simulation.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "calib/group_quantizer.h"
+
+namespace kvforge {
+namespace {
+
+// [heads, head_dim] parameters as a float64 [heads, 1, head_dim] tensor.
+at::Tensor channel_tensor(const Float32Array& array, int64_t heads, int64_t head_dim, const char* what) {
+  if (array.shape != std::vector<int64_t>{heads, head_dim} ||
+      static_cast<int64_t>(array.values.size()) != heads * head_dim) {
+    throw std::invalid_argument(std::string("quantizer ") + what + ": expected shape [" + std::to_string(heads) +
+                                ", " + std::to_string(head_dim) + "]");
+  }
+  return at::tensor(at::ArrayRef<float>(array.values)).to(at::kDouble).view({heads, 1, head_dim});
+}
+
+at::Tensor offline_normalized(const TensorQuantizer& quantizer, const at::Tensor& span) {
+  const int64_t heads = span.size(-3), head_dim = span.size(-1);
+  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset");
+  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale");
+  return (span - offset) / scale;
+}
+
+}  // namespace
+
+at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuantizer& quantizer,
+                        const at::Tensor& span) {
+  if (tensor.outlier_fraction <= 0) return at::zeros(span.sizes(), span.options().dtype(at::kBool));
+  const int64_t heads = span.size(-3), head_dim = span.size(-1);
+  switch (tensor.grouping) {
+    case Grouping::kPerChannelOffline: {
+      const at::Tensor low = channel_tensor(quantizer.outlier_low, heads, head_dim, "outlier_low");
+      const at::Tensor high = channel_tensor(quantizer.outlier_high, heads, head_dim, "outlier_high");
+      return (span < low).logical_or(span > high);
+    }
+    case Grouping::kPerToken:
+    case Grouping::kPerChannelTokens: {
+      const at::Tensor mean = span.mean(-1, true);
+      const at::Tensor std = (span - mean).square().mean(-1, true).sqrt();
+      return (span - mean).abs() > std * static_cast<double>(quantizer.outlier_tau);
+    }
+  }
+  throw std::invalid_argument("outlier_mask: unknown grouping");
+}
+
+namespace {
+
+at::Tensor quantize_offline_channels(const QuantizerSettings& settings, const TensorQuantizer& quantizer,
+                                     const at::Tensor& span) {
+  const int64_t heads = span.size(-3), head_dim = span.size(-1);
+  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset");
+  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale");
+  const at::Tensor normalized = offline_normalized(quantizer, span);
+  at::Tensor level;
+  if (!quantizer.grid.empty()) {
+    level = nearest_level(normalized, quantizer.grid);
+  } else {
+    const double top = static_cast<double>((int64_t{1} << settings.bits) - 1);
+    level = at::round((normalized + 1) * top / 2).clamp(0.0, top) * 2 / top - 1;
+  }
+  return offset + scale * level;
+}
+
+}  // namespace
+
+TokenSpan quantized_tokens(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor, int64_t tokens) {
+  TokenSpan span;
+  span.begin = std::clamp<int64_t>(settings.sink_tokens, 0, tokens);
+  span.end = std::max(span.begin, tokens - std::max<int64_t>(settings.residual_tokens, 0));
+  if (tensor.grouping == Grouping::kPerChannelTokens) {
+    if (tensor.group < 1) throw std::invalid_argument("per_channel_tokens group must be >= 1");
+    span.end = span.begin + span.size() / tensor.group * tensor.group;
+  }
+  return span;
+}
+
+SimulatedTensor simulate_quantization(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
+                                      const TensorQuantizer& quantizer, const at::Tensor& x) {
+  if (x.dim() < 3) throw std::invalid_argument("simulate_quantization: expected [..., kv_heads, T, D]");
+  const TokenSpan tokens = quantized_tokens(settings, tensor, x.size(-2));
+  const at::Tensor exact = x.to(at::kDouble);
+  at::Tensor result = exact.clone();
+  at::Tensor outliers = at::zeros(x.sizes(), x.options().dtype(at::kBool));
+  if (tokens.size() > 0) {
+    const at::Tensor span = exact.narrow(-2, tokens.begin, tokens.size());
+    const at::Tensor mask = outlier_mask(tensor, quantizer, span);
+    at::Tensor quantized;
+    if (tensor.grouping == Grouping::kPerChannelOffline) {
+      quantized = at::where(mask, span, quantize_offline_channels(settings, quantizer, span));
+    } else {
+      const GroupQuantizer group{settings.bits, quantizer.clip_ratio, quantizer.grid};
+      quantized = quantize_dequantize_grouped(span, tensor.grouping, tensor.group, group,
+                                              tensor.outlier_fraction > 0 ? mask.logical_not() : at::Tensor());
+    }
+    result.narrow(-2, tokens.begin, tokens.size()).copy_(quantized);
+    outliers.narrow(-2, tokens.begin, tokens.size()).copy_(mask);
+  }
+  return {result.to(x.scalar_type()), outliers};
+}
+
+NormalizedInliers normalized_inliers(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
+                                     const TensorQuantizer& quantizer, const at::Tensor& x,
+                                     const at::Tensor& weights) {
+  if (x.dim() < 3) throw std::invalid_argument("normalized_inliers: expected [..., kv_heads, T, D]");
+  if (weights.defined() && weights.sizes() != x.sizes()) {
+    throw std::invalid_argument("normalized_inliers: weights and x differ in shape");
+  }
+  const TokenSpan tokens = quantized_tokens(settings, tensor, x.size(-2));
+  NormalizedInliers result;
+  const at::Tensor span = x.narrow(-2, tokens.begin, tokens.size()).to(at::kDouble);
+  const at::Tensor outliers = outlier_mask(tensor, quantizer, span);
+  at::Tensor normalized;
+  if (tensor.grouping == Grouping::kPerChannelOffline) {
+    normalized = offline_normalized(quantizer, span).masked_fill(outliers, std::nan(""));
+  } else {
+    normalized = normalize_grouped(span, tensor.grouping, tensor.group, quantizer.clip_ratio,
+                                   tensor.outlier_fraction > 0 ? outliers.logical_not() : at::Tensor());
+  }
+  const at::Tensor keep = normalized.isnan().logical_not();
+  result.values = normalized.masked_select(keep).to(at::kFloat);
+  if (weights.defined()) {
+    result.weights = weights.narrow(-2, tokens.begin, tokens.size()).to(at::kFloat).masked_select(keep);
+  }
+  return result;
+}
+
+namespace {
+const LayerQuantizers& layer_of(const QuantizerConfig& config, int64_t layer) {
+  if (layer < 0 || layer >= static_cast<int64_t>(config.layers.size())) {
+    throw std::out_of_range("quantizer config " + config.name + ": no layer " + std::to_string(layer));
+  }
+  return config.layers[static_cast<size_t>(layer)];
+}
+}  // namespace
+
+SimulatedTensor quantize_dequantize_keys(const QuantizerConfig& config, int64_t layer, const at::Tensor& keys) {
+  return simulate_quantization(config.settings, config.settings.keys, layer_of(config, layer).keys, keys);
+}
+
+SimulatedTensor quantize_dequantize_values(const QuantizerConfig& config, int64_t layer, const at::Tensor& values) {
+  return simulate_quantization(config.settings, config.settings.values, layer_of(config, layer).values, values);
+}
+
+}  // namespace kvforge
