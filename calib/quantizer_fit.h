@@ -1,0 +1,85 @@
+#pragma once
+// Fitting a quantizer configuration to calibration activations: what
+// `kvforge calibrate` runs per method. The arithmetic the fitted parameters
+// take part in is quantize_simulation.h's.
+//
+// Method defaults (FitOptions fields left unset):
+//   kvquant   keys per channel pre-RoPE (kPerChannelOffline), values per token
+//             (group head_dim); non-uniform grids (one per layer for keys,
+//             one for values) by Fisher-weighted k-means with Q-Norm; 1%
+//             outliers each; sink 1 token; no residual.
+//   kivi      keys kPerChannelTokens group 32 post-RoPE, values kPerToken
+//             group 32, residual 128; nothing fitted (clip ratio 1).
+//   int2-rot  keys and values kPerToken group head_dim, post-RoPE, sink 64,
+//             residual 256; clip ratios fitted per layer (keys and values
+//             separately) by grid search over 1.00, 0.99, ..., 0.50.
+//   rtn       keys and values kPerToken group head_dim, post-RoPE, no windows.
+//
+// Fitting uses every calibration position except the sink's (the residual
+// window is a matter of recency, not of distribution); the statistics
+// (LayerCalibrationStats) simulate whole windows with every setting.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "calib/kmeans1d.h"
+#include "formats/activation_store.h"
+#include "formats/hf_config.h"
+#include "formats/quantizer_config.h"
+
+namespace kvforge {
+
+struct FitOptions {
+  std::string name;  // empty: the method's name
+  QuantMethod method = QuantMethod::kRtn;
+  int bits = 2;  // 1..8
+  // Unset: the method's default (above).
+  std::optional<double> outlier_fraction;  // keys and values alike; [0, 1)
+  std::optional<int64_t> sink_tokens;
+  std::optional<int64_t> residual_tokens;
+  std::optional<int64_t> key_group;  // ignored for kPerChannelOffline keys (group 0: not applicable)
+  std::optional<int64_t> value_group;
+  std::optional<bool> fisher;       // Fisher-weighted grids (needs fisher_k / fisher_v)
+  std::optional<bool> q_norm;       // Q-Norm on the grids
+  std::optional<bool> non_uniform;  // fitted grids instead of uniform levels
+  std::optional<bool> clip_search;  // fit clip ratios (runtime groupings only)
+  std::vector<double> clip_candidates;  // empty: 1.00, 0.99, ..., 0.50
+  // Calibration subset: 0 takes every committed window whole; else at most
+  // this many tokens: the first max(1, M / L') windows of L' = min(L, M)
+  // leading positions each (positions stay 0-based, so windows stay valid).
+  int64_t max_calibration_tokens = 0;
+  // Per-token clip search on at most this many token rows (evenly strided
+  // over windows, heads and positions).
+  int64_t clip_search_rows = 16384;
+  std::vector<int64_t> effective_bits_contexts = {2048, 4096, 32768, 65536, 131072};
+  KMeans1dOptions kmeans;
+};
+
+// The method's defaults with the options' overrides, checked against
+// head_dim (std::invalid_argument naming the option otherwise).
+QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim);
+
+// One layer's calibration activations, float32 [N, heads, T, D], positions
+// 0..T-1 of each window.
+struct LayerActivations {
+  at::Tensor keys;            // in the settings' domain (pre-RoPE when keys_pre_rope)
+  at::Tensor values;
+  at::Tensor fisher_keys;     // undefined unless Fisher-weighted grids
+  at::Tensor fisher_values;
+  at::Tensor queries;         // post-RoPE [N, H, T, D]; undefined: no logit statistic
+  at::Tensor keys_post_rope;  // the logits' reference keys; undefined: `keys` (post-RoPE settings)
+};
+
+// Fits one layer and measures it. `rope` rotates dequantized pre-RoPE keys
+// for the logit statistic (needed when keys_pre_rope and queries are given).
+LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,
+                          const FitOptions& options, const RopeConfig* rope = nullptr);
+
+// Reads the store layer by layer and fits every layer. InputError naming the
+// store for a field the method needs that the store lacks, or no samples.
+QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOptions& options);
+
+}  // namespace kvforge

@@ -1,0 +1,877 @@
+// Quantizer fitting and simulation: the simulated quantize-dequantize of every
+// method and grouping against float64 loops written here from the documented
+// arithmetic, outlier thresholds, Q-Norm and Fisher weighting on activations
+// captured from pyllama-16m, effective bits, and the RoPE settings parser.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "calib/activation_recorder.h"
+#include "calib/calibration_stats.h"
+#include "calib/effective_bits.h"
+#include "calib/fingerprint_rope.h"
+#include "calib/group_quantizer.h"
+#include "calib/quantize_simulation.h"
+#include "calib/quantizer_fit.h"
+#include "formats/input_error.h"
+#include "formats/model_fingerprint.h"
+#include "formats/safetensors.h"
+#include "formats/sha256.h"
+#include "model/rope.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+#include "tests/test_paths.h"
+
+namespace kvforge {
+namespace {
+
+// ---- float64 references ---------------------------------------------------
+
+// Index of the level nearest to n, the lower one on a tie.
+double reference_level(const std::vector<float>& grid, double n) {
+  size_t best = 0;
+  for (size_t i = 1; i < grid.size(); ++i) {
+    if (std::abs(n - static_cast<double>(grid[i])) < std::abs(n - static_cast<double>(grid[best]))) best = i;
+  }
+  return grid[best];
+}
+
+// One element of a group with bounds lo < hi.
+double reference_round(double x, double lo, double hi, int bits, const std::vector<float>& grid) {
+  if (grid.empty()) {
+    const double top = std::ldexp(1.0, bits) - 1;
+    const double scale = (hi - lo) / top;
+    const double code = std::clamp(std::nearbyint((x - lo) / scale), 0.0, top);  // ties to even
+    return lo + code * scale;
+  }
+  const double center = (lo + hi) / 2, half = (hi - lo) / 2;
+  return center + half * reference_level(grid, (x - center) / half);
+}
+
+struct Slab {
+  int64_t heads = 0, tokens = 0, dim = 0;
+  std::vector<double> x;  // [heads][tokens][dim]
+  double& at(int64_t h, int64_t t, int64_t c) { return x[static_cast<size_t>((h * tokens + t) * dim + c)]; }
+  double at(int64_t h, int64_t t, int64_t c) const { return x[static_cast<size_t>((h * tokens + t) * dim + c)]; }
+};
+
+struct Reference {
+  Slab out;
+  std::vector<bool> outlier;
+};
+
+// The simulation of one window, element by element.
+Reference reference_simulation(const QuantizerSettings& s, const TensorQuantizerSettings& t, const TensorQuantizer& q,
+                               const Slab& x) {
+  Reference ref{x, std::vector<bool>(x.x.size(), false)};
+  const int64_t begin = std::min(s.sink_tokens, x.tokens);
+  int64_t end = std::max(begin, x.tokens - s.residual_tokens);
+  if (t.grouping == Grouping::kPerChannelTokens) end = begin + (end - begin) / t.group * t.group;
+  const auto flag = [&](int64_t h, int64_t tok, int64_t c) -> std::vector<bool>::reference {
+    return ref.outlier[static_cast<size_t>((h * x.tokens + tok) * x.dim + c)];
+  };
+  for (int64_t h = 0; h < x.heads; ++h) {
+    if (t.grouping == Grouping::kPerChannelOffline) {
+      for (int64_t tok = begin; tok < end; ++tok) {
+        for (int64_t c = 0; c < x.dim; ++c) {
+          const size_t i = static_cast<size_t>(h * x.dim + c);
+          const double v = x.at(h, tok, c);
+          if (t.outlier_fraction > 0 && (v < q.outlier_low.values[i] || v > q.outlier_high.values[i])) {
+            flag(h, tok, c) = true;
+            continue;
+          }
+          const double offset = q.channel_offset.values[i], scale = q.channel_scale.values[i];
+          const double n = (v - offset) / scale;
+          double level;
+          if (!q.grid.empty()) {
+            level = reference_level(q.grid, n);
+          } else {
+            const double top = std::ldexp(1.0, s.bits) - 1;
+            level = std::clamp(std::nearbyint((n + 1) * top / 2), 0.0, top) * 2 / top - 1;
+          }
+          ref.out.at(h, tok, c) = offset + scale * level;
+        }
+      }
+    } else if (t.grouping == Grouping::kPerToken) {
+      for (int64_t tok = begin; tok < end; ++tok) {
+        if (t.outlier_fraction > 0) {
+          double mean = 0, var = 0;
+          for (int64_t c = 0; c < x.dim; ++c) mean += x.at(h, tok, c) / static_cast<double>(x.dim);
+          for (int64_t c = 0; c < x.dim; ++c) var += std::pow(x.at(h, tok, c) - mean, 2) / static_cast<double>(x.dim);
+          for (int64_t c = 0; c < x.dim; ++c) {
+            flag(h, tok, c) = std::abs(x.at(h, tok, c) - mean) > q.outlier_tau * std::sqrt(var);
+          }
+        }
+        for (int64_t g = 0; g < x.dim; g += t.group) {
+          double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+          for (int64_t c = g; c < g + t.group; ++c) {
+            if (flag(h, tok, c)) continue;
+            mn = std::min(mn, x.at(h, tok, c));
+            mx = std::max(mx, x.at(h, tok, c));
+          }
+          const double lo = q.clip_ratio * mn, hi = q.clip_ratio * mx;
+          if (!(hi > lo)) continue;
+          for (int64_t c = g; c < g + t.group; ++c) {
+            if (!flag(h, tok, c)) ref.out.at(h, tok, c) = reference_round(x.at(h, tok, c), lo, hi, s.bits, q.grid);
+          }
+        }
+      }
+    } else {
+      for (int64_t tok = begin; tok < end && t.outlier_fraction > 0; ++tok) {
+        double mean = 0, var = 0;
+        for (int64_t c = 0; c < x.dim; ++c) mean += x.at(h, tok, c) / static_cast<double>(x.dim);
+        for (int64_t c = 0; c < x.dim; ++c) var += std::pow(x.at(h, tok, c) - mean, 2) / static_cast<double>(x.dim);
+        for (int64_t c = 0; c < x.dim; ++c) {
+          flag(h, tok, c) = std::abs(x.at(h, tok, c) - mean) > q.outlier_tau * std::sqrt(var);
+        }
+      }
+      for (int64_t c = 0; c < x.dim; ++c) {
+        for (int64_t g = begin; g < end; g += t.group) {
+          double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+          for (int64_t tok = g; tok < g + t.group; ++tok) {
+            if (flag(h, tok, c)) continue;
+            mn = std::min(mn, x.at(h, tok, c));
+            mx = std::max(mx, x.at(h, tok, c));
+          }
+          const double lo = q.clip_ratio * mn, hi = q.clip_ratio * mx;
+          if (!(hi > lo)) continue;
+          for (int64_t tok = g; tok < g + t.group; ++tok) {
+            if (!flag(h, tok, c)) ref.out.at(h, tok, c) = reference_round(x.at(h, tok, c), lo, hi, s.bits, q.grid);
+          }
+        }
+      }
+    }
+  }
+  return ref;
+}
+
+at::Tensor to_tensor(const Slab& slab) {
+  return at::tensor(at::ArrayRef<double>(slab.x)).view({slab.heads, slab.tokens, slab.dim}).to(at::kFloat);
+}
+
+// Float32 data as the simulation sees it (the reference takes the same values).
+Slab random_slab(int64_t heads, int64_t tokens, int64_t dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Slab slab{heads, tokens, dim, {}};
+  for (int64_t i = 0; i < heads * tokens * dim; ++i) slab.x.push_back(normal(rng));
+  // A few large values, as outlier channels and tokens have.
+  for (int i = 0; i < 6; ++i) slab.x[rng() % slab.x.size()] = (i % 2 ? -1 : 1) * (6.0f + static_cast<float>(i));
+  return slab;
+}
+
+void expect_simulation_matches(const QuantizerSettings& s, const TensorQuantizerSettings& t,
+                               const TensorQuantizer& q, const Slab& x, const char* what) {
+  const Reference ref = reference_simulation(s, t, q, x);
+  const SimulatedTensor sim = simulate_quantization(s, t, q, to_tensor(x));
+  ASSERT_EQ(sim.dequantized.scalar_type(), at::kFloat) << what;
+  const at::Tensor expected = at::tensor(at::ArrayRef<double>(ref.out.x)).view(sim.dequantized.sizes());
+  const double error = (sim.dequantized.to(at::kDouble) - expected).abs().max().item<double>();
+  EXPECT_LT(error, 1e-6) << what;
+  std::vector<uint8_t> flags(ref.outlier.begin(), ref.outlier.end());
+  const at::Tensor expected_outliers =
+      at::tensor(at::ArrayRef<uint8_t>(flags)).view(sim.outliers.sizes()).to(at::kBool);
+  EXPECT_TRUE(sim.outliers.equal(expected_outliers)) << what;
+  // Batched input gives the same per window.
+  const SimulatedTensor batched = simulate_quantization(s, t, q, to_tensor(x).unsqueeze(0).expand({2, -1, -1, -1}));
+  EXPECT_TRUE(batched.dequantized[1].equal(sim.dequantized)) << what;
+}
+
+Float32Array array(int64_t heads, int64_t dim, const std::vector<float>& values) { return {{heads, dim}, values}; }
+
+// ---- uniform and grid rounding --------------------------------------------
+
+TEST(GroupQuantizer, UniformRoundsHalfToEvenAndKeepsConstantGroups) {
+  // Group 0: lo 0, hi 3, scale 1; 0.5 -> 0 and 2.5 -> 2 (ties to even), 1.5 -> 2.
+  // Group 1: constant, kept exact.
+  const at::Tensor x = at::tensor({0.0, 0.5, 2.5, 3.0, 1.5, 1.5, 1.5, 1.5}, at::kDouble).view({1, 8});
+  const at::Tensor y = quantize_dequantize_grouped(x, Grouping::kPerToken, 4, {2, 1.0, {}});
+  const std::vector<double> expected = {0, 0, 2, 3, 1.5, 1.5, 1.5, 1.5};
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(y[0][i].item<double>(), expected[static_cast<size_t>(i)]) << i;
+  const at::Tensor z = quantize_dequantize_grouped(at::tensor({0.0, 1.5, 0.4, 3.0}, at::kDouble).view({1, 4}),
+                                                   Grouping::kPerToken, 4, {2, 1.0, {}});
+  EXPECT_DOUBLE_EQ(z[0][1].item<double>(), 2.0);
+}
+
+TEST(GroupQuantizer, GridRoundsToTheNearestLevelTiesDown) {
+  const std::vector<float> grid = {-1.0f, -0.5f, 0.25f, 1.0f};
+  const at::Tensor n = at::tensor({-0.75, 0.625, -0.74, 0.626, -2.0, 2.0, 0.25}, at::kDouble);
+  const at::Tensor level = nearest_level(n, grid);
+  const std::vector<double> expected = {-1.0, 0.25, -0.5, 1.0, -1.0, 1.0, 0.25};
+  for (int i = 0; i < 7; ++i) EXPECT_DOUBLE_EQ(level[i].item<double>(), expected[static_cast<size_t>(i)]) << i;
+}
+
+// ---- the simulation per method and grouping ---------------------------------
+
+TEST(Simulation, PerTokenUniformWithClipSinkAndResidual) {
+  QuantizerSettings s;
+  s.method = QuantMethod::kInt2Rot;
+  s.bits = 2;
+  s.keys = {Grouping::kPerToken, 8};
+  s.sink_tokens = 2;
+  s.residual_tokens = 3;
+  TensorQuantizer q;
+  q.clip_ratio = 0.9f;
+  const Slab x = random_slab(2, 9, 8, 1);
+  expect_simulation_matches(s, s.keys, q, x, "int2-rot keys");
+  // Positions 0, 1 and 6..8 exact; the rest changed.
+  const SimulatedTensor sim = simulate_quantization(s, s.keys, q, to_tensor(x));
+  const at::Tensor exact = to_tensor(x);
+  EXPECT_TRUE(sim.dequantized.narrow(1, 0, 2).equal(exact.narrow(1, 0, 2)));
+  EXPECT_TRUE(sim.dequantized.narrow(1, 6, 3).equal(exact.narrow(1, 6, 3)));
+  EXPECT_FALSE(sim.dequantized.narrow(1, 2, 4).equal(exact.narrow(1, 2, 4)));
+
+  QuantizerSettings rtn;
+  rtn.bits = 3;
+  rtn.values = {Grouping::kPerToken, 4};
+  expect_simulation_matches(rtn, rtn.values, TensorQuantizer{}, random_slab(2, 6, 8, 2), "rtn values, group 4");
+}
+
+TEST(Simulation, KiviKeepsIncompleteGroupsAndTheResidualExact) {
+  QuantizerSettings s;
+  s.method = QuantMethod::kKivi;
+  s.keys = {Grouping::kPerChannelTokens, 4};
+  s.values = {Grouping::kPerToken, 4};
+  s.residual_tokens = 3;
+  // 13 tokens: [0, 10) before the residual; two whole groups [0, 8); 8, 9 exact.
+  EXPECT_EQ(quantized_tokens(s, s.keys, 13).end, 8);
+  EXPECT_EQ(quantized_tokens(s, s.values, 13).end, 10);
+  const Slab x = random_slab(2, 13, 8, 3);
+  expect_simulation_matches(s, s.keys, TensorQuantizer{}, x, "kivi keys");
+  expect_simulation_matches(s, s.values, TensorQuantizer{}, x, "kivi values");
+  // Per-channel token groups with runtime outliers, a grid and clipping.
+  TensorQuantizerSettings with_outliers = s.keys;
+  with_outliers.outlier_fraction = 0.05;
+  with_outliers.non_uniform = true;
+  TensorQuantizer q;
+  q.outlier_tau = 1.5f;
+  q.grid = {-1.0f, -0.25f, 0.5f, 1.0f};
+  q.clip_ratio = 0.9f;
+  expect_simulation_matches(s, with_outliers, q, x, "per_channel_tokens, outliers, grid, clip");
+  // A per-token group of head_dim or more is the whole head.
+  TensorQuantizerSettings whole = s.values;
+  whole.group = 64;
+  TensorQuantizerSettings exact = s.values;
+  exact.group = 8;
+  EXPECT_TRUE(simulate_quantization(s, whole, {}, to_tensor(x)).dequantized.equal(
+      simulate_quantization(s, exact, {}, to_tensor(x)).dequantized));
+  const SimulatedTensor sim = simulate_quantization(s, s.keys, TensorQuantizer{}, to_tensor(x));
+  EXPECT_TRUE(sim.dequantized.narrow(1, 8, 5).equal(to_tensor(x).narrow(1, 8, 5)));
+  EXPECT_FALSE(sim.dequantized.narrow(1, 4, 4).equal(to_tensor(x).narrow(1, 4, 4)));
+}
+
+TEST(Simulation, WindowsShorterThanSinkAndResidualStayExact) {
+  QuantizerSettings s;
+  s.keys = {Grouping::kPerToken, 8};
+  s.sink_tokens = 64;
+  s.residual_tokens = 256;
+  const Slab x = random_slab(1, 300, 8, 4);
+  EXPECT_EQ(quantized_tokens(s, s.keys, 300).size(), 0);
+  EXPECT_EQ(quantized_tokens(s, s.keys, 321).size(), 1);
+  EXPECT_TRUE(simulate_quantization(s, s.keys, {}, to_tensor(x)).dequantized.equal(to_tensor(x)));
+}
+
+TEST(Simulation, KvquantKeysPerChannelOutliersAndGridTies) {
+  QuantizerSettings s;
+  s.method = QuantMethod::kKvquant;
+  s.keys_pre_rope = true;
+  s.keys = {Grouping::kPerChannelOffline, 0, true, 0.01};
+  s.sink_tokens = 1;
+  const int64_t heads = 2, dim = 4;
+  TensorQuantizer q;
+  q.grid = {-1.0f, -0.5f, 0.25f, 1.0f};
+  q.channel_offset = array(heads, dim, {0, 0.5f, -1, 2, 0.25f, 0, 0, 1});
+  q.channel_scale = array(heads, dim, {1, 2, 0.5f, 1.5f, 1, 3, 1, 0.25f});
+  std::vector<float> low, high;
+  for (size_t i = 0; i < 8; ++i) {
+    low.push_back(q.channel_offset.values[i] - q.channel_scale.values[i]);
+    high.push_back(q.channel_offset.values[i] + q.channel_scale.values[i]);
+  }
+  q.outlier_low = array(heads, dim, low);
+  q.outlier_high = array(heads, dim, high);
+  Slab x = random_slab(heads, 7, dim, 5);
+  // Channel (0, 0): offset 0, scale 1; ties at midpoints -0.75 and 0.625.
+  x.at(0, 1, 0) = -0.75;
+  x.at(0, 2, 0) = 0.625;
+  x.at(0, 3, 0) = 1.5;  // above high = 1: an outlier
+  expect_simulation_matches(s, s.keys, q, x, "kvquant keys");
+  const SimulatedTensor sim = simulate_quantization(s, s.keys, q, to_tensor(x));
+  EXPECT_EQ(sim.dequantized[0][1][0].item<float>(), -1.0f);
+  EXPECT_EQ(sim.dequantized[0][2][0].item<float>(), 0.25f);
+  EXPECT_EQ(sim.dequantized[0][3][0].item<float>(), 1.5f);
+  EXPECT_TRUE(sim.outliers[0][3][0].item<bool>());
+  EXPECT_FALSE(sim.outliers.select(1, 0).any().item<bool>());  // the sink is exact, not an outlier
+
+  // Uniform levels in the normalized domain (the non_uniform=false ablation).
+  TensorQuantizer uniform = q;
+  uniform.grid.clear();
+  expect_simulation_matches(s, s.keys, uniform, x, "kvquant keys, uniform");
+}
+
+TEST(Simulation, KvquantValuesPerTokenOutliersAndGrid) {
+  QuantizerSettings s;
+  s.method = QuantMethod::kKvquant;
+  s.values = {Grouping::kPerToken, 8, true, 0.01};
+  s.sink_tokens = 1;
+  TensorQuantizer q;
+  q.grid = {-1.0f, -0.5f, 0.25f, 1.0f};
+  q.outlier_tau = 2.0f;
+  Slab x = random_slab(2, 6, 8, 6);
+  // Token 2 of head 0: inliers span exactly [-1, 1]; -0.75 and 0.625 tie.
+  const std::vector<double> token = {-1, 1, -0.75, 0.625, 0, 0.1, -0.2, 0.3};
+  for (int64_t c = 0; c < 8; ++c) x.at(0, 2, c) = token[static_cast<size_t>(c)];
+  expect_simulation_matches(s, s.values, q, x, "kvquant values");
+  const SimulatedTensor sim = simulate_quantization(s, s.values, q, to_tensor(x));
+  EXPECT_EQ(sim.dequantized[0][2][2].item<float>(), -1.0f);
+  EXPECT_EQ(sim.dequantized[0][2][3].item<float>(), 0.25f);
+  EXPECT_GT(sim.outliers.sum().item<int64_t>(), 0);
+
+  // Per-token groups smaller than head_dim with outliers and a clip ratio.
+  s.values.group = 4;
+  q.clip_ratio = 0.95f;
+  expect_simulation_matches(s, s.values, q, x, "per-token group 4, grid, clip, outliers");
+}
+
+TEST(Simulation, ConfigEntryPointsPickTheLayer) {
+  QuantizerConfig config;
+  config.settings.bits = 4;
+  config.layers.resize(2);
+  config.layers[1].keys.clip_ratio = 0.5f;
+  const Slab x = random_slab(2, 5, 128, 7);
+  const auto keys = quantize_dequantize_keys(config, 1, to_tensor(x));
+  EXPECT_TRUE(keys.dequantized.equal(simulate_quantization(config.settings, config.settings.keys,
+                                                           config.layers[1].keys, to_tensor(x)).dequantized));
+  EXPECT_FALSE(keys.dequantized.equal(quantize_dequantize_keys(config, 0, to_tensor(x)).dequantized));
+  EXPECT_THROW(quantize_dequantize_values(config, 2, to_tensor(x)), std::out_of_range);
+}
+
+TEST(CalibrationStats, LogitErrorOverCausalPairsWithGqa) {
+  const at::Tensor q = to_tensor(random_slab(4, 5, 4, 8)).unsqueeze(0);
+  const at::Tensor k = to_tensor(random_slab(2, 5, 4, 9)).unsqueeze(0);
+  const at::Tensor k_hat = k + 0.1 * to_tensor(random_slab(2, 5, 4, 10)).unsqueeze(0);
+  double err = 0, ref = 0;
+  for (int64_t h = 0; h < 4; ++h) {
+    for (int64_t i = 0; i < 5; ++i) {
+      for (int64_t j = 0; j <= i; ++j) {
+        double a = 0, b = 0;
+        for (int64_t c = 0; c < 4; ++c) {
+          a += q[0][h][i][c].item<double>() * k[0][h / 2][j][c].item<double>() / 2;
+          b += q[0][h][i][c].item<double>() * k_hat[0][h / 2][j][c].item<double>() / 2;
+        }
+        err += (a - b) * (a - b);
+        ref += a * a;
+      }
+    }
+  }
+  EXPECT_NEAR(logit_error(q, k, k_hat).relative(), err / ref, 1e-12);
+}
+
+// ---- effective bits ---------------------------------------------------------
+
+TEST(EffectiveBits, MatchTheReportedCosts) {
+  const auto settings = [](QuantMethod method) {
+    FitOptions options;
+    options.method = method;
+    return resolve_settings(options, 128);
+  };
+  // OptR: INT2, group 128, sink 64 + residual 256 in 16 bits: 2.32 at 64K.
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), 128, 65536), 2.32, 0.01);
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), 128, 65536),
+              16.0 * 320 / 65536 + (65536.0 - 320) / 65536 * 2.25, 1e-12);
+  // KIVI-2, group 32: 2 + 32/32 bits, the residual vanishing at long contexts.
+  const double kivi = effective_bits(settings(QuantMethod::kKivi), 128, 131072);
+  EXPECT_GT(kivi, 3.0);
+  EXPECT_LT(kivi, 3.02);
+  EXPECT_NEAR(kivi, 16.0 * 128 / 131072 + (131072.0 - 128) / 131072 * 3, 1e-12);
+  // RTN per token, group 128: 2.25 at every context.
+  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kRtn), 128, 2048), 2.25);
+  // KVQuant: keys 2 + 1% x 32 + per-channel scale/offset and pointers over
+  // the context; values 2 + 1% x 32 + 32 / 128 per token; the sink exact.
+  const double t = 4096, q = (t - 1) / t;
+  const double keys = 16 / t + q * (2 + 0.32) + 64 / t;
+  const double values = 16 / t + q * (2 + 32.0 / 128 + 0.32 + 32.0 / 128);
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKvquant), 128, 4096), (keys + values) / 2, 1e-12);
+  // Windows longer than the context: everything 16 bits.
+  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kInt2Rot), 128, 300), 16.0);
+}
+
+// ---- RoPE settings from the fingerprint -------------------------------------
+
+TEST(FingerprintRope, ParsesWhatFingerprintsWrite) {
+  RopeConfig llama3;
+  llama3.type = RopeType::kLlama3;
+  llama3.theta = 500000;
+  llama3.factor = 8;
+  llama3.low_freq_factor = 1;
+  llama3.high_freq_factor = 4;
+  llama3.original_max_position_embeddings = 8192;
+  RopeConfig linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 2;
+  for (const RopeConfig& rope : {RopeConfig{}, linear, llama3}) {
+    const RopeConfig parsed = parse_rope_json(rope_json(rope), "a.h5");
+    EXPECT_EQ(parsed.type, rope.type);
+    EXPECT_EQ(parsed.theta, rope.theta);
+    EXPECT_EQ(parsed.factor, rope.factor);
+    EXPECT_EQ(parsed.low_freq_factor, rope.low_freq_factor);
+    EXPECT_EQ(parsed.high_freq_factor, rope.high_freq_factor);
+    EXPECT_EQ(parsed.original_max_position_embeddings, rope.original_max_position_embeddings);
+  }
+  EXPECT_THROW(parse_rope_json("{\"type\":\"yarn\",\"theta\":1}", "a.h5"), InputError);
+  EXPECT_THROW(parse_rope_json("{\"type\":\"default\"}", "a.h5"), InputError);
+  EXPECT_THROW(parse_rope_json("not json", "a.h5"), InputError);
+}
+
+// ---- fitting on captured activations ----------------------------------------
+
+constexpr int64_t kWindows = 4;
+constexpr int64_t kSeqLen = 512;
+
+// A small store recorded from pyllama-16m over calib.txt: 4 windows of 512
+// positions (BOS + 511 text tokens), every field.
+class CapturedStore : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const auto dir = testing::scratch_dir("quantizers");
+    path_ = new std::filesystem::path(dir / "acts.h5");
+    const auto model_dir = testing::pyllama_dir();
+    const ModelConfig config = load_model_config(model_dir);
+    const Tokenizer tokenizer = Tokenizer::from_file(model_dir / "tokenizer.json");
+    std::string text = testing::read_file(testing::shared_dir() / "data" / "calib.txt");
+    text.resize(text.rfind('\n', 120000) + 1);
+    const std::vector<int32_t> stream = tokenizer.encode(text);
+    ASSERT_GT(stream.size(), static_cast<size_t>(kWindows * 4000));
+
+    ActivationStoreLayout layout;
+    layout.model = fingerprint_model(config, Checkpoint(model_dir), tokenizer.sha256());
+    auto& p = layout.provenance;
+    p.data_file = "calib.txt";
+    p.data_sha256 = sha256_hex(text);
+    p.data_tokens = static_cast<int64_t>(stream.size());
+    p.samples = kWindows;
+    p.seq_len = kSeqLen;
+    p.seed = 0;
+    p.bos = true;
+    p.compute_dtype = "fp32";
+    p.device = "cpu";
+    p.tool_version = "test";
+    p.command_line = "test_quantizers";
+    layout.fields = all_activation_fields();
+    layout.compression_level = 0;
+    ActivationStoreWriter writer = ActivationStoreWriter::create(*path_, layout);
+
+    std::vector<int64_t> ids;
+    for (int64_t w = 0; w < kWindows; ++w) {
+      const int64_t start = w * 4000;
+      std::vector<int32_t> tokens = {0};
+      tokens.insert(tokens.end(), stream.begin() + start, stream.begin() + start + kSeqLen - 1);
+      writer.write_tokens(w, start, tokens);
+      ids.insert(ids.end(), tokens.begin(), tokens.end());
+    }
+    const Transformer model = Transformer::load(model_dir, {c10::Device(c10::kCPU), c10::kFloat});
+    const at::Tensor input = at::tensor(at::ArrayRef<int64_t>(ids)).view({kWindows, kSeqLen});
+    record_activations(model, input, {all_activation_fields(), 1024},
+                       [&](ActivationField field, int64_t layer, const at::Tensor& values) {
+                         const at::Tensor cpu = values.detach().to(at::kCPU, at::kFloat);
+                         for (int64_t w = 0; w < kWindows; ++w) {
+                           const at::Tensor one = cpu[w].contiguous();
+                           writer.write(field, layer, w, {one.data_ptr<float>(), static_cast<size_t>(one.numel())});
+                         }
+                       });
+    for (int64_t w = 0; w < kWindows; ++w) writer.commit_sample(w);
+    writer.close();
+    store_ = new ActivationStoreReader(*path_);
+  }
+  static void TearDownTestSuite() {
+    delete store_;
+    if (path_ != nullptr) std::filesystem::remove_all(path_->parent_path());
+    delete path_;
+  }
+
+  // [kWindows, kv_heads, T, D] float32, read here without the code under test.
+  static at::Tensor read(ActivationField field, int64_t layer) {
+    const auto& model = store_->layout().model;
+    const int64_t heads = uses_query_heads(field) ? model.num_heads : model.num_kv_heads;
+    std::vector<at::Tensor> per_head;
+    for (int64_t h = 0; h < heads; ++h) {
+      const std::vector<float> data = store_->read_head(field, layer, h, 0, kWindows);
+      per_head.push_back(at::tensor(at::ArrayRef<float>(data)).view({kWindows, kSeqLen, model.head_dim}));
+    }
+    return at::stack(per_head, 1);
+  }
+
+  static FitOptions kvquant() {
+    FitOptions options;
+    options.method = QuantMethod::kKvquant;
+    return options;
+  }
+
+  static std::filesystem::path* path_;
+  static ActivationStoreReader* store_;
+};
+std::filesystem::path* CapturedStore::path_ = nullptr;
+ActivationStoreReader* CapturedStore::store_ = nullptr;
+
+// The normalized inliers of one layer (positions past the sink) as float64
+// values, written out: keys by their channel's offset and scale, values by
+// their token's inlier min and max.
+struct Normalized {
+  std::vector<double> values, weights;
+};
+
+Normalized normalized_keys(const TensorQuantizer& q, const at::Tensor& keys, const at::Tensor& fisher) {
+  Normalized n;
+  const auto k = keys.accessor<float, 4>();
+  const auto f = fisher.accessor<float, 4>();
+  const int64_t dim = keys.size(3);
+  for (int64_t w = 0; w < keys.size(0); ++w) {
+    for (int64_t h = 0; h < keys.size(1); ++h) {
+      for (int64_t t = 1; t < keys.size(2); ++t) {
+        for (int64_t c = 0; c < dim; ++c) {
+          const size_t i = static_cast<size_t>(h * dim + c);
+          const double x = k[w][h][t][c];
+          if (x < q.outlier_low.values[i] || x > q.outlier_high.values[i]) continue;
+          n.values.push_back((x - q.channel_offset.values[i]) / q.channel_scale.values[i]);
+          n.weights.push_back(f[w][h][t][c]);
+        }
+      }
+    }
+  }
+  return n;
+}
+
+Normalized normalized_values(const TensorQuantizer& q, const at::Tensor& values, const at::Tensor& fisher) {
+  Normalized n;
+  const auto v = values.accessor<float, 4>();
+  const auto f = fisher.accessor<float, 4>();
+  const int64_t dim = values.size(3);
+  for (int64_t w = 0; w < values.size(0); ++w) {
+    for (int64_t h = 0; h < values.size(1); ++h) {
+      for (int64_t t = 1; t < values.size(2); ++t) {
+        double mean = 0, var = 0;
+        for (int64_t c = 0; c < dim; ++c) mean += v[w][h][t][c] / static_cast<double>(dim);
+        for (int64_t c = 0; c < dim; ++c) var += std::pow(v[w][h][t][c] - mean, 2) / static_cast<double>(dim);
+        std::vector<bool> inlier(static_cast<size_t>(dim));
+        double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+        for (int64_t c = 0; c < dim; ++c) {
+          inlier[static_cast<size_t>(c)] = !(std::abs(v[w][h][t][c] - mean) > q.outlier_tau * std::sqrt(var));
+          if (!inlier[static_cast<size_t>(c)]) continue;
+          mn = std::min<double>(mn, v[w][h][t][c]);
+          mx = std::max<double>(mx, v[w][h][t][c]);
+        }
+        if (!(mx > mn)) continue;
+        for (int64_t c = 0; c < dim; ++c) {
+          if (!inlier[static_cast<size_t>(c)]) continue;
+          n.values.push_back((v[w][h][t][c] - (mn + mx) / 2) / ((mx - mn) / 2));
+          n.weights.push_back(f[w][h][t][c]);
+        }
+      }
+    }
+  }
+  return n;
+}
+
+double weighted_error(const Normalized& n, const std::vector<float>& grid) {
+  double total = 0;
+  for (size_t i = 0; i < n.values.size(); ++i) {
+    total += n.weights[i] * std::pow(n.values[i] - reference_level(grid, n.values[i]), 2);
+  }
+  return total;
+}
+
+TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
+  const QuantizerConfig config = fit_quantizers(*store_, kvquant());
+  ASSERT_EQ(config.layers.size(), 5u);
+  EXPECT_EQ(config.name, "kvquant");
+  EXPECT_TRUE(config.settings.keys_pre_rope);
+  for (int64_t layer = 0; layer < 5; ++layer) {
+    const LayerQuantizers& lq = config.layers[static_cast<size_t>(layer)];
+    ASSERT_EQ(lq.keys.grid.size(), 4u);
+    ASSERT_EQ(lq.values.grid.size(), 4u);
+    // Keys: per-channel thresholds over positions past the sink.
+    const at::Tensor keys = read(ActivationField::kKeysPreRope, layer);
+    const auto k = keys.accessor<float, 4>();
+    int64_t selected = 0, total = 0;
+    for (int64_t w = 0; w < kWindows; ++w) {
+      for (int64_t h = 0; h < keys.size(1); ++h) {
+        for (int64_t t = 1; t < kSeqLen; ++t) {
+          for (int64_t c = 0; c < keys.size(3); ++c) {
+            const size_t i = static_cast<size_t>(h * keys.size(3) + c);
+            selected += k[w][h][t][c] < lq.keys.outlier_low.values[i] || k[w][h][t][c] > lq.keys.outlier_high.values[i];
+            ++total;
+          }
+        }
+      }
+    }
+    const double key_share = static_cast<double>(selected) / static_cast<double>(total);
+    EXPECT_NEAR(key_share, 0.01, 0.001) << "layer " << layer;
+    EXPECT_NEAR(lq.stats.key_outlier_fraction, key_share, 1e-12) << "layer " << layer;
+    // Values: |x - mean_t| > tau std_t per token.
+    const at::Tensor values = read(ActivationField::kValues, layer);
+    const auto v = values.accessor<float, 4>();
+    selected = total = 0;
+    for (int64_t w = 0; w < kWindows; ++w) {
+      for (int64_t h = 0; h < values.size(1); ++h) {
+        for (int64_t t = 1; t < kSeqLen; ++t) {
+          double mean = 0, var = 0;
+          const int64_t dim = values.size(3);
+          for (int64_t c = 0; c < dim; ++c) mean += v[w][h][t][c] / static_cast<double>(dim);
+          for (int64_t c = 0; c < dim; ++c) var += std::pow(v[w][h][t][c] - mean, 2) / static_cast<double>(dim);
+          for (int64_t c = 0; c < dim; ++c) {
+            selected += std::abs(v[w][h][t][c] - mean) > lq.values.outlier_tau * std::sqrt(var);
+            ++total;
+          }
+        }
+      }
+    }
+    const double value_share = static_cast<double>(selected) / static_cast<double>(total);
+    EXPECT_NEAR(value_share, 0.01, 0.001) << "layer " << layer;
+    EXPECT_NEAR(lq.stats.value_outlier_fraction, value_share, 1e-5) << "layer " << layer;
+    // Quantized keys and values are worse than nothing but far from useless.
+    EXPECT_GT(lq.stats.key_relative_mse, 0);
+    EXPECT_LT(lq.stats.key_relative_mse, 0.2);
+    EXPECT_LT(lq.stats.value_relative_mse, 0.3);
+    EXPECT_GT(lq.stats.logit_relative_mse, 0);
+    EXPECT_LT(lq.stats.logit_relative_mse, 0.3);
+  }
+  ASSERT_EQ(config.effective_bits.size(), 5u);
+  EXPECT_EQ(config.effective_bits[3].first, 65536);
+}
+
+TEST_F(CapturedStore, QNormKeepsMeanAndStdOfTheNormalizedData) {
+  const QuantizerConfig config = fit_quantizers(*store_, kvquant());
+  for (int64_t layer = 0; layer < 5; ++layer) {
+    const LayerQuantizers& lq = config.layers[static_cast<size_t>(layer)];
+    const Normalized keys = normalized_keys(lq.keys, read(ActivationField::kKeysPreRope, layer),
+                                            read(ActivationField::kFisherKeys, layer));
+    const Normalized values = normalized_values(lq.values, read(ActivationField::kValues, layer),
+                                                read(ActivationField::kFisherValues, layer));
+    for (const auto& [n, grid, what] : {std::tuple{&keys, &lq.keys.grid, "keys"},
+                                        std::tuple{&values, &lq.values.grid, "values"}}) {
+      double mean = 0, mean_hat = 0;
+      for (const double x : n->values) {
+        mean += x;
+        mean_hat += reference_level(*grid, x);
+      }
+      mean /= static_cast<double>(n->values.size());
+      mean_hat /= static_cast<double>(n->values.size());
+      double var = 0, var_hat = 0;
+      for (const double x : n->values) {
+        var += (x - mean) * (x - mean);
+        var_hat += std::pow(reference_level(*grid, x) - mean_hat, 2);
+      }
+      const double std = std::sqrt(var / static_cast<double>(n->values.size()));
+      const double std_hat = std::sqrt(var_hat / static_cast<double>(n->values.size()));
+      EXPECT_NEAR(mean_hat, mean, 1e-3) << what << " layer " << layer;
+      EXPECT_NEAR(std_hat, std, 1e-3) << what << " layer " << layer;
+    }
+  }
+}
+
+TEST_F(CapturedStore, FisherWeightingLowersTheFisherWeightedError) {
+  FitOptions weighted = kvquant(), plain = kvquant();
+  weighted.q_norm = plain.q_norm = false;
+  plain.fisher = false;
+  const QuantizerConfig a = fit_quantizers(*store_, weighted);
+  const QuantizerConfig b = fit_quantizers(*store_, plain);
+  EXPECT_TRUE(a.settings.fisher_weighted);
+  EXPECT_FALSE(b.settings.fisher_weighted);
+  double total_a = 0, total_b = 0;
+  for (int64_t layer = 0; layer < 5; ++layer) {
+    const auto& la = a.layers[static_cast<size_t>(layer)];
+    const auto& lb = b.layers[static_cast<size_t>(layer)];
+    ASSERT_EQ(la.keys.channel_offset, lb.keys.channel_offset);
+    const Normalized keys = normalized_keys(la.keys, read(ActivationField::kKeysPreRope, layer),
+                                            read(ActivationField::kFisherKeys, layer));
+    const Normalized values = normalized_values(la.values, read(ActivationField::kValues, layer),
+                                                read(ActivationField::kFisherValues, layer));
+    for (const auto& [n, ga, gb] : {std::tuple{&keys, &la.keys.grid, &lb.keys.grid},
+                                    std::tuple{&values, &la.values.grid, &lb.values.grid}}) {
+      const double ea = weighted_error(*n, *ga), eb = weighted_error(*n, *gb);
+      // The histogram (4096 bins) makes the weighted optimum approximate.
+      EXPECT_LE(ea, eb * (1 + 1e-3)) << "layer " << layer;
+      total_a += ea;
+      total_b += eb;
+    }
+  }
+  EXPECT_LT(total_a, 0.99 * total_b);
+}
+
+TEST_F(CapturedStore, PreRopeKeysAreRotatedForTheLogitStatistic) {
+  // Nothing quantized (the sink covers the window): the logits of rotated
+  // pre-RoPE keys equal those of the stored post-RoPE keys.
+  FitOptions options = kvquant();
+  options.sink_tokens = kSeqLen - 16;
+  const QuantizerConfig config = fit_quantizers(*store_, options);
+  FitOptions rtn;
+  rtn.sink_tokens = kSeqLen;
+  const QuantizerConfig exact = fit_quantizers(*store_, rtn);
+  for (const auto& layer : exact.layers) {
+    EXPECT_EQ(layer.stats.key_relative_mse, 0.0);
+    EXPECT_EQ(layer.stats.logit_relative_mse, 0.0);
+  }
+  for (const auto& layer : config.layers) {
+    // 16 of 512 positions quantized: a small error, the rotation adding none.
+    EXPECT_GT(layer.stats.logit_relative_mse, 0);
+    EXPECT_LT(layer.stats.logit_relative_mse, 0.02);
+  }
+  // And a reference: layer 2's logit error computed here with RoPE applied
+  // to the simulated keys by the model's rotary embedding.
+  const at::Tensor q = read(ActivationField::kQueries, 2);
+  const at::Tensor k_post = read(ActivationField::kKeysPostRope, 2);
+  const at::Tensor k_hat = quantize_dequantize_keys(config, 2, read(ActivationField::kKeysPreRope, 2)).dequantized;
+  const RotaryEmbedding rope(parse_rope_json(store_->layout().model.rope, "store"), 128, c10::Device(c10::kCPU));
+  const at::Tensor rotated = RotaryEmbedding::apply(k_hat.to(at::kDouble), rope.tables(0, kSeqLen, at::kDouble));
+  double err = 0, ref = 0;
+  const at::Tensor causal = at::ones({kSeqLen, kSeqLen}, at::kBool).tril();
+  for (int64_t w = 0; w < kWindows; ++w) {
+    for (int64_t h = 0; h < 4; ++h) {
+      const at::Tensor qh = q[w][h].to(at::kDouble) / std::sqrt(128.0);
+      const at::Tensor s = at::matmul(qh, k_post[w][h / 2].to(at::kDouble).t()).masked_select(causal);
+      const at::Tensor s_hat = at::matmul(qh, rotated[w][h / 2].t()).masked_select(causal);
+      err += (s - s_hat).square().sum().item<double>();
+      ref += s.square().sum().item<double>();
+    }
+  }
+  EXPECT_NEAR(config.layers[2].stats.logit_relative_mse, err / ref, 1e-9 * err / ref);
+}
+
+TEST_F(CapturedStore, Int2RotClipRatiosMinimizeTheCalibrationError) {
+  FitOptions options;
+  options.method = QuantMethod::kInt2Rot;
+  const QuantizerConfig config = fit_quantizers(*store_, options);
+  EXPECT_EQ(config.settings.sink_tokens, 64);
+  EXPECT_EQ(config.settings.residual_tokens, 256);
+  for (const int64_t layer : {0, 3}) {
+    const LayerQuantizers& lq = config.layers[static_cast<size_t>(layer)];
+    for (const auto& [field, chosen] : {std::pair{ActivationField::kKeysPostRope, lq.keys.clip_ratio},
+                                        std::pair{ActivationField::kValues, lq.values.clip_ratio}}) {
+      const at::Tensor x = read(field, layer);
+      const auto a = x.accessor<float, 4>();
+      double best = std::numeric_limits<double>::infinity(), at_chosen = 0;
+      for (int i = 100; i >= 50; --i) {
+        const double r = i / 100.0;
+        double sse = 0;
+        for (int64_t w = 0; w < kWindows; ++w) {
+          for (int64_t h = 0; h < 2; ++h) {
+            for (int64_t t = 64; t < kSeqLen; ++t) {  // fitting skips the sink only
+              double mn = a[w][h][t][0], mx = mn;
+              for (int64_t c = 1; c < 128; ++c) {
+                mn = std::min<double>(mn, a[w][h][t][c]);
+                mx = std::max<double>(mx, a[w][h][t][c]);
+              }
+              for (int64_t c = 0; c < 128; ++c) {
+                sse += std::pow(a[w][h][t][c] - reference_round(a[w][h][t][c], r * mn, r * mx, 2, {}), 2);
+              }
+            }
+          }
+        }
+        best = std::min(best, sse);
+        if (std::abs(r - chosen) < 1e-6) at_chosen = sse;
+      }
+      EXPECT_LE(at_chosen, best * (1 + 1e-9)) << field_name(field) << " layer " << layer << " clip " << chosen;
+      EXPECT_LT(chosen, 1.0f);
+    }
+    // Quantized positions [64, 256) of each 512-token window; the rest exact.
+    EXPECT_EQ(lq.stats.key_outlier_fraction, 0.0);
+    EXPECT_GT(lq.stats.key_relative_mse, 0.0);
+  }
+}
+
+TEST_F(CapturedStore, MaxCalibrationTokensTakesLeadingWholeWindows) {
+  // 1100 tokens of 512-token windows: the first 2 windows.
+  FitOptions options;
+  options.bits = 3;
+  options.max_calibration_tokens = 1100;
+  const QuantizerConfig config = fit_quantizers(*store_, options);
+  const at::Tensor values = read(ActivationField::kValues, 1).narrow(0, 0, 2);
+  double err = 0, ref = 0;
+  for (int64_t w = 0; w < 2; ++w) {
+    Slab slab{2, kSeqLen, 128, {}};
+    const at::Tensor window = values[w].to(at::kDouble).contiguous();
+    slab.x.assign(window.data_ptr<double>(), window.data_ptr<double>() + window.numel());
+    const Reference r = reference_simulation(config.settings, config.settings.values, {}, slab);
+    for (size_t i = 0; i < slab.x.size(); ++i) {
+      err += std::pow(slab.x[i] - static_cast<double>(static_cast<float>(r.out.x[i])), 2);
+      ref += slab.x[i] * slab.x[i];
+    }
+  }
+  EXPECT_NEAR(config.layers[1].stats.value_relative_mse, err / ref, 1e-9);
+}
+
+TEST_F(CapturedStore, MissingFieldsAreNamed) {
+  // A store of the same model with only k_pre and v.
+  const auto dir = testing::scratch_dir("quantizers-fields");
+  ActivationStoreLayout layout = store_->layout();
+  layout.fields = {ActivationField::kKeysPreRope, ActivationField::kValues};
+  layout.provenance.samples = 1;
+  layout.provenance.seq_len = 64;
+  {
+    ActivationStoreWriter writer = ActivationStoreWriter::create(dir / "kv.h5", layout);
+    writer.write_tokens(0, 0, std::vector<int32_t>(64, 5));
+    for (int64_t layer = 0; layer < 5; ++layer) {
+      for (const auto field : layout.fields) {
+        const at::Tensor data = read(field, layer)[0].narrow(1, 0, 64).contiguous();
+        writer.write(field, layer, 0, {data.data_ptr<float>(), static_cast<size_t>(data.numel())});
+      }
+    }
+    writer.commit_sample(0);
+  }
+  const ActivationStoreReader small(dir / "kv.h5");
+  try {
+    fit_quantizers(small, kvquant());
+    ADD_FAILURE() << "expected an InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("fisher_k"), std::string::npos) << e.what();
+  }
+  FitOptions unweighted = kvquant();
+  unweighted.fisher = false;
+  const QuantizerConfig config = fit_quantizers(small, unweighted);
+  EXPECT_EQ(config.layers[0].stats.logit_relative_mse, 0.0);  // no queries: not measured
+  EXPECT_GT(config.layers[0].stats.key_relative_mse, 0.0);
+  FitOptions rtn;  // post-RoPE keys
+  EXPECT_THROW(fit_quantizers(small, rtn), InputError);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(CapturedStore, KiviAndRtnFitNothingAndNeedNoFisher) {
+  for (const QuantMethod method : {QuantMethod::kKivi, QuantMethod::kRtn}) {
+    FitOptions options;
+    options.method = method;
+    const QuantizerConfig config = fit_quantizers(*store_, options);
+    EXPECT_FALSE(config.settings.keys_pre_rope);
+    for (const auto& layer : config.layers) {
+      EXPECT_TRUE(layer.keys == TensorQuantizer{});
+      EXPECT_TRUE(layer.values == TensorQuantizer{});
+      EXPECT_GT(layer.stats.logit_relative_mse, 0.0);
+    }
+    // Per-channel key groups beat per-token ones on keys with outlier channels.
+    if (method == QuantMethod::kKivi) {
+      EXPECT_EQ(config.settings.keys.grouping, Grouping::kPerChannelTokens);
+      EXPECT_EQ(config.settings.keys.group, 32);
+      EXPECT_EQ(config.settings.residual_tokens, 128);
+    }
+  }
+  // KIVI with runtime outliers (an ablation): tau per token, as for values.
+  FitOptions outliers;
+  outliers.method = QuantMethod::kKivi;
+  outliers.outlier_fraction = 0.01;
+  const QuantizerConfig config = fit_quantizers(*store_, outliers);
+  for (const auto& layer : config.layers) {
+    EXPECT_GT(layer.keys.outlier_tau, 0.0f);
+    EXPECT_TRUE(layer.keys.outlier_low.empty());
+    // Fitted on all 512 positions, measured on the quantized [0, 384).
+    EXPECT_NEAR(layer.stats.key_outlier_fraction, 0.01, 0.0025);
+  }
+  FitOptions bad;
+  bad.value_group = 48;
+  EXPECT_THROW(fit_quantizers(*store_, bad), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace kvforge
