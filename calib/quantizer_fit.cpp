@@ -202,16 +202,11 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
   return s;
 }
 
-LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,
-                          const FitOptions& options, const RopeConfig* rope) {
-  check_activations(activations);
-  LayerQuantizers layer;
-  layer.keys = fit_tensor(settings, settings.keys, activations.keys, activations.fisher_keys, options);
-  layer.values = fit_tensor(settings, settings.values, activations.values, activations.fisher_values, options);
-
-  const SimulatedTensor keys = simulate_quantization(settings, settings.keys, layer.keys, activations.keys);
-  const SimulatedTensor values = simulate_quantization(settings, settings.values, layer.values, activations.values);
-  LayerCalibrationStats& stats = layer.stats;
+LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
+                                    const LayerActivations& activations, const RopeConfig* rope) {
+  const SimulatedTensor keys = simulate_quantization(settings, settings.keys, quantizers.keys, activations.keys);
+  const SimulatedTensor values = simulate_quantization(settings, settings.values, quantizers.values, activations.values);
+  LayerCalibrationStats stats;
   stats.key_relative_mse = tensor_error(activations.keys, keys.dequantized).relative();
   stats.value_relative_mse = tensor_error(activations.values, values.dequantized).relative();
   stats.key_outlier_fraction = outlier_share(settings, settings.keys, keys);
@@ -221,13 +216,23 @@ LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivati
     at::Tensor approx = keys.dequantized;
     if (settings.keys_pre_rope) {
       if (rope == nullptr || !activations.keys_post_rope.defined()) {
-        throw std::invalid_argument("fit_layer: pre-RoPE keys need the RoPE settings and post-RoPE reference keys");
+        throw std::invalid_argument("measure_layer: pre-RoPE keys need the RoPE settings and post-RoPE reference keys");
       }
       const RotaryEmbedding rotary(*rope, approx.size(-1), c10::Device(c10::kCPU));
       approx = RotaryEmbedding::apply(approx.to(at::kDouble), rotary.tables(0, approx.size(-2), at::kDouble));
     }
     stats.logit_relative_mse = logit_error(activations.queries, reference, approx).relative();
   }
+  return stats;
+}
+
+LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,
+                          const FitOptions& options, const RopeConfig* rope) {
+  check_activations(activations);
+  LayerQuantizers layer;
+  layer.keys = fit_tensor(settings, settings.keys, activations.keys, activations.fisher_keys, options);
+  layer.values = fit_tensor(settings, settings.values, activations.values, activations.fisher_values, options);
+  layer.stats = measure_layer(settings, layer, activations, rope);
   return layer;
 }
 
@@ -264,6 +269,38 @@ void require_field(const ActivationStoreReader& store, ActivationField field, co
 }
 
 }  // namespace
+
+LayerActivations read_layer_activations(const ActivationStoreReader& store, const QuantizerSettings& settings,
+                                        int64_t layer, int64_t windows, int64_t tokens, bool fisher, bool logits) {
+  const ActivationField key_field = settings.keys_pre_rope ? ActivationField::kKeysPreRope
+                                                           : ActivationField::kKeysPostRope;
+  LayerActivations a;
+  a.keys = read_field(store, key_field, layer, windows, tokens);
+  a.values = read_field(store, ActivationField::kValues, layer, windows, tokens);
+  if (fisher) {
+    a.fisher_keys = read_field(store, ActivationField::kFisherKeys, layer, windows, tokens);
+    a.fisher_values = read_field(store, ActivationField::kFisherValues, layer, windows, tokens);
+  }
+  if (logits) {
+    a.queries = read_field(store, ActivationField::kQueries, layer, windows, tokens);
+    if (settings.keys_pre_rope) a.keys_post_rope = read_field(store, ActivationField::kKeysPostRope, layer, windows, tokens);
+  }
+  return a;
+}
+
+LayerActivations load_layer_activations(const ActivationStoreReader& store, const QuantizerSettings& settings,
+                                        int64_t layer, int64_t max_samples) {
+  const ActivationField key_field = settings.keys_pre_rope ? ActivationField::kKeysPreRope
+                                                           : ActivationField::kKeysPostRope;
+  require_field(store, key_field, "the configuration's keys");
+  require_field(store, ActivationField::kValues, "values are quantized");
+  const bool logits = has_field(store, ActivationField::kQueries) &&
+                      (!settings.keys_pre_rope || has_field(store, ActivationField::kKeysPostRope));
+  const int64_t samples = store.samples_complete();
+  if (samples < 1) throw InputError(store.path().string(), "samples_complete", "expected at least one sample");
+  const int64_t windows = max_samples > 0 ? std::min(max_samples, samples) : samples;
+  return read_layer_activations(store, settings, layer, windows, store.layout().provenance.seq_len, false, logits);
+}
 
 QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOptions& options) {
   const ModelFingerprint& model = store.layout().model;
@@ -305,17 +342,7 @@ QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOpti
   }
 
   for (int64_t layer = 0; layer < model.num_layers; ++layer) {
-    LayerActivations a;
-    a.keys = read_field(store, key_field, layer, windows, tokens);
-    a.values = read_field(store, ActivationField::kValues, layer, windows, tokens);
-    if (fisher) {
-      a.fisher_keys = read_field(store, ActivationField::kFisherKeys, layer, windows, tokens);
-      a.fisher_values = read_field(store, ActivationField::kFisherValues, layer, windows, tokens);
-    }
-    if (logits) {
-      a.queries = read_field(store, ActivationField::kQueries, layer, windows, tokens);
-      if (settings.keys_pre_rope) a.keys_post_rope = read_field(store, ActivationField::kKeysPostRope, layer, windows, tokens);
-    }
+    const LayerActivations a = read_layer_activations(store, settings, layer, windows, tokens, fisher, logits);
     config.layers.push_back(fit_layer(settings, a, options, &rope));
     const LayerCalibrationStats& s = config.layers.back().stats;
     log::info("layer ", layer, ": key rel. MSE ", s.key_relative_mse, ", value rel. MSE ", s.value_relative_mse,

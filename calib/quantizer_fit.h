@@ -78,6 +78,21 @@ struct LayerActivations {
 LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,
                           const FitOptions& options, const RopeConfig* rope = nullptr);
 
+// The measures of LayerCalibrationStats for fitted quantizers on any
+// activations (calibration or held-out).
+LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
+                                    const LayerActivations& activations, const RopeConfig* rope);
+
+// One layer of a store as a configuration needs it: keys in its domain,
+// values, Fisher weights when asked, queries (and post-RoPE keys) when the
+// store has them; the first `windows` windows, `tokens` leading positions.
+LayerActivations read_layer_activations(const ActivationStoreReader& store, const QuantizerSettings& settings,
+                                        int64_t layer, int64_t windows, int64_t tokens, bool fisher, bool logits);
+// The same over whole windows (at most `max_samples`; all when <= 0), for
+// measuring a configuration on another store. InputError for missing fields.
+LayerActivations load_layer_activations(const ActivationStoreReader& store, const QuantizerSettings& settings,
+                                        int64_t layer, int64_t max_samples = 0);
+
 // Reads the store layer by layer and fits every layer. InputError naming the
 // store for a field the method needs that the store lacks, or no samples.
 QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOptions& options);

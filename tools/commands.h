@@ -20,5 +20,7 @@ Command add_info_command(CLI::App& app);
 Command add_perplexity_command(CLI::App& app);
 Command add_generate_command(CLI::App& app);
 Command add_capture_command(CLI::App& app);
+Command add_calibrate_command(CLI::App& app);
+Command add_inspect_command(CLI::App& app);
 
 }  // namespace kvforge::cli

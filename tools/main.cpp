@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
   add(kvforge::cli::add_perplexity_command);
   add(kvforge::cli::add_generate_command);
   add(kvforge::cli::add_capture_command);
+  add(kvforge::cli::add_calibrate_command);
+  add(kvforge::cli::add_inspect_command);
 
   try {
     app.parse(argc, argv);
