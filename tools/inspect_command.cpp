@@ -24,6 +24,7 @@ struct InspectFlags {
 };
 
 std::string file_schema(const std::string& path) {
+  const hdf5::QuietErrors quiet;  // failures become one InputError line
   const auto file = hdf5::File::open(path, hdf5::File::Mode::kReadOnly);
   const auto root = file.root();
   if (!root.has_attribute("schema")) {

@@ -1,0 +1,134 @@
+// kvforge calibrate and kvforge inspect as a user runs them.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/activation_store.h"
+#include "formats/artifact.h"
+#include "tests/test_paths.h"
+
+namespace kvforge {
+namespace {
+
+std::string quoted(const std::filesystem::path& path) { return "'" + path.string() + "'"; }
+
+// One small store shared by the tests of this file (2 windows x 96 tokens).
+const std::filesystem::path& calibration_store() {
+  static const std::filesystem::path path = [] {
+    const auto dir = testing::scratch_dir("calibrate-cli");
+    const auto store = dir / "acts.h5";
+    const auto result = testing::run_kvforge(
+        "capture --quiet --model " + quoted(testing::pyllama_dir()) + " --data " +
+        quoted(testing::shared_dir() / "data" / "calib.txt") + " --samples 2 --seq-len 96 --out " + quoted(store));
+    if (result.exit_code != 0) throw std::runtime_error("capture failed: " + result.stderr_text);
+    return store;
+  }();
+  return path;
+}
+
+TEST(CalibrateCli, EveryMethodIntoOneArtifactThatInspectReads) {
+  const auto dir = testing::scratch_dir("calibrate-all");
+  const auto artifact_path = dir / "art.h5";
+  const auto result = testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                           quoted(artifact_path) + " --method kvquant,kivi,int2-rot,rtn --bits 2");
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  const Artifact artifact = read_artifact(artifact_path);
+  ASSERT_EQ(artifact.configs.size(), 4u);
+  EXPECT_EQ(artifact.configs.front().name, "kvquant-2bit");
+  EXPECT_EQ(artifact.model, ActivationStoreReader(calibration_store()).layout().model);
+  EXPECT_EQ(artifact.calibration.calibration_tokens, 2 * 96);
+  EXPECT_NE(artifact.command_line.find("calibrate"), std::string::npos);
+
+  // --append adds a configuration and keeps the others.
+  const auto appended = testing::run_kvforge("calibrate --quiet --append --acts " + quoted(calibration_store()) +
+                                             " --out " + quoted(artifact_path) +
+                                             " --method kvquant --bits 3 --name ablation --no-fisher --uniform");
+  ASSERT_EQ(appended.exit_code, 0) << appended.stderr_text;
+  const Artifact more = read_artifact(artifact_path);
+  ASSERT_EQ(more.configs.size(), 5u);
+  EXPECT_EQ(more.configs.back().name, "ablation");
+  EXPECT_FALSE(more.configs.back().settings.fisher_weighted);
+  EXPECT_FALSE(more.configs.back().settings.keys.non_uniform);
+
+  const auto text = testing::run_kvforge("inspect " + quoted(artifact_path));
+  ASSERT_EQ(text.exit_code, 0) << text.stderr_text;
+  EXPECT_NE(text.stdout_text.find("kivi-2bit"), std::string::npos);
+  EXPECT_NE(text.stdout_text.find("effective bits"), std::string::npos);
+
+  const auto json = testing::run_kvforge("inspect --json " + quoted(artifact_path) + " --acts " + quoted(calibration_store()));
+  ASSERT_EQ(json.exit_code, 0) << json.stderr_text;
+  const auto summary = nlohmann::json::parse(json.stdout_text);
+  ASSERT_EQ(summary.at("configs").size(), 5u);
+  const auto& kvquant = summary.at("configs").at(0);
+  EXPECT_EQ(kvquant.at("layers").size(), 5u);
+  // Measured again on the calibration store itself, the held-out columns
+  // reproduce the statistics calibrate recorded.
+  for (const auto& layer : kvquant.at("layers")) {
+    EXPECT_NEAR(layer.at("heldout").at("key_relative_mse").get<double>(),
+                layer.at("calibration").at("key_relative_mse").get<double>(), 1e-9);
+    EXPECT_NEAR(layer.at("heldout").at("value_outlier_fraction").get<double>(),
+                layer.at("calibration").at("value_outlier_fraction").get<double>(), 1e-9);
+  }
+}
+
+TEST(CalibrateCli, InspectSummarizesAStore) {
+  const auto result = testing::run_kvforge("inspect --json " + quoted(calibration_store()));
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  const auto summary = nlohmann::json::parse(result.stdout_text);
+  EXPECT_EQ(summary.at("schema"), "kvforge.activations");
+  ASSERT_EQ(summary.at("statistics").at("k_pre").size(), 5u);
+  const auto& layer1 = summary.at("statistics").at("k_pre").at(1);
+  EXPECT_EQ(layer1.at("mean_abs").size(), 256u);  // 2 KV heads x 128
+  EXPECT_GT(layer1.at("max_over_median_mean_abs").get<double>(), 2.0);  // the model README: outlier channels
+  const auto text = testing::run_kvforge("inspect " + quoted(calibration_store()));
+  EXPECT_EQ(text.exit_code, 0);
+  EXPECT_NE(text.stdout_text.find("kurtosis"), std::string::npos);
+}
+
+TEST(CalibrateCli, MissingFisherFieldsAreNamed) {
+  const auto dir = testing::scratch_dir("calibrate-nofisher");
+  const auto store = dir / "acts.h5";
+  ASSERT_EQ(testing::run_kvforge("capture --quiet --model " + quoted(testing::pyllama_dir()) + " --data " +
+                                 quoted(testing::shared_dir() / "data" / "calib.txt") +
+                                 " --samples 1 --seq-len 32 --fields q,k_pre,k_post,v --out " + quoted(store))
+                .exit_code,
+            0);
+  const auto result = testing::run_kvforge("calibrate --quiet --acts " + quoted(store) + " --out " +
+                                           quoted(dir / "art.h5") + " --method kvquant");
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_NE(result.stderr_text.find("fisher_k"), std::string::npos) << result.stderr_text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "art.h5"));
+  // Without Fisher weighting the same store calibrates.
+  EXPECT_EQ(testing::run_kvforge("calibrate --quiet --acts " + quoted(store) + " --out " + quoted(dir / "art.h5") +
+                                 " --method kvquant --no-fisher")
+                .exit_code,
+            0);
+}
+
+TEST(CalibrateCli, BadFilesAreOneLineErrors) {
+  const auto dir = testing::scratch_dir("calibrate-bad");
+  testing::write_file(dir / "junk.h5", "not an HDF5 file");
+  const auto junk = testing::run_kvforge("inspect --quiet " + quoted(dir / "junk.h5"));
+  EXPECT_EQ(junk.exit_code, 2);
+  EXPECT_NE(junk.stderr_text.find("junk.h5"), std::string::npos) << junk.stderr_text;
+
+  const auto artifact_path = dir / "art.h5";
+  ASSERT_EQ(testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                 quoted(artifact_path) + " --method rtn")
+                .exit_code,
+            0);
+  const std::string bytes = testing::read_file(artifact_path);
+  testing::write_file(dir / "truncated.h5", bytes.substr(0, bytes.size() / 2));
+  const auto truncated = testing::run_kvforge("inspect --quiet " + quoted(dir / "truncated.h5"));
+  EXPECT_EQ(truncated.exit_code, 2);
+  EXPECT_EQ(std::count(truncated.stderr_text.begin(), truncated.stderr_text.end(), '\n'), 1) << truncated.stderr_text;
+  EXPECT_NE(truncated.stderr_text.find("truncated.h5"), std::string::npos) << truncated.stderr_text;
+
+  const auto bad_bits = testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                             quoted(dir / "x.h5") + " --bits 5");
+  EXPECT_NE(bad_bits.exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(dir / "x.h5"));
+}
+
+}  // namespace
+}  // namespace kvforge
