@@ -1,5 +1,7 @@
 #include "formats/activation_store.h"
 
+#include "formats/fingerprint_attributes.h"
+
 #include <algorithm>
 #include <array>
 #include <ctime>
@@ -194,69 +196,6 @@ std::string utc_now() {
 
 // --- attributes <-> structs ---------------------------------------------
 
-void write_model(Group& group, const ModelFingerprint& model) {
-  group.write_string("architecture", model.architecture);
-  group.write_scalar<int64_t>("num_layers", model.num_layers);
-  group.write_scalar<int64_t>("num_heads", model.num_heads);
-  group.write_scalar<int64_t>("num_kv_heads", model.num_kv_heads);
-  group.write_scalar<int64_t>("head_dim", model.head_dim);
-  group.write_scalar<int64_t>("hidden_size", model.hidden_size);
-  group.write_scalar<int64_t>("vocab_size", model.vocab_size);
-  group.write_string("rope", model.rope);
-  group.write_string("kvo_sha256", model.kvo_sha256);
-  group.write_string("tokenizer_sha256", model.tokenizer_sha256);
-}
-
-ModelFingerprint read_model(const Group& group) {
-  ModelFingerprint model;
-  model.architecture = group.read_string("architecture");
-  model.num_layers = group.read_integer<int64_t>("num_layers");
-  model.num_heads = group.read_integer<int64_t>("num_heads");
-  model.num_kv_heads = group.read_integer<int64_t>("num_kv_heads");
-  model.head_dim = group.read_integer<int64_t>("head_dim");
-  model.hidden_size = group.read_integer<int64_t>("hidden_size");
-  model.vocab_size = group.read_integer<int64_t>("vocab_size");
-  model.rope = group.read_string("rope");
-  model.kvo_sha256 = group.read_string("kvo_sha256");
-  model.tokenizer_sha256 = group.read_string("tokenizer_sha256");
-  return model;
-}
-
-void write_provenance(Group& group, const CaptureProvenance& provenance) {
-  group.write_string("data_file", provenance.data_file);
-  group.write_string("data_sha256", provenance.data_sha256);
-  group.write_scalar<int64_t>("data_tokens", provenance.data_tokens);
-  group.write_scalar<int64_t>("samples", provenance.samples);
-  group.write_scalar<int64_t>("seq_len", provenance.seq_len);
-  group.write_scalar<uint64_t>("seed", provenance.seed);
-  group.write_scalar<uint8_t>("bos", provenance.bos ? 1 : 0);
-  group.write_string("compute_dtype", provenance.compute_dtype);
-  group.write_string("device", provenance.device);
-  group.write_string("tool_version", provenance.tool_version);
-  group.write_string("command_line", provenance.command_line);
-}
-
-CaptureProvenance read_provenance(const Group& group) {
-  CaptureProvenance provenance;
-  provenance.data_file = group.read_string("data_file");
-  provenance.data_sha256 = group.read_string("data_sha256");
-  provenance.data_tokens = group.read_integer<int64_t>("data_tokens");
-  provenance.samples = group.read_integer<int64_t>("samples");
-  provenance.seq_len = group.read_integer<int64_t>("seq_len");
-  provenance.seed = group.read_integer<uint64_t>("seed");
-  const int64_t bos = group.read_integer<int64_t>("bos");
-  if (bos != 0 && bos != 1) {
-    hdf5::Location(group.where().file(), group.where().name() + "@bos")
-        .fail("expected 0 or 1, got " + std::to_string(bos));
-  }
-  provenance.bos = bos == 1;
-  provenance.compute_dtype = group.read_string("compute_dtype");
-  provenance.device = group.read_string("device");
-  provenance.tool_version = group.read_string("tool_version");
-  provenance.command_line = group.read_string("command_line");
-  return provenance;
-}
-
 std::vector<ActivationField> read_fields(const Group& root) {
   const hdf5::Location where(root.where().file(), "/@fields");
   std::vector<ActivationField> fields;
@@ -296,7 +235,7 @@ void write_sources(Group& root, const std::vector<CaptureProvenance>& sources) {
   int64_t first_sample = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
     Group source = group.create_group(std::to_string(i));
-    write_provenance(source, sources[i]);
+    write_capture_provenance(source, sources[i]);
     source.write_scalar<int64_t>("first_sample", first_sample);
     first_sample += sources[i].samples;
   }
@@ -313,7 +252,7 @@ std::vector<CaptureProvenance> read_sources(const Group& root, const CaptureProv
       hdf5::Location(source.where().file(), source.where().name() + "@first_sample")
           .fail("expected " + std::to_string(samples) + " (the samples of the sources before it)");
     }
-    sources.push_back(read_provenance(source));
+    sources.push_back(read_capture_provenance(source));
     samples += sources.back().samples;
   }
   if (sources.empty() || samples != merged.samples) {
@@ -373,8 +312,8 @@ StoreState load_state(const File& file) {
   const Group root = file.root();
   validate_schema(root);
   StoreState state;
-  state.layout.model = read_model(root.open_group("model"));
-  state.layout.provenance = read_provenance(root.open_group("provenance"));
+  state.layout.model = read_model_fingerprint(root.open_group("model"));
+  state.layout.provenance = read_capture_provenance(root.open_group("provenance"));
   state.layout.fields = read_fields(root);
   state.layout.compression_level = static_cast<int>(root.read_integer<int64_t>("compression_level"));
   if (const auto problem = layout_problem(state.layout)) {
@@ -502,9 +441,9 @@ struct ActivationStoreWriter::Impl {
     Group root = file.root();
     write_root_attributes(root, layout, command_line);
     Group model = root.create_group("model");
-    write_model(model, layout.model);
+    write_model_fingerprint(model, layout.model);
     Group provenance = root.create_group("provenance");
-    write_provenance(provenance, layout.provenance);
+    write_capture_provenance(provenance, layout.provenance);
     if (!sources.empty()) write_sources(root, sources);
     create_datasets(root, layout);
     file.flush();

@@ -1,5 +1,7 @@
 #include "formats/artifact.h"
 
+#include "formats/fingerprint_attributes.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -526,71 +528,13 @@ std::vector<std::pair<int64_t, double>> read_effective_bits(const Group& group) 
 // --- groups <-> structs ----------------------------------------------------------
 
 // The attribute names and types of the activation store's /model and /provenance.
-void write_model(Group& group, const ModelFingerprint& model) {
-  group.write_string("architecture", model.architecture);
-  group.write_scalar<int64_t>("num_layers", model.num_layers);
-  group.write_scalar<int64_t>("num_heads", model.num_heads);
-  group.write_scalar<int64_t>("num_kv_heads", model.num_kv_heads);
-  group.write_scalar<int64_t>("head_dim", model.head_dim);
-  group.write_scalar<int64_t>("hidden_size", model.hidden_size);
-  group.write_scalar<int64_t>("vocab_size", model.vocab_size);
-  group.write_string("rope", model.rope);
-  group.write_string("kvo_sha256", model.kvo_sha256);
-  group.write_string("tokenizer_sha256", model.tokenizer_sha256);
-}
-
-ModelFingerprint read_model(const Group& group) {
-  ModelFingerprint model;
-  model.architecture = group.read_string("architecture");
-  model.num_layers = group.read_integer<int64_t>("num_layers");
-  model.num_heads = group.read_integer<int64_t>("num_heads");
-  model.num_kv_heads = group.read_integer<int64_t>("num_kv_heads");
-  model.head_dim = group.read_integer<int64_t>("head_dim");
-  model.hidden_size = group.read_integer<int64_t>("hidden_size");
-  model.vocab_size = group.read_integer<int64_t>("vocab_size");
-  model.rope = group.read_string("rope");
-  model.kvo_sha256 = group.read_string("kvo_sha256");
-  model.tokenizer_sha256 = group.read_string("tokenizer_sha256");
-  return model;
-}
-
-void write_source(Group& group, const CaptureProvenance& source) {
-  group.write_string("data_file", source.data_file);
-  group.write_string("data_sha256", source.data_sha256);
-  group.write_scalar<int64_t>("data_tokens", source.data_tokens);
-  group.write_scalar<int64_t>("samples", source.samples);
-  group.write_scalar<int64_t>("seq_len", source.seq_len);
-  group.write_scalar<uint64_t>("seed", source.seed);
-  write_bool(group, "bos", source.bos);
-  group.write_string("compute_dtype", source.compute_dtype);
-  group.write_string("device", source.device);
-  group.write_string("tool_version", source.tool_version);
-  group.write_string("command_line", source.command_line);
-}
-
-CaptureProvenance read_source(const Group& group) {
-  CaptureProvenance source;
-  source.data_file = group.read_string("data_file");
-  source.data_sha256 = group.read_string("data_sha256");
-  source.data_tokens = group.read_integer<int64_t>("data_tokens");
-  source.samples = group.read_integer<int64_t>("samples");
-  source.seq_len = group.read_integer<int64_t>("seq_len");
-  source.seed = group.read_integer<uint64_t>("seed");
-  source.bos = read_bool(group, "bos");
-  source.compute_dtype = group.read_string("compute_dtype");
-  source.device = group.read_string("device");
-  source.tool_version = group.read_string("tool_version");
-  source.command_line = group.read_string("command_line");
-  return source;
-}
-
 void write_calibration(Group& group, const CalibrationProvenance& calibration) {
   group.write_scalar<int64_t>("calibration_tokens", calibration.calibration_tokens);
   group.write_string("store_file", calibration.store_file);
   Group sources = group.create_group("sources");
   for (size_t k = 0; k < calibration.sources.size(); ++k) {
     Group source = sources.create_group(std::to_string(k));
-    write_source(source, calibration.sources[k]);
+    write_capture_provenance(source, calibration.sources[k]);
   }
 }
 
@@ -602,7 +546,7 @@ CalibrationProvenance read_calibration(const Group& group) {
   const int64_t count = sources.child_count();
   if (count < 1) sources.where().fail("expected at least one source (group 0)");
   for (int64_t k = 0; k < count; ++k) {
-    calibration.sources.push_back(read_source(sources.open_group(std::to_string(k))));
+    calibration.sources.push_back(read_capture_provenance(sources.open_group(std::to_string(k))));
   }
   return calibration;
 }
@@ -825,7 +769,7 @@ void write_artifact(const std::filesystem::path& path, const Artifact& artifact)
     root.write_string("created_utc", artifact.created_utc);
     root.write_string("command_line", artifact.command_line);
     Group model = root.create_group("model");
-    write_model(model, artifact.model);
+    write_model_fingerprint(model, artifact.model);
     Group calibration = root.create_group("calibration");
     write_calibration(calibration, artifact.calibration);
     Group configs = root.create_group("configs");
@@ -856,7 +800,7 @@ Artifact read_artifact(const std::filesystem::path& path) {
   artifact.tool_version = root.read_string("tool_version");
   artifact.created_utc = root.read_string("created_utc");
   artifact.command_line = root.read_string("command_line");
-  artifact.model = read_model(root.open_group("model"));
+  artifact.model = read_model_fingerprint(root.open_group("model"));
   check_model(rules, artifact.model);
   artifact.calibration = read_calibration(root.open_group("calibration"));
   const Group configs = root.open_group("configs");
