@@ -82,10 +82,14 @@ $KV capture --model "$MODEL" --data "$KVFORGE_SHARED/data/calib.txt" --samples 1
 tail -3 "$LOGS/capture.log"
 ls -la /tmp/acts.h5 && python3 -c "print('capture wall seconds:', $(date +%s.%N) - $start)"
 
+# A fresh machine spends ~5 of the device tool's 10 minutes a call building:
+# GPU_CHECKS_SKIP_BENCH=1 leaves the benchmark to a second call.
+if [ -n "${GPU_CHECKS_SKIP_BENCH:-}" ]; then echo "benchmark skipped"; else
 step "capture benchmark: Llama-3-8B shapes, random weights"
 ./build-gpu/bench/kvforge_bench_capture --device cuda --seq-len 2048 --iters 5 --store-dir /tmp \
   --long-context 32768 131072 --out "$OUT/capture_bench.json" > "$LOGS/capture_bench.log" 2>&1 || status=1
 tail -60 "$LOGS/capture_bench.log"
+fi
 
 cp "$LOGS/ctest.log" "$OUT/"
 tar -czf "$OUT/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" --exclude='*.safetensors'
