@@ -1,6 +1,7 @@
 #include "formats/activation_store.h"
 
 #include "formats/fingerprint_attributes.h"
+#include "formats/remove_on_failure.h"
 
 #include <algorithm>
 #include <array>
@@ -344,21 +345,6 @@ void check_field(const ActivationStoreLayout& layout, ActivationField field) {
   }
 }
 
-// Removes a file on scope exit unless released: the .tmp of a failed merge.
-class RemoveOnFailure {
- public:
-  explicit RemoveOnFailure(std::filesystem::path path) : path_(std::move(path)) {}
-  ~RemoveOnFailure() {
-    std::error_code ignored;
-    if (!path_.empty()) std::filesystem::remove(path_, ignored);
-  }
-  RemoveOnFailure(const RemoveOnFailure&) = delete;
-  RemoveOnFailure& operator=(const RemoveOnFailure&) = delete;
-  void release() { path_.clear(); }
-
- private:
-  std::filesystem::path path_;
-};
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 #include "formats/artifact.h"
 
 #include "formats/fingerprint_attributes.h"
+#include "formats/remove_on_failure.h"
 
 #include <algorithm>
 #include <array>
@@ -736,21 +737,6 @@ void check_schema(const Group& root) {
   }
 }
 
-// Removes a file on scope exit unless released: the .tmp of a failed write.
-class RemoveOnFailure {
- public:
-  explicit RemoveOnFailure(std::filesystem::path path) : path_(std::move(path)) {}
-  ~RemoveOnFailure() {
-    std::error_code ignored;
-    if (!path_.empty()) std::filesystem::remove(path_, ignored);
-  }
-  RemoveOnFailure(const RemoveOnFailure&) = delete;
-  RemoveOnFailure& operator=(const RemoveOnFailure&) = delete;
-  void release() { path_.clear(); }
-
- private:
-  std::filesystem::path path_;
-};
 
 }  // namespace
 

@@ -1,4 +1,5 @@
 #include "formats/hf_config.h"
+#include "formats/json_error_text.h"
 
 #include <array>
 #include <cmath>
@@ -45,20 +46,6 @@ std::string supported_list(std::string_view ArchitectureInfo::*column) {
   return list;
 }
 
-// A JSON value as written in the file, cut short for a one-line error.
-std::string quote_json(const json& value) {
-  constexpr std::size_t kMaxChars = 60;
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
-  return text;
-}
-
-// nlohmann's message without its "[json.exception.parse_error.101] " tag.
-std::string parse_error_text(const json::parse_error& error) {
-  const std::string text = error.what();
-  const auto tag_end = text.find("] ");
-  return tag_end == std::string::npos ? text : text.substr(tag_end + 2);
-}
 
 // Typed access to the fields of one JSON object. A field that is absent or
 // null counts as not given (transformers treats both as "use the default").

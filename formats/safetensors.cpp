@@ -1,4 +1,5 @@
 #include "formats/safetensors.h"
+#include "formats/json_error_text.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -36,21 +37,6 @@ std::string format_shape(const std::vector<int64_t>& shape) {
   return out.str();
 }
 
-// A JSON value as it appears in the file, cut short so a hostile header
-// cannot flood an error line.
-std::string quote_json(const json& value) {
-  constexpr std::size_t kMaxChars = 60;
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
-  return text;
-}
-
-// nlohmann's message without its "[json.exception.parse_error.101] " tag.
-std::string parse_error_text(const json::parse_error& error) {
-  const std::string text = error.what();
-  const auto tag_end = text.find("] ");
-  return tag_end == std::string::npos ? text : text.substr(tag_end + 2);
-}
 
 uint64_t read_u64_le(std::span<const std::byte> bytes) {
   uint64_t value = 0;
