@@ -36,4 +36,20 @@ python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"perplexity
 
 echo "== kvforge generate ($DEVICE)"
 $KV generate --model "$MODEL" --prompt $'def fibonacci(n):\n' --max-new 32 --device "$DEVICE" | tee "$OUT/generate.txt"
+# Calibration: capture what the cache holds on calibration text (with Fisher
+# sensitivity) and on held-out text, fit every method at 2 bits into one
+# artifact, and compare them on the held-out captures.
+if [ "$DEVICE" = cpu ]; then SAMPLES=4; SEQ=512; else SAMPLES=16; SEQ=2048; fi
+echo "== kvforge capture ($DEVICE): $SAMPLES x $SEQ tokens of calib.txt and of heldout.txt"
+rm -f "$OUT/calib_acts.h5" "$OUT/heldout_acts.h5" "$OUT/calib_acts.h5.partial" "$OUT/heldout_acts.h5.partial"
+$KV capture --model "$MODEL" --data "$SHARED/data/calib.txt" --samples $SAMPLES --seq-len $SEQ --device "$DEVICE" \
+  --out "$OUT/calib_acts.h5"
+$KV capture --model "$MODEL" --data "$HELDOUT" --samples $((SAMPLES / 2)) --seq-len $SEQ --seed 1 --device "$DEVICE" \
+  --fields q,k_pre,k_post,v --out "$OUT/heldout_acts.h5"
+$KV inspect "$OUT/calib_acts.h5" | tee "$OUT/acts_statistics.txt" | head -20
+
+echo "== kvforge calibrate: kvquant, kivi, int2-rot, rtn at 2 bits"
+$KV calibrate --acts "$OUT/calib_acts.h5" --out "$OUT/artifact.h5" --method kvquant,kivi,int2-rot,rtn --bits 2
+echo "== kvforge inspect: the artifact, measured on held-out captures"
+$KV inspect "$OUT/artifact.h5" --acts "$OUT/heldout_acts.h5" | tee "$OUT/artifact.txt"
 echo "demo outputs in $OUT/"
