@@ -2,6 +2,7 @@
 
 #include "formats/fingerprint_attributes.h"
 #include "formats/remove_on_failure.h"
+#include "formats/utc_timestamp.h"
 
 #include <algorithm>
 #include <array>
@@ -186,15 +187,6 @@ std::string activation_path(int64_t layer, ActivationField field) {
   return "layers/" + layer_name(layer) + "/" + field_text(field);
 }
 
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  gmtime_r(&now, &utc);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
-  return text;
-}
-
 // --- attributes <-> structs ---------------------------------------------
 
 std::vector<ActivationField> read_fields(const Group& root) {
@@ -214,7 +206,7 @@ std::vector<ActivationField> read_fields(const Group& root) {
 void write_root_attributes(Group& root, const ActivationStoreLayout& layout, const std::string& command_line) {
   root.write_string("schema", kSchema);
   root.write_scalar<int64_t>("schema_version", kActivationStoreVersion);
-  root.write_string("created_utc", utc_now());
+  root.write_string("created_utc", current_utc_timestamp());
   root.write_string("tool_version", kVersion);
   root.write_string("command_line", command_line);
   std::vector<std::string> names;

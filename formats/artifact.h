@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "formats/activation_store.h"
+#include "formats/utc_timestamp.h"
 #include "formats/quantizer_config.h"
 
 namespace kvforge {
@@ -56,8 +57,5 @@ Artifact read_artifact(const std::filesystem::path& path);
 // InputError(artifact_file, "model.<field>", ...) naming the first
 // fingerprint field in which `model` differs from the artifact's.
 void check_artifact_matches(const Artifact& artifact, const ModelFingerprint& model, const std::string& artifact_file);
-
-// The current UTC time as the artifact stores it: "YYYY-MM-DDTHH:MM:SSZ".
-std::string current_utc_timestamp();
 
 }  // namespace kvforge
