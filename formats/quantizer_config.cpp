@@ -1,38 +1,60 @@
 #include "formats/quantizer_config.h"
 
+#include <array>
+
 namespace kvforge {
+namespace {
 
-std::string_view method_name(QuantMethod method) {
-  switch (method) {
-    case QuantMethod::kKvquant: return "kvquant";
-    case QuantMethod::kKivi: return "kivi";
-    case QuantMethod::kInt2Rot: return "int2-rot";
-    case QuantMethod::kRtn: return "rtn";
+// One table of names per enum: the name functions and the parsers read the
+// same rows, so the artifact's writer, reader and printer cannot disagree.
+template <typename Enum, size_t N>
+using NameTable = std::array<std::pair<Enum, std::string_view>, N>;
+
+template <typename Enum, size_t N>
+std::string_view name_in(const NameTable<Enum, N>& table, Enum value) {
+  for (const auto& [e, name] : table) {
+    if (e == value) return name;
   }
   return "?";
 }
 
-std::optional<QuantMethod> parse_method(std::string_view name) {
-  for (const auto method : {QuantMethod::kKvquant, QuantMethod::kKivi, QuantMethod::kInt2Rot, QuantMethod::kRtn}) {
-    if (method_name(method) == name) return method;
+template <typename Enum, size_t N>
+std::optional<Enum> parse_in(const NameTable<Enum, N>& table, std::string_view text) {
+  for (const auto& [e, name] : table) {
+    if (name == text) return e;
   }
   return std::nullopt;
 }
 
-std::string_view grouping_name(Grouping grouping) {
-  switch (grouping) {
-    case Grouping::kPerToken: return "per_token";
-    case Grouping::kPerChannelTokens: return "per_channel_tokens";
-    case Grouping::kPerChannelOffline: return "per_channel_offline";
-  }
-  return "?";
-}
+constexpr NameTable<QuantMethod, 4> kMethodNames{{{QuantMethod::kKvquant, "kvquant"},
+                                                  {QuantMethod::kKivi, "kivi"},
+                                                  {QuantMethod::kInt2Rot, "int2-rot"},
+                                                  {QuantMethod::kRtn, "rtn"}}};
+constexpr NameTable<Grouping, 4> kGroupingNames{{{Grouping::kPerToken, "per_token"},
+                                                 {Grouping::kPerChannelTokens, "per_channel_tokens"},
+                                                 {Grouping::kPerChannelOffline, "per_channel_offline"},
+                                                 {Grouping::kPerTokenAllHeads, "per_token_all_heads"}}};
+constexpr NameTable<ResidualRule, 2> kResidualRuleNames{{{ResidualRule::kSliding, "sliding"},
+                                                         {ResidualRule::kBlockFlush, "block_flush"}}};
+constexpr NameTable<OutlierRule, 4> kOutlierRuleNames{{{OutlierRule::kNone, "none"},
+                                                       {OutlierRule::kChannelThresholds, "channel_thresholds"},
+                                                       {OutlierRule::kTokenTopBottom, "token_top_bottom"},
+                                                       {OutlierRule::kTokenTau, "token_tau"}}};
+constexpr NameTable<QNorm, 3> kQNormNames{{{QNorm::kNone, "none"}, {QNorm::kAffine, "affine"},
+                                           {QNorm::kIterated, "iterated"}}};
 
-std::optional<Grouping> parse_grouping(std::string_view name) {
-  for (const auto grouping : {Grouping::kPerToken, Grouping::kPerChannelTokens, Grouping::kPerChannelOffline}) {
-    if (grouping_name(grouping) == name) return grouping;
-  }
-  return std::nullopt;
-}
+}  // namespace
+
+std::string_view method_name(QuantMethod method) { return name_in(kMethodNames, method); }
+std::optional<QuantMethod> parse_method(std::string_view name) { return parse_in(kMethodNames, name); }
+std::string_view grouping_name(Grouping grouping) { return name_in(kGroupingNames, grouping); }
+std::optional<Grouping> parse_grouping(std::string_view name) { return parse_in(kGroupingNames, name); }
+bool is_runtime_grouping(Grouping grouping) { return grouping != Grouping::kPerChannelOffline; }
+std::string_view residual_rule_name(ResidualRule rule) { return name_in(kResidualRuleNames, rule); }
+std::optional<ResidualRule> parse_residual_rule(std::string_view name) { return parse_in(kResidualRuleNames, name); }
+std::string_view outlier_rule_name(OutlierRule rule) { return name_in(kOutlierRuleNames, rule); }
+std::optional<OutlierRule> parse_outlier_rule(std::string_view name) { return parse_in(kOutlierRuleNames, name); }
+std::string_view q_norm_name(QNorm q_norm) { return name_in(kQNormNames, q_norm); }
+std::optional<QNorm> parse_q_norm(std::string_view name) { return parse_in(kQNormNames, name); }
 
 }  // namespace kvforge
