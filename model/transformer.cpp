@@ -7,6 +7,7 @@
 #include <string>
 
 #include "formats/safetensors.h"
+#include "model/grouped_attention.h"
 
 namespace kvforge {
 namespace {
@@ -64,6 +65,13 @@ at::Tensor Transformer::fused_attention(const at::Tensor& q, const at::Tensor& k
                                         int64_t start, int64_t window, double scale) const {
   const int64_t tokens = q.size(2);
   const int64_t keys = k.size(2);
+  if (keys != tokens) {
+    // Over a cache the key length changes every step, and SDPA's cuDNN
+    // backend would compile a plan for each (model/grouped_attention.h).
+    std::optional<at::Tensor> mask;
+    if (tokens > 1 || window > 0) mask = attention_mask(start, tokens, keys, window, q.device());
+    return grouped_attention(q, k, v, mask, scale);
+  }
   std::optional<at::Tensor> mask;
   bool is_causal = false;
   const bool window_bites = window > 0 && start + tokens > window;
