@@ -11,17 +11,21 @@ cap = 4096
 K = torch.randn(1, 2, cap, 128, device=dev, dtype=torch.bfloat16)
 V = torch.randn_like(K)
 q = torch.randn(1, 4, 1, 128, device=dev, dtype=torch.bfloat16)
-def run(backends, label, lengths=range(200, 400)):
+def run(backends, label, lengths=None):
+    # fresh lengths for every backend, so no plan cached by an earlier run is reused
+    global next_start
+    lengths = lengths or range(next_start, next_start + 200)
+    next_start += 200
     try:
-        ctx = sdpa_kernel(backends) if backends else torch.enable_grad()
-        with ctx:
+        ctx = lambda: sdpa_kernel(backends) if backends else torch.enable_grad()
+        with ctx():
             torch.cuda.synchronize(); t = time.perf_counter()
             for L in lengths:
                 o = torch.nn.functional.scaled_dot_product_attention(q, K[:, :, :L], V[:, :, :L], enable_gqa=True)
             torch.cuda.synchronize()
             dt = (time.perf_counter() - t) / len(lengths)
         print(f"{label:>10}: {dt*1e3:8.3f} ms/step (new length each step)")
-        with ctx:
+        with ctx():
             torch.cuda.synchronize(); t = time.perf_counter()
             for _ in range(200):
                 o = torch.nn.functional.scaled_dot_product_attention(q, K[:, :, :300], V[:, :, :300], enable_gqa=True)
@@ -29,6 +33,7 @@ def run(backends, label, lengths=range(200, 400)):
             print(f"{label:>10}: {(time.perf_counter()-t)/200*1e3:8.3f} ms/step (same length)")
     except Exception as e:
         print(f"{label:>10}: fails: {str(e).splitlines()[0][:150]}")
+next_start = 200
 print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version())
 run(None, "default")
 for b in [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]:
