@@ -82,6 +82,25 @@ $KV capture --model "$MODEL" --data "$KVFORGE_SHARED/data/calib.txt" --samples 1
 tail -3 "$LOGS/capture.log"
 ls -la /tmp/acts.h5 && python3 -c "print('capture wall seconds:', $(date +%s.%N) - $start)"
 
+step "greedy decoding at batch 1: kvforge generate, and the decode benchmark (SDPA over the cache as baseline)"
+$KV generate --model "$MODEL" --prompt "def fibonacci(n):" --max-new 256 --ignore-eos --device cuda --json \
+  > "$OUT/generate_cuda.json" 2> "$LOGS/generate_cuda.log" || status=1
+python3 -c "import json,sys; print({k: v for k, v in json.load(open(sys.argv[1])).items() if k in ('prefill_seconds', 'decode_tokens_per_second')})" "$OUT/generate_cuda.json"
+./build-gpu/bench/kvforge_bench_decode --model "$MODEL" --device cuda --prompt 512 --new 256 \
+  --out "$LOGS/decode_bench_pyllama.json" > "$LOGS/decode_bench_pyllama.log" 2>&1 || status=1
+./build-gpu/bench/kvforge_bench_decode --layers 32 --device cuda --prompt 2048 --new 128 \
+  --out "$LOGS/decode_bench_8b.json" > "$LOGS/decode_bench_8b.log" 2>&1 || status=1
+python3 - "$LOGS" "$OUT/decode_bench.json" <<'PY' || status=1
+import json, sys
+runs = {name: json.load(open(f"{sys.argv[1]}/decode_bench_{name}.json")) for name in ("pyllama", "8b")}
+json.dump(runs, open(sys.argv[2], "w"), indent=2)
+for name, r in runs.items():
+    a, g = r["attention_per_step_ms"], r["generate"]
+    print(f"{name}: attention per step {a['sdpa_baseline']:.3f} ms (SDPA) vs {a['grouped_attention']:.3f} ms (grouped), "
+          f"x{a['speedup']:.1f}; decode tok/s eager {g['eager']['decode_tokens_per_second']:.0f}, "
+          f"sdpa {g['sdpa']['decode_tokens_per_second']:.0f}; prefill tok/s sdpa {g['sdpa']['prefill_tokens_per_second']:.0f}")
+PY
+
 # A fresh machine spends ~5 of the device tool's 10 minutes a call building:
 # GPU_CHECKS_SKIP_BENCH=1 leaves the benchmark to a second call.
 if [ -n "${GPU_CHECKS_SKIP_BENCH:-}" ]; then echo "benchmark skipped"; else
