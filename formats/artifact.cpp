@@ -1,8 +1,5 @@
 #include "formats/artifact.h"
 
-#include "formats/fingerprint_attributes.h"
-#include "formats/remove_on_failure.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -14,8 +11,10 @@
 #include <tuple>
 #include <utility>
 
+#include "formats/fingerprint_attributes.h"
 #include "formats/hdf5_file.h"
 #include "formats/input_error.h"
+#include "formats/remove_on_failure.h"
 
 namespace kvforge {
 namespace {
@@ -145,9 +144,7 @@ TensorQuantizer& quantizer_of(LayerQuantizers& layer, Kind kind) {
 // --- object paths, as error messages and docs/artifact.md name them -----------
 
 std::string root_child(const char* name) { return std::string("/") + name; }
-std::string config_object(const std::string& config) {
-  return root_child(name::kConfigs) + "/" + config;
-}
+std::string config_object(const std::string& config) { return root_child(name::kConfigs) + "/" + config; }
 std::string layer_object(const std::string& config, size_t layer) {
   return config_object(config) + "/" + name::kLayers + "/" + std::to_string(layer);
 }
@@ -286,7 +283,8 @@ std::string outlier_rules_for(Grouping grouping) {
   }
 }
 
-void check_tensor_settings(const Rules& rules, const std::string& object, Kind kind, const QuantizerSettings& settings) {
+void check_tensor_settings(const Rules& rules, const std::string& object, Kind kind,
+                           const QuantizerSettings& settings) {
   const TensorQuantizerSettings& s = settings_of(settings, kind);
   auto at = [&](const char* setting) { return attribute_object(object, setting_attribute(kind, setting)); };
   auto is = [&](const char* setting, std::string_view value) {
@@ -299,8 +297,8 @@ void check_tensor_settings(const Rules& rules, const std::string& object, Kind k
   // by per_channel_offline, a positive count otherwise.
   if (s.grouping == Grouping::kPerTokenAllHeads) {
     if (s.group != 0) {
-      rules.fail(at(name::kGroup), "expected 0 (unused: " + grouping +
-                                       " scales each token over all KV heads), got " + std::to_string(s.group));
+      rules.fail(at(name::kGroup), "expected 0 (unused: " + grouping + " scales each token over all KV heads), got " +
+                                       std::to_string(s.group));
     }
   } else {
     const int64_t least = s.grouping == Grouping::kPerChannelOffline ? 0 : 1;
@@ -322,7 +320,8 @@ void check_tensor_settings(const Rules& rules, const std::string& object, Kind k
     rules.fail(at(name::kOutlierRule), "expected " + std::string(outlier_rule_name(OutlierRule::kNone)) + " when " +
                                            fraction + ", got " + rule);
   }
-  if (s.outlier_fraction > 0 && (s.outlier_rule == OutlierRule::kNone || !outlier_rule_fits(s.outlier_rule, s.grouping))) {
+  if (s.outlier_fraction > 0 &&
+      (s.outlier_rule == OutlierRule::kNone || !outlier_rule_fits(s.outlier_rule, s.grouping))) {
     rules.fail(at(name::kOutlierRule), "expected " + outlier_rules_for(s.grouping) + " when " + fraction +
                                            " (> 0) and " + is(name::kGrouping, grouping) + ", got " + rule);
   }
@@ -337,10 +336,10 @@ void check_tensor_settings(const Rules& rules, const std::string& object, Kind k
                                               std::to_string(settings.residual_tokens));
     }
     if (s.grouping == Grouping::kPerChannelTokens && settings.residual_tokens % s.group != 0) {
-      rules.fail(at(name::kResidualRule),
-                 "expected residual_tokens (" + std::to_string(settings.residual_tokens) + ") a multiple of " +
-                     setting_attribute(kind, name::kGroup) + " (" + std::to_string(s.group) + ") when " +
-                     block_flush + " and " + is(name::kGrouping, grouping));
+      rules.fail(at(name::kResidualRule), "expected residual_tokens (" + std::to_string(settings.residual_tokens) +
+                                              ") a multiple of " + setting_attribute(kind, name::kGroup) + " (" +
+                                              std::to_string(s.group) + ") when " + block_flush + " and " +
+                                              is(name::kGrouping, grouping));
     }
   }
 
@@ -354,7 +353,8 @@ void check_tensor_settings(const Rules& rules, const std::string& object, Kind k
 }
 
 void check_settings(const Rules& rules, const std::string& object, const QuantizerSettings& settings) {
-  if (!parse_method(method_name(settings.method))) rules.fail(attribute_object(object, name::kMethod), "expected a method");
+  if (!parse_method(method_name(settings.method)))
+    rules.fail(attribute_object(object, name::kMethod), "expected a method");
   if (settings.bits < 2 || settings.bits > 4) {
     rules.fail(attribute_object(object, name::kBits), "expected 2, 3 or 4, got " + std::to_string(settings.bits));
   }
@@ -567,9 +567,9 @@ void check_stats(const Rules& rules, const std::string& object, const LayerCalib
   for (const StatField& field : kStatFields) {
     const double value = stats.*field.member;
     if (!std::isfinite(value) || value < 0 || (field.fraction && value > 1)) {
-      rules.fail(attribute_object(object, field.name), std::string("expected a finite value ") +
-                                                           (field.fraction ? "in [0, 1]" : ">= 0") + ", got " +
-                                                           number(value));
+      rules.fail(
+          attribute_object(object, field.name),
+          std::string("expected a finite value ") + (field.fraction ? "in [0, 1]" : ">= 0") + ", got " + number(value));
     }
   }
 }
@@ -911,8 +911,8 @@ TensorQuantizer read_tensor(const Group& group, Kind kind, const QuantizerSettin
   const std::vector<int64_t> heads = {model.num_kv_heads, model.head_dim};
   const std::string heads_meaning = "[num_kv_heads, head_dim] of /model";
   for (const HeadArrayField& field : kHeadArrayFields) {
-    const bool channel = field.member == &TensorQuantizer::channel_scale ||
-                         field.member == &TensorQuantizer::channel_offset;
+    const bool channel =
+        field.member == &TensorQuantizer::channel_scale || field.member == &TensorQuantizer::channel_offset;
     if (channel ? expected.channel : expected.thresholds) {
       q.*field.member = read_array(group, field.name, heads, heads_meaning);
     } else {
@@ -973,8 +973,8 @@ int64_t read_schema(const Group& root) {
   const int64_t version = root.read_integer<int64_t>(name::kSchemaVersion);
   if (version < kOldestReadableArtifactVersion || version > kArtifactVersion) {
     Location(root.where().file(), attribute_object("/", name::kSchemaVersion))
-        .fail("expected " + std::to_string(kOldestReadableArtifactVersion) + " to " +
-              std::to_string(kArtifactVersion) + " (the versions this kvforge reads), got " + std::to_string(version));
+        .fail("expected " + std::to_string(kOldestReadableArtifactVersion) + " to " + std::to_string(kArtifactVersion) +
+              " (the versions this kvforge reads), got " + std::to_string(version));
   }
   return version;
 }

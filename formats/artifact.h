@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "formats/activation_store.h"
-#include "formats/utc_timestamp.h"
 #include "formats/quantizer_config.h"
+#include "formats/utc_timestamp.h"
 
 namespace kvforge {
 

@@ -214,10 +214,10 @@ Artifact make_artifact() {
   artifact.configs.push_back(kvquant_variants_config(rng));
   // KIVI: keys flushed in blocks of residual_tokens, values in a sliding window.
   const TensorQuantizerSettings g32 = {.grouping = Grouping::kPerToken, .group = 32};
-  artifact.configs.push_back(runtime_config(
-      "kivi", QuantMethod::kKivi,
-      {.grouping = Grouping::kPerChannelTokens, .group = 32, .residual_rule = ResidualRule::kBlockFlush}, g32, 0, 128,
-      1.0f, 1.0f, {{4096, 4.65625}, {32768, 4.51953125}, {131072, 4.5048828125}}, rng));
+  artifact.configs.push_back(
+      runtime_config("kivi", QuantMethod::kKivi,
+                     {.grouping = Grouping::kPerChannelTokens, .group = 32, .residual_rule = ResidualRule::kBlockFlush},
+                     g32, 0, 128, 1.0f, 1.0f, {{4096, 4.65625}, {32768, 4.51953125}, {131072, 4.5048828125}}, rng));
   const TensorQuantizerSettings g8 = {.grouping = Grouping::kPerToken, .group = kHeadDim};
   artifact.configs.push_back(runtime_config("int2-rot", QuantMethod::kInt2Rot, g8, g8, 64, 256, 0.96f, 0.92f,
                                             {{4096, 6.78125}, {32768, 6.09765625}, {131072, 6.0244140625}}, rng));
@@ -226,14 +226,13 @@ Artifact make_artifact() {
   return artifact;
 }
 
-QuantizerConfig& config_named(Artifact& artifact, const std::string& name) {
+// QuantizerConfig& or const QuantizerConfig&, as `artifact` is.
+template <class AnyArtifact>
+auto& config_named(AnyArtifact& artifact, const std::string& name) {
   for (auto& config : artifact.configs) {
     if (config.name == name) return config;
   }
   throw std::logic_error("no configuration " + name);
-}
-const QuantizerConfig& config_named(const Artifact& artifact, const std::string& name) {
-  return config_named(const_cast<Artifact&>(artifact), name);
 }
 
 // Runs `body` and returns the InputError it throws (failing the test if none).
@@ -286,12 +285,12 @@ TEST(Artifact, TestArtifactUsesEveryValueOfVersion2) {
       seen.insert("q_norm " + std::string(q_norm_name(s->q_norm)));
     }
   }
-  for (const Grouping g : {Grouping::kPerToken, Grouping::kPerChannelTokens, Grouping::kPerChannelOffline,
-                           Grouping::kPerTokenAllHeads}) {
+  for (const Grouping g :
+       {Grouping::kPerToken, Grouping::kPerChannelTokens, Grouping::kPerChannelOffline, Grouping::kPerTokenAllHeads}) {
     EXPECT_TRUE(seen.contains("grouping " + std::string(grouping_name(g)))) << grouping_name(g);
   }
-  for (const OutlierRule r : {OutlierRule::kNone, OutlierRule::kChannelThresholds, OutlierRule::kTokenTopBottom,
-                              OutlierRule::kTokenTau}) {
+  for (const OutlierRule r :
+       {OutlierRule::kNone, OutlierRule::kChannelThresholds, OutlierRule::kTokenTopBottom, OutlierRule::kTokenTau}) {
     EXPECT_TRUE(seen.contains("outlier_rule " + std::string(outlier_rule_name(r)))) << outlier_rule_name(r);
   }
   for (const ResidualRule r : {ResidualRule::kSliding, ResidualRule::kBlockFlush}) {
@@ -1167,8 +1166,8 @@ std::vector<std::string> report_differences(const nlohmann::json& report, const 
       compare_value(theirs.at("outlier_fraction"), t.outlier_fraction, at + "outlier_fraction", problems);
       compare_value(theirs.at("outlier_rule"), std::string(outlier_rule_name(t.outlier_rule)), at + "outlier_rule",
                     problems);
-      compare_value(theirs.at("residual_rule"), std::string(residual_rule_name(t.residual_rule)),
-                    at + "residual_rule", problems);
+      compare_value(theirs.at("residual_rule"), std::string(residual_rule_name(t.residual_rule)), at + "residual_rule",
+                    problems);
       compare_value(theirs.at("q_norm"), std::string(q_norm_name(t.q_norm)), at + "q_norm", problems);
     }
     const auto& layers = report.at("layers").at(name);
@@ -1177,8 +1176,9 @@ std::vector<std::string> report_differences(const nlohmann::json& report, const 
       continue;
     }
     for (size_t i = 0; i < config.layers.size(); ++i) {
-      for (const auto& [kind, q] : {std::pair<std::string, const TensorQuantizer&>{"keys", config.layers[i].keys},
-                                    std::pair<std::string, const TensorQuantizer&>{"values", config.layers[i].values}}) {
+      for (const auto& [kind, q] :
+           {std::pair<std::string, const TensorQuantizer&>{"keys", config.layers[i].keys},
+            std::pair<std::string, const TensorQuantizer&>{"values", config.layers[i].values}}) {
         const auto& theirs = layers[i].at(kind);
         const std::string at = name + "/layers/" + std::to_string(i) + "/" + kind;
         // float32 attributes: exact through float64 and JSON.
@@ -1229,9 +1229,8 @@ TEST(Artifact, IndependentH5pyReaderAgrees) {
 // file: still a valid artifact, with the same per-dataset sums, but not the one written.
 void swap_heads(hid_t file, const std::string& tensor) {
   for (const char* name : {"channel_scale", "channel_offset", "outlier_low", "outlier_high"}) {
-    edit_floats(file, (tensor + "/" + name).c_str(), [](std::vector<float>& v) {
-      std::swap_ranges(v.begin(), v.begin() + kHeadDim, v.begin() + kHeadDim);
-    });
+    edit_floats(file, (tensor + "/" + name).c_str(),
+                [](std::vector<float>& v) { std::swap_ranges(v.begin(), v.begin() + kHeadDim, v.begin() + kHeadDim); });
   }
 }
 
@@ -1256,8 +1255,8 @@ TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedHeads) {
   const std::vector<std::string> differences = report_differences(nlohmann::json::parse(output.text), written);
   const std::string text = joined(differences);
   for (const char* name : {"channel_scale", "channel_offset", "outlier_low", "outlier_high"}) {
-    EXPECT_NE(text.find("kvquant/layers/0/keys/" + std::string(name) + ": checksum"), std::string::npos)
-        << name << "\n" << text;
+    EXPECT_NE(text.find("kvquant/layers/0/keys/" + std::string(name) + ": checksum"), std::string::npos) << name << "\n"
+                                                                                                         << text;
   }
   EXPECT_EQ(text.find("layers/1"), std::string::npos) << text;  // nothing else differs
   // And against what the file now holds, they agree.
@@ -1319,10 +1318,11 @@ TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
        [](hid_t f) { set_string_attribute(f, "/configs/rtn", "keys_outlier_rule", "token_top_bottom"); },
        "/configs/rtn@keys_outlier_rule"},
       {"thresholds_rule_at_runtime",
-       [](hid_t f) { set_string_attribute(f, "/configs/kvquant-variants", "values_outlier_rule", "channel_thresholds"); },
+       [](hid_t f) {
+         set_string_attribute(f, "/configs/kvquant-variants", "values_outlier_rule", "channel_thresholds");
+       },
        "/configs/kvquant-variants@values_outlier_rule"},
-      {"block_flush_not_tiled",
-       [](hid_t f) { set_int_attribute(f, "/configs/kivi", "residual_tokens", 80); },
+      {"block_flush_not_tiled", [](hid_t f) { set_int_attribute(f, "/configs/kivi", "residual_tokens", 80); },
        "/configs/kivi@keys_residual_rule"},
       {"block_flush_without_residual",
        [](hid_t f) {
@@ -1330,14 +1330,11 @@ TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
          set_string_attribute(f, "/configs/rtn", "values_residual_rule", "block_flush");
        },
        "/configs/rtn@values_residual_rule"},
-      {"q_norm_for_uniform",
-       [](hid_t f) { set_string_attribute(f, "/configs/int2-rot", "keys_q_norm", "affine"); },
+      {"q_norm_for_uniform", [](hid_t f) { set_string_attribute(f, "/configs/int2-rot", "keys_q_norm", "affine"); },
        "/configs/int2-rot@keys_q_norm"},
-      {"group_for_all_heads",
-       [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_group", 8); },
+      {"group_for_all_heads", [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_group", 8); },
        "/configs/kvquant@values_group"},
-      {"unknown_q_norm",
-       [](hid_t f) { set_string_attribute(f, "/configs/kvquant", "keys_q_norm", "yes"); },
+      {"unknown_q_norm", [](hid_t f) { set_string_attribute(f, "/configs/kvquant", "keys_q_norm", "yes"); },
        "/configs/kvquant@keys_q_norm"},
       {"shape",
        [](hid_t f) {
