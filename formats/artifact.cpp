@@ -254,12 +254,12 @@ void check_name(const Rules& rules, const std::string& config) {
   }
 }
 
-// The outlier rules a tensor with outliers may use under its grouping
+// Whether a tensor with outliers may find them by `rule` under its grouping
 // (docs/artifact.md, "Outliers").
 bool outlier_rule_fits(OutlierRule rule, Grouping grouping) {
   switch (rule) {
     case OutlierRule::kNone:
-      return true;
+      return false;
     case OutlierRule::kChannelThresholds:
       return grouping == Grouping::kPerChannelOffline;
     case OutlierRule::kTokenTopBottom:
@@ -270,7 +270,7 @@ bool outlier_rule_fits(OutlierRule rule, Grouping grouping) {
   return false;
 }
 
-// The one outlier rule kvforge's runtime implements for a grouping, when there is only one.
+// The rules outlier_rule_fits accepts for a grouping, for messages.
 std::string outlier_rules_for(Grouping grouping) {
   switch (grouping) {
     case Grouping::kPerChannelOffline:
@@ -320,8 +320,7 @@ void check_tensor_settings(const Rules& rules, const std::string& object, Kind k
     rules.fail(at(name::kOutlierRule), "expected " + std::string(outlier_rule_name(OutlierRule::kNone)) + " when " +
                                            fraction + ", got " + rule);
   }
-  if (s.outlier_fraction > 0 &&
-      (s.outlier_rule == OutlierRule::kNone || !outlier_rule_fits(s.outlier_rule, s.grouping))) {
+  if (s.outlier_fraction > 0 && !outlier_rule_fits(s.outlier_rule, s.grouping)) {
     rules.fail(at(name::kOutlierRule), "expected " + outlier_rules_for(s.grouping) + " when " + fraction +
                                            " (> 0) and " + is(name::kGrouping, grouping) + ", got " + rule);
   }
