@@ -19,12 +19,17 @@
 #include <vector>
 
 #include "formats/activation_store.h"
-#include "formats/utc_timestamp.h"
 #include "formats/quantizer_config.h"
+#include "formats/utc_timestamp.h"
 
 namespace kvforge {
 
-inline constexpr int kArtifactVersion = 1;  // of schema "kvforge.artifact"
+// Of schema "kvforge.artifact": the version write_artifact writes. read_artifact
+// also reads version 1 files (no per-tensor outlier, residual or Q-Norm rules;
+// docs/artifact.md says how they map onto version 2 values) and refuses any
+// other version.
+inline constexpr int kArtifactVersion = 2;
+inline constexpr int kOldestReadableArtifactVersion = 1;
 
 struct CalibrationProvenance {             // what the quantizers were fitted on
   std::vector<CaptureProvenance> sources;  // from the activation store (ActivationStoreReader::sources())
@@ -52,6 +57,8 @@ void write_artifact(const std::filesystem::path& path, const Artifact& artifact)
 // required group, attribute and dataset (types, shapes against /model),
 // values (finite, fitted, sorted, consistent). InputError(path, object,
 // expectation) otherwise, e.g. object "/configs/kivi/layers/0/keys/grid".
+// A version 1 file comes back in version 2 terms (writing it again writes
+// version 2).
 Artifact read_artifact(const std::filesystem::path& path);
 
 // InputError(artifact_file, "model.<field>", ...) naming the first

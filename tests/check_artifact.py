@@ -4,16 +4,26 @@ docs/artifact.md alone (it shares no code with formats/).
 
 usage: check_artifact.py FILE
 
-Checks every required attribute, group and dataset (names, types, shapes,
-conditional presence) and every validation rule of the page, then prints one
-JSON object:
-  {"schema_version": 1, "num_layers": L, "sources": K, "calibration_tokens": T,
+Reads schema versions 2 and 1 (a version 1 file's settings are mapped onto
+version 2 values as the page's "Reading version 1 files" says). Checks every
+required attribute, group and dataset (names, types, shapes, conditional
+presence) and every validation rule of the page, then prints one JSON object:
+  {"schema_version": 1 | 2, "num_layers": L, "sources": K, "calibration_tokens": T,
    "configs": [name, ...],                       # in /configs@names order
-   "methods": {name: method}, "bits": {name: bits},
-   "grid_sums": {name: {"keys": [sum per layer] | null, "values": ...}},
-   "channel_scale_sums": {name: {"keys": [sum per layer] | null, "values": ...}},
+   "settings": {name: {"method", "bits", "keys_pre_rope", "fisher_weighted", "sink_tokens",
+                       "residual_tokens",
+                       "keys": {"grouping", "group", "non_uniform", "outlier_fraction",
+                                "outlier_rule", "residual_rule", "q_norm"},
+                       "values": {...}}},    # version 2 values, also for version 1 files
+   "layers": {name: [{"keys": {"clip_ratio", "outlier_tau",
+                               "datasets": {dataset: null | {"checksum": c, "elements": [[i, v], ...]}}},
+                      "values": {...}}, ...]},   # one per layer
    "effective_bits": {name: [[context, bits], ...]}}
-where sums are float64 sums of the float32 values.
+For every dataset of a tensor group (grid, encode_grid, channel_scale,
+channel_offset, outlier_low, outlier_high; null when absent), "checksum" is
+the position-weighted float64 sum of v[i] * (1 + i) over the flat row-major
+index i, and "elements" are [i, v[i]] at i = 0, 1, n // 2 and n - 1 (each
+once, ascending): a permutation of heads, channels or levels changes them.
 On the first violation it prints "FILE: OBJECT: problem" to stderr and exits 1.
 """
 import json
@@ -25,10 +35,14 @@ import h5py
 import numpy as np
 
 SCHEMA = "kvforge.artifact"
-VERSION = 1
+VERSIONS = [1, 2]
 TOLERANCE = 1e-4
 METHODS = ["kvquant", "kivi", "int2-rot", "rtn"]
-GROUPINGS = ["per_token", "per_channel_tokens", "per_channel_offline"]
+GROUPINGS = {1: ["per_token", "per_channel_tokens", "per_channel_offline"],
+             2: ["per_token", "per_channel_tokens", "per_channel_offline", "per_token_all_heads"]}
+OUTLIER_RULES = ["none", "channel_thresholds", "token_top_bottom", "token_tau"]
+RESIDUAL_RULES = ["sliding", "block_flush"]
+Q_NORMS = ["none", "affine", "iterated"]
 KINDS = ["keys", "values"]
 
 MODEL_STRINGS = ["architecture", "rope", "kvo_sha256", "tokenizer_sha256"]
@@ -37,7 +51,7 @@ SOURCE_STRINGS = ["data_file", "data_sha256", "compute_dtype", "device", "tool_v
 SOURCE_INT64 = ["data_tokens", "samples", "seq_len"]
 STATS = ["key_relative_mse", "value_relative_mse", "key_outlier_fraction", "value_outlier_fraction",
          "logit_relative_mse"]
-TENSOR_DATASETS = ["grid", "channel_scale", "channel_offset", "outlier_low", "outlier_high"]
+TENSOR_DATASETS = ["grid", "encode_grid", "channel_scale", "channel_offset", "outlier_low", "outlier_high"]
 
 
 class Violation(Exception):
@@ -151,34 +165,85 @@ def check_calibration(f):
     return tokens, count
 
 
-def check_settings(c, where, head_dim):
+def choice_attr(obj, name, where, choices):
+    value = string_attr(obj, name, where)
+    if value not in choices:
+        fail(f"{where}@{name}", f"expected one of {choices}, got {value!r}")
+    return value
+
+
+def version_1_rules(t, q_norm):
+    """Version 2 values of a version 1 file's tensor settings (the page's mapping table)."""
+    if t["outlier_fraction"] == 0:
+        t["outlier_rule"] = "none"
+    elif t["grouping"] == "per_channel_offline":
+        t["outlier_rule"] = "channel_thresholds"
+    else:
+        t["outlier_rule"] = "token_tau"
+    t["residual_rule"] = "sliding"
+    t["q_norm"] = "iterated" if q_norm and t["non_uniform"] else "none"
+
+
+def check_tensor_settings(t, at, residual_tokens):
+    """The per-tensor rules of the page's Validation; at(name) names the attribute."""
+    grouping, size, fraction, rule = t["grouping"], t["group"], t["outlier_fraction"], t["outlier_rule"]
+    runtime = grouping != "per_channel_offline"
+    if fraction == 0 and rule != "none":
+        fail(at("outlier_rule"), f"expected none without outliers, got {rule}")
+    if fraction > 0:
+        allowed = {"per_channel_offline": ["channel_thresholds"],
+                   "per_token_all_heads": ["token_top_bottom"]}.get(grouping, ["token_top_bottom", "token_tau"])
+        if rule not in allowed:
+            fail(at("outlier_rule"), f"expected one of {allowed} for {grouping} with outliers, got {rule}")
+    if rule in ("token_top_bottom", "token_tau") and not runtime:
+        fail(at("outlier_rule"), f"{rule} is for runtime groupings")
+    if t["residual_rule"] == "block_flush":
+        if residual_tokens <= 0:
+            fail(at("residual_rule"), "block_flush needs residual_tokens > 0")
+        if grouping == "per_channel_tokens" and residual_tokens % size:
+            fail(at("residual_rule"), f"block_flush needs residual_tokens a multiple of the group ({size})")
+    if t["q_norm"] != "none" and not t["non_uniform"]:
+        fail(at("q_norm"), f"expected none for uniform levels, got {t['q_norm']}")
+
+
+def check_settings(c, where, head_dim, version):
     s = {}
-    s["method"] = string_attr(c, "method", where)
-    if s["method"] not in METHODS:
-        fail(f"{where}@method", f"expected one of {METHODS}, got {s['method']!r}")
+    s["method"] = choice_attr(c, "method", where, METHODS)
     s["bits"] = int_attr(c, "bits", where)
     if s["bits"] not in (2, 3, 4):
         fail(f"{where}@bits", f"expected 2, 3 or 4, got {s['bits']}")
-    for name in ("keys_pre_rope", "fisher_weighted", "q_norm"):
+    for name in ("keys_pre_rope", "fisher_weighted"):
         s[name] = bool_attr(c, name, where)
+    version_1_q_norm = bool_attr(c, "q_norm", where) if version == 1 else None
     for name in ("sink_tokens", "residual_tokens"):
         s[name] = int_attr(c, name, where)
         if s[name] < 0:
             fail(f"{where}@{name}", "expected >= 0")
     for kind in KINDS:
-        grouping = string_attr(c, f"{kind}_grouping", where)
-        if grouping not in GROUPINGS:
-            fail(f"{where}@{kind}_grouping", f"expected one of {GROUPINGS}, got {grouping!r}")
+        def at(name):
+            return f"{where}@{kind}_{name}"
+        grouping = choice_attr(c, f"{kind}_grouping", where, GROUPINGS[version])
         size = int_attr(c, f"{kind}_group", where)
-        if size < (0 if grouping == "per_channel_offline" else 1):
-            fail(f"{where}@{kind}_group", f"out of range for {grouping}: {size}")
+        if grouping == "per_token_all_heads":
+            if size != 0:
+                fail(at("group"), f"expected 0 (unused) for per_token_all_heads, got {size}")
+        elif size < (0 if grouping == "per_channel_offline" else 1):
+            fail(at("group"), f"out of range for {grouping}: {size}")
         if grouping == "per_token" and size < head_dim and head_dim % size:
-            fail(f"{where}@{kind}_group", f"expected a divisor of head_dim ({head_dim}) or >= head_dim, got {size}")
+            fail(at("group"), f"expected a divisor of head_dim ({head_dim}) or >= head_dim, got {size}")
         fraction = float_attr(c, f"{kind}_outlier_fraction", where, "<f8")
         if not 0 <= fraction < 1:
-            fail(f"{where}@{kind}_outlier_fraction", f"expected a fraction in [0, 1), got {fraction}")
-        s[kind] = {"grouping": grouping, "group": size,
-                   "non_uniform": bool_attr(c, f"{kind}_non_uniform", where), "outlier_fraction": fraction}
+            fail(at("outlier_fraction"), f"expected a fraction in [0, 1), got {fraction}")
+        t = {"grouping": grouping, "group": size,
+             "non_uniform": bool_attr(c, f"{kind}_non_uniform", where), "outlier_fraction": fraction}
+        if version == 1:
+            version_1_rules(t, version_1_q_norm)
+        else:
+            t["outlier_rule"] = choice_attr(c, f"{kind}_outlier_rule", where, OUTLIER_RULES)
+            t["residual_rule"] = choice_attr(c, f"{kind}_residual_rule", where, RESIDUAL_RULES)
+            t["q_norm"] = choice_attr(c, f"{kind}_q_norm", where, Q_NORMS)
+        check_tensor_settings(t, at, s["residual_tokens"])
+        s[kind] = t
     return s
 
 
@@ -201,19 +266,30 @@ def check_effective_bits(c, where):
     return [[int(context), float(bits)] for context, bits in rows]
 
 
-def check_tensor(t, where, kind, settings, model):
-    """Returns (grid, channel_scale): arrays or None."""
+def levels_dataset(t, name, where, bits):
+    levels = float32_dataset(t, name, where, (2 ** bits,))
+    if np.any(np.diff(levels.astype(np.float64)) <= 0):
+        fail(where, f"expected strictly ascending levels, got {levels.tolist()}")
+    return levels
+
+
+def check_tensor(t, where, kind, settings, model, version):
+    """Returns {dataset name: array or None} for TENSOR_DATASETS."""
     s = settings[kind]
     heads = (model["num_kv_heads"], model["head_dim"])
     offline = s["grouping"] == "per_channel_offline"
+    thresholds = s["outlier_rule"] == "channel_thresholds"
     present = {
         "grid": s["non_uniform"],
+        "encode_grid": s["q_norm"] == "affine",
         "channel_scale": offline,
         "channel_offset": offline,
-        "outlier_low": offline and s["outlier_fraction"] > 0,
-        "outlier_high": offline and s["outlier_fraction"] > 0,
+        "outlier_low": thresholds,
+        "outlier_high": thresholds,
     }
     for name in TENSOR_DATASETS:
+        if version == 1 and name == "encode_grid":
+            continue  # unknown to version 1: ignored
         if not present[name] and name in t:
             fail(f"{where}/{name}", "expected none under these settings")
     clip = float_attr(t, "clip_ratio", where, "<f4")
@@ -222,20 +298,16 @@ def check_tensor(t, where, kind, settings, model):
     if offline and clip != 1:
         fail(f"{where}@clip_ratio", f"expected 1 for per_channel_offline, got {clip}")
     tau = float_attr(t, "outlier_tau", where, "<f4")
-    if not offline and s["outlier_fraction"] > 0:
+    if s["outlier_rule"] == "token_tau":
         if not tau > 0:
-            fail(f"{where}@outlier_tau", f"expected > 0 for runtime groupings with outliers, got {tau}")
+            fail(f"{where}@outlier_tau", f"expected > 0 for token_tau, got {tau}")
     elif tau != 0:
         fail(f"{where}@outlier_tau", f"expected 0 where unused, got {tau}")
 
-    grid = None
-    if present["grid"]:
-        levels = 2 ** settings["bits"]
-        grid = float32_dataset(t, "grid", f"{where}/grid", (levels,))
-        steps = np.diff(grid.astype(np.float64))
-        if np.any(steps <= 0):
-            fail(f"{where}/grid", f"expected strictly ascending levels, got {grid.tolist()}")
-    scale = None
+    arrays = {name: None for name in TENSOR_DATASETS}
+    for name in ("grid", "encode_grid"):
+        if present[name]:
+            arrays[name] = levels_dataset(t, name, f"{where}/{name}", settings["bits"])
     if offline:
         scale = float32_dataset(t, "channel_scale", f"{where}/channel_scale", heads)
         offset = float32_dataset(t, "channel_offset", f"{where}/channel_offset", heads)
@@ -243,27 +315,39 @@ def check_tensor(t, where, kind, settings, model):
             fail(f"{where}/channel_scale", f"expected values > 0, element {np.argwhere(scale <= 0)[0].tolist()}")
         if np.all(scale == 1.0):
             fail(f"{where}/channel_scale", "expected fitted scales, got 1.0 everywhere")
-    if present["outlier_low"]:
-        low = float32_dataset(t, "outlier_low", f"{where}/outlier_low", heads).astype(np.float64)
-        high = float32_dataset(t, "outlier_high", f"{where}/outlier_high", heads).astype(np.float64)
-        if np.any(low > high):
-            fail(f"{where}/outlier_low", f"expected low <= high, element {np.argwhere(low > high)[0].tolist()}")
-        if offline:
-            s64, o64 = scale.astype(np.float64), offset.astype(np.float64)
-            if np.any((low - o64) / s64 < -1 - TOLERANCE):
-                fail(f"{where}/outlier_low", "expected (low - offset) / scale >= -1")
-            if np.any((high - o64) / s64 > 1 + TOLERANCE):
-                fail(f"{where}/outlier_high", "expected (high - offset) / scale <= 1")
-    return grid, scale
+        arrays["channel_scale"], arrays["channel_offset"] = scale, offset
+    if thresholds:
+        low = float32_dataset(t, "outlier_low", f"{where}/outlier_low", heads)
+        high = float32_dataset(t, "outlier_high", f"{where}/outlier_high", heads)
+        low64, high64 = low.astype(np.float64), high.astype(np.float64)
+        if np.any(low64 > high64):
+            fail(f"{where}/outlier_low", f"expected low <= high, element {np.argwhere(low64 > high64)[0].tolist()}")
+        s64, o64 = arrays["channel_scale"].astype(np.float64), arrays["channel_offset"].astype(np.float64)
+        if np.any((low64 - o64) / s64 < -1 - TOLERANCE):
+            fail(f"{where}/outlier_low", "expected (low - offset) / scale >= -1")
+        if np.any((high64 - o64) / s64 > 1 + TOLERANCE):
+            fail(f"{where}/outlier_high", "expected (high - offset) / scale <= 1")
+        arrays["outlier_low"], arrays["outlier_high"] = low, high
+    return {"clip_ratio": clip, "outlier_tau": tau, "arrays": arrays}
 
 
-def check_config(c, where, model):
-    settings = check_settings(c, where, model["head_dim"])
+def fingerprint(array):
+    """Position-weighted checksum and a few indexed elements of an array (null when absent)."""
+    if array is None:
+        return None
+    flat = array.astype(np.float64).ravel()
+    n = flat.size
+    indices = sorted({i for i in (0, 1, n // 2, n - 1) if 0 <= i < n})
+    return {"checksum": float(np.sum(flat * np.arange(1, n + 1, dtype=np.float64))),
+            "elements": [[i, float(flat[i])] for i in indices]}
+
+
+def check_config(c, where, model, version):
+    settings = check_settings(c, where, model["head_dim"], version)
     effective_bits = check_effective_bits(c, f"{where}/effective_bits")
     layers = group(c, "layers", f"{where}/layers")
     exact_children(layers, model["num_layers"], f"{where}/layers")
-    grids = {kind: [] for kind in KINDS}
-    scales = {kind: [] for kind in KINDS}
+    tensors = []
     for i in range(model["num_layers"]):
         lw = f"{where}/layers/{i}"
         layer = group(layers, str(i), lw)
@@ -271,23 +355,20 @@ def check_config(c, where, model):
             value = float_attr(layer, name, lw, "<f8")
             if value < 0 or (name.endswith("outlier_fraction") and value > 1):
                 fail(f"{lw}@{name}", f"out of range: {value}")
-        for kind in KINDS:
-            grid, scale = check_tensor(group(layer, kind, f"{lw}/{kind}"), f"{lw}/{kind}", kind, settings, model)
-            grids[kind].append(grid)
-            scales[kind].append(scale)
+        tensors.append({kind: check_tensor(group(layer, kind, f"{lw}/{kind}"), f"{lw}/{kind}", kind, settings,
+                                           model, version) for kind in KINDS})
     for kind in KINDS:
-        layer_scales = scales[kind]
+        layer_scales = [tensor[kind]["arrays"]["channel_scale"] for tensor in tensors]
         if layer_scales[0] is None:
             continue
         for b in range(1, len(layer_scales)):
             for a in range(b):
                 if np.array_equal(layer_scales[a], layer_scales[b]):
                     fail(f"{where}/layers/{b}/{kind}/channel_scale", f"identical to layer {a}'s")
-
-    def sums(arrays):
-        return None if arrays[0] is None else [float(x.astype(np.float64).sum()) for x in arrays]
-
-    return settings, effective_bits, {k: sums(grids[k]) for k in KINDS}, {k: sums(scales[k]) for k in KINDS}
+    report = [{kind: {"clip_ratio": tensor[kind]["clip_ratio"], "outlier_tau": tensor[kind]["outlier_tau"],
+                      "datasets": {name: fingerprint(tensor[kind]["arrays"][name]) for name in TENSOR_DATASETS}}
+               for kind in KINDS} for tensor in tensors]
+    return settings, effective_bits, report
 
 
 def check(path):
@@ -295,8 +376,8 @@ def check(path):
         if string_attr(f, "schema", "/") != SCHEMA:
             fail("/@schema", f"expected {SCHEMA}")
         version = int_attr(f, "schema_version", "/")
-        if version != VERSION:
-            fail("/@schema_version", f"expected {VERSION}, got {version}")
+        if version not in VERSIONS:
+            fail("/@schema_version", f"expected one of {VERSIONS}, got {version}")
         if not string_attr(f, "tool_version", "/"):
             fail("/@tool_version", "expected a version")
         if not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", string_attr(f, "created_utc", "/")):
@@ -319,14 +400,12 @@ def check(path):
             fail("/configs", f"expected exactly the groups {names}, got {sorted(configs.keys())}")
 
         report = {"schema_version": version, "num_layers": model["num_layers"], "sources": sources,
-                  "calibration_tokens": calibration_tokens, "configs": names, "methods": {}, "bits": {},
-                  "grid_sums": {}, "channel_scale_sums": {}, "effective_bits": {}}
+                  "calibration_tokens": calibration_tokens, "configs": names, "settings": {}, "layers": {},
+                  "effective_bits": {}}
         for name in names:
-            settings, effective_bits, grid_sums, scale_sums = check_config(configs[name], f"/configs/{name}", model)
-            report["methods"][name] = settings["method"]
-            report["bits"][name] = settings["bits"]
-            report["grid_sums"][name] = grid_sums
-            report["channel_scale_sums"][name] = scale_sums
+            settings, effective_bits, layers = check_config(configs[name], f"/configs/{name}", model, version)
+            report["settings"][name] = settings
+            report["layers"][name] = layers
             report["effective_bits"][name] = effective_bits
         return report
 

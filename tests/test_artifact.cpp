@@ -7,12 +7,14 @@
 #include <hdf5.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -92,6 +94,12 @@ TensorQuantizer kvquant_keys(int bits, std::mt19937& rng) {
   return q;
 }
 
+// Q-Norm affine: the k-means levels stay for encoding, the stored grid is their affine image.
+void make_affine(TensorQuantizer& q, float a, float b) {
+  q.encode_grid = q.grid;
+  for (float& level : q.grid) level = a * level + b;
+}
+
 LayerCalibrationStats make_stats(std::mt19937& rng, double key_outliers, double value_outliers) {
   std::uniform_real_distribution<double> mse(0.01, 0.2);
   return {.key_relative_mse = mse(rng),
@@ -101,6 +109,9 @@ LayerCalibrationStats make_stats(std::mt19937& rng, double key_outliers, double 
           .logit_relative_mse = mse(rng) / 10};
 }
 
+// KVQuant's recipe at 2 bits: per-channel pre-RoPE keys with offline
+// thresholds, per-token values over all KV heads with top/bottom outliers,
+// Q-Norm affine on both grids.
 QuantizerConfig kvquant_config(std::mt19937& rng) {
   QuantizerConfig config{.name = "kvquant"};
   auto& s = config.settings;
@@ -108,13 +119,56 @@ QuantizerConfig kvquant_config(std::mt19937& rng) {
   s.bits = 2;
   s.keys_pre_rope = true;
   s.keys = {.grouping = Grouping::kPerChannelOffline,
-            .group = 0,
+            .group = 0,  // unused
             .non_uniform = true,
-            .outlier_fraction = 0.01};  // group unused
-  s.values = {.grouping = Grouping::kPerToken, .group = kHeadDim, .non_uniform = true, .outlier_fraction = 0.01};
+            .outlier_fraction = 0.01,
+            .outlier_rule = OutlierRule::kChannelThresholds,
+            .q_norm = QNorm::kAffine};
+  s.values = {.grouping = Grouping::kPerTokenAllHeads,
+              .group = 0,  // unused
+              .non_uniform = true,
+              .outlier_fraction = 0.01,
+              .outlier_rule = OutlierRule::kTokenTopBottom,
+              .q_norm = QNorm::kAffine};
   s.sink_tokens = 1;
   s.fisher_weighted = true;
-  s.q_norm = true;
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    LayerQuantizers l;
+    l.keys = kvquant_keys(s.bits, rng);
+    make_affine(l.keys, 0.93f, 0.011f * static_cast<float>(layer + 1));
+    l.values.grid = make_grid(s.bits, rng);
+    make_affine(l.values, 1.04f, -0.02f);
+    l.stats = make_stats(rng, 0.0101, 0.125);
+    config.layers.push_back(l);
+  }
+  // docs/artifact.md's counting at Hkv = 2, D = 8 (values: n = 16, k = 1, f_eff = 2/16; metadata weighs a lot
+  // at so small a model).
+  config.effective_bits = {{4096, 8.1658203125}, {32768, 8.1607275390625}, {131072, 8.160181884765626}};
+  return config;
+}
+
+// kvforge's named variants of KVQuant at 3 bits: Q-Norm iterated (no
+// encode_grid), values per token and head with the tau rule.
+QuantizerConfig kvquant_variants_config(std::mt19937& rng) {
+  QuantizerConfig config{.name = "kvquant-variants"};
+  auto& s = config.settings;
+  s.method = QuantMethod::kKvquant;
+  s.bits = 3;
+  s.keys_pre_rope = true;
+  s.keys = {.grouping = Grouping::kPerChannelOffline,
+            .group = 0,
+            .non_uniform = true,
+            .outlier_fraction = 0.01,
+            .outlier_rule = OutlierRule::kChannelThresholds,
+            .q_norm = QNorm::kIterated};
+  s.values = {.grouping = Grouping::kPerToken,
+              .group = kHeadDim,
+              .non_uniform = true,
+              .outlier_fraction = 0.01,
+              .outlier_rule = OutlierRule::kTokenTau,
+              .q_norm = QNorm::kIterated};
+  s.sink_tokens = 1;
+  s.fisher_weighted = true;
   for (int64_t layer = 0; layer < kLayers; ++layer) {
     LayerQuantizers l;
     l.keys = kvquant_keys(s.bits, rng);
@@ -123,8 +177,7 @@ QuantizerConfig kvquant_config(std::mt19937& rng) {
     l.stats = make_stats(rng, 0.0101, 0.0098);
     config.layers.push_back(l);
   }
-  // docs/artifact.md's counting with D = 8 (per-token metadata and row pointers weigh a lot at so small a head_dim).
-  config.effective_bits = {{4096, 6.33017578125}, {32768, 6.32127197265625}, {131072, 6.320317993164062}};
+  config.effective_bits = {{4096, 9.325537109375}, {32768, 9.320692138671875}, {131072, 9.320173034667969}};
   return config;
 }
 
@@ -158,10 +211,13 @@ Artifact make_artifact() {
   artifact.command_line = "kvforge calibrate --store acts.h5 --methods kvquant,kivi,int2-rot,rtn";
   artifact.created_utc = "2026-11-30T07:04:38Z";
   artifact.configs.push_back(kvquant_config(rng));
+  artifact.configs.push_back(kvquant_variants_config(rng));
+  // KIVI: keys flushed in blocks of residual_tokens, values in a sliding window.
   const TensorQuantizerSettings g32 = {.grouping = Grouping::kPerToken, .group = 32};
   artifact.configs.push_back(
-      runtime_config("kivi", QuantMethod::kKivi, {.grouping = Grouping::kPerChannelTokens, .group = 32}, g32, 0, 128,
-                     1.0f, 1.0f, {{4096, 4.859375}, {32768, 4.544921875}, {131072, 4.51123046875}}, rng));
+      runtime_config("kivi", QuantMethod::kKivi,
+                     {.grouping = Grouping::kPerChannelTokens, .group = 32, .residual_rule = ResidualRule::kBlockFlush},
+                     g32, 0, 128, 1.0f, 1.0f, {{4096, 4.65625}, {32768, 4.51953125}, {131072, 4.5048828125}}, rng));
   const TensorQuantizerSettings g8 = {.grouping = Grouping::kPerToken, .group = kHeadDim};
   artifact.configs.push_back(runtime_config("int2-rot", QuantMethod::kInt2Rot, g8, g8, 64, 256, 0.96f, 0.92f,
                                             {{4096, 6.78125}, {32768, 6.09765625}, {131072, 6.0244140625}}, rng));
@@ -170,7 +226,9 @@ Artifact make_artifact() {
   return artifact;
 }
 
-QuantizerConfig& config_named(Artifact& artifact, const std::string& name) {
+// QuantizerConfig& or const QuantizerConfig&, as `artifact` is.
+template <class AnyArtifact>
+auto& config_named(AnyArtifact& artifact, const std::string& name) {
   for (auto& config : artifact.configs) {
     if (config.name == name) return config;
   }
@@ -201,7 +259,7 @@ TEST(Artifact, RoundTripsEveryMethod) {
   // Pieces too, so a failure says which.
   EXPECT_EQ(read.model, artifact.model);
   EXPECT_EQ(read.calibration, artifact.calibration);
-  ASSERT_EQ(read.configs.size(), 4u);
+  ASSERT_EQ(read.configs.size(), 5u);
   for (size_t i = 0; i < read.configs.size(); ++i) {
     SCOPED_TRACE(artifact.configs[i].name);
     EXPECT_EQ(read.configs[i].name, artifact.configs[i].name);  // order kept, not alphabetical
@@ -214,6 +272,33 @@ TEST(Artifact, RoundTripsEveryMethod) {
   changed.configs.pop_back();
   write_artifact(path, changed);
   EXPECT_EQ(read_artifact(path), changed);
+}
+
+// The round trip above covers every value of every enum the schema stores.
+TEST(Artifact, TestArtifactUsesEveryValueOfVersion2) {
+  std::set<std::string> seen;
+  for (const auto& config : make_artifact().configs) {
+    for (const TensorQuantizerSettings* s : {&config.settings.keys, &config.settings.values}) {
+      seen.insert("grouping " + std::string(grouping_name(s->grouping)));
+      seen.insert("outlier_rule " + std::string(outlier_rule_name(s->outlier_rule)));
+      seen.insert("residual_rule " + std::string(residual_rule_name(s->residual_rule)));
+      seen.insert("q_norm " + std::string(q_norm_name(s->q_norm)));
+    }
+  }
+  for (const Grouping g :
+       {Grouping::kPerToken, Grouping::kPerChannelTokens, Grouping::kPerChannelOffline, Grouping::kPerTokenAllHeads}) {
+    EXPECT_TRUE(seen.contains("grouping " + std::string(grouping_name(g)))) << grouping_name(g);
+  }
+  for (const OutlierRule r :
+       {OutlierRule::kNone, OutlierRule::kChannelThresholds, OutlierRule::kTokenTopBottom, OutlierRule::kTokenTau}) {
+    EXPECT_TRUE(seen.contains("outlier_rule " + std::string(outlier_rule_name(r)))) << outlier_rule_name(r);
+  }
+  for (const ResidualRule r : {ResidualRule::kSliding, ResidualRule::kBlockFlush}) {
+    EXPECT_TRUE(seen.contains("residual_rule " + std::string(residual_rule_name(r)))) << residual_rule_name(r);
+  }
+  for (const QNorm q : {QNorm::kNone, QNorm::kAffine, QNorm::kIterated}) {
+    EXPECT_TRUE(seen.contains("q_norm " + std::string(q_norm_name(q)))) << q_norm_name(q);
+  }
 }
 
 TEST(Artifact, TimestampHasTheStoredFormat) {
@@ -338,10 +423,91 @@ INSTANTIATE_TEST_SUITE_P(
                    "expected shape [2, 8] ([num_kv_heads, head_dim] of /model), got [3, 8]"},
         Degenerate{"missing_thresholds",
                    [](Artifact& a) { config_named(a, "kvquant").layers[1].keys.outlier_high = {}; },
-                   kKvquantKeys1 + "/outlier_high", "missing: required when keys_outlier_fraction is 0.01"},
-        Degenerate{"tau_zero_with_value_outliers",
-                   [](Artifact& a) { config_named(a, "kvquant").layers[1].values.outlier_tau = 0; },
-                   "/configs/kvquant/layers/1/values@outlier_tau", "expected > 0"},
+                   kKvquantKeys1 + "/outlier_high", "missing: required when keys_outlier_rule is channel_thresholds"},
+        Degenerate{"tau_zero_with_token_tau",
+                   [](Artifact& a) { config_named(a, "kvquant-variants").layers[1].values.outlier_tau = 0; },
+                   "/configs/kvquant-variants/layers/1/values@outlier_tau",
+                   "expected > 0 when values_outlier_rule is token_tau, got 0"},
+        // --- version 2's rules -------------------------------------------------------
+        Degenerate{"tau_with_token_top_bottom",
+                   [](Artifact& a) { config_named(a, "kvquant").layers[0].values.outlier_tau = 2.5f; },
+                   kKvquantValues0 + "@outlier_tau",
+                   "expected 0 (unused: values_outlier_rule is token_top_bottom), got 2.5"},
+        Degenerate{"tau_with_channel_thresholds",
+                   [](Artifact& a) { config_named(a, "kvquant").layers[1].keys.outlier_tau = 1.0f; },
+                   kKvquantKeys1 + "@outlier_tau", "expected 0 (unused: keys_outlier_rule is channel_thresholds), got 1"},
+        Degenerate{"outlier_rule_without_outliers",
+                   [](Artifact& a) { config_named(a, "kivi").settings.values.outlier_rule = OutlierRule::kTokenTau; },
+                   "/configs/kivi@values_outlier_rule", "expected none when values_outlier_fraction is 0, got token_tau"},
+        Degenerate{"outliers_without_rule",
+                   [](Artifact& a) { config_named(a, "rtn").settings.keys.outlier_fraction = 0.02; },
+                   "/configs/rtn@keys_outlier_rule",
+                   "expected token_top_bottom or token_tau when keys_outlier_fraction is 0.02 (> 0) and keys_grouping "
+                   "is per_token, got none"},
+        Degenerate{"channel_thresholds_at_runtime",
+                   [](Artifact& a) {
+                     config_named(a, "kvquant-variants").settings.values.outlier_rule = OutlierRule::kChannelThresholds;
+                   },
+                   "/configs/kvquant-variants@values_outlier_rule", "got channel_thresholds"},
+        Degenerate{"token_rule_for_offline_scales",
+                   [](Artifact& a) { config_named(a, "kvquant").settings.keys.outlier_rule = OutlierRule::kTokenTopBottom; },
+                   "/configs/kvquant@keys_outlier_rule",
+                   "expected channel_thresholds when keys_outlier_fraction is 0.01 (> 0) and keys_grouping is "
+                   "per_channel_offline, got token_top_bottom"},
+        Degenerate{"token_tau_over_all_heads",
+                   [](Artifact& a) {
+                     auto& config = config_named(a, "kvquant");
+                     config.settings.values.outlier_rule = OutlierRule::kTokenTau;
+                     for (auto& layer : config.layers) layer.values.outlier_tau = 3.0f;
+                   },
+                   "/configs/kvquant@values_outlier_rule",
+                   "expected token_top_bottom when values_outlier_fraction is 0.01 (> 0) and values_grouping is "
+                   "per_token_all_heads, got token_tau"},
+        Degenerate{"group_for_all_heads", [](Artifact& a) { config_named(a, "kvquant").settings.values.group = kHeadDim; },
+                   "/configs/kvquant@values_group",
+                   "expected 0 (unused: per_token_all_heads scales each token over all KV heads), got 8"},
+        Degenerate{"block_flush_without_residual",
+                   [](Artifact& a) { config_named(a, "kivi").settings.residual_tokens = 0; },
+                   "/configs/kivi@keys_residual_rule",
+                   "expected residual_tokens > 0 when keys_residual_rule is block_flush, got 0"},
+        Degenerate{"block_flush_not_tiled_by_groups",
+                   [](Artifact& a) { config_named(a, "kivi").settings.residual_tokens = 100; },
+                   "/configs/kivi@keys_residual_rule",
+                   "expected residual_tokens (100) a multiple of keys_group (32) when keys_residual_rule is "
+                   "block_flush and keys_grouping is per_channel_tokens"},
+        Degenerate{"q_norm_for_uniform", [](Artifact& a) { config_named(a, "rtn").settings.values.q_norm = QNorm::kIterated; },
+                   "/configs/rtn@values_q_norm",
+                   "expected none when values_non_uniform is 0 (Q-Norm corrects fitted grids), got iterated"},
+        Degenerate{"encode_grid_missing", [](Artifact& a) { config_named(a, "kvquant").layers[0].values.encode_grid = {}; },
+                   kKvquantValues0 + "/encode_grid", "missing: required when values_q_norm is affine"},
+        Degenerate{"encode_grid_for_iterated",
+                   [](Artifact& a) {
+                     auto& keys = config_named(a, "kvquant-variants").layers[1].keys;
+                     keys.encode_grid = keys.grid;
+                   },
+                   "/configs/kvquant-variants/layers/1/keys/encode_grid",
+                   "expected none: keys_q_norm is iterated (codes are the nearest level of grid)"},
+        Degenerate{"encode_grid_unsorted",
+                   [](Artifact& a) {
+                     auto& levels = config_named(a, "kvquant").layers[1].keys.encode_grid;
+                     std::swap(levels[0], levels[1]);
+                   },
+                   kKvquantKeys1 + "/encode_grid", "expected strictly ascending levels, element [1]"},
+        Degenerate{"encode_grid_nan",
+                   [](Artifact& a) {
+                     config_named(a, "kvquant").layers[0].keys.encode_grid[3] = std::numeric_limits<float>::infinity();
+                   },
+                   kKvquantKeys0 + "/encode_grid", "expected finite levels, element [3] is inf"},
+        Degenerate{"encode_grid_wrong_size",
+                   [](Artifact& a) { config_named(a, "kvquant").layers[0].values.encode_grid.pop_back(); },
+                   kKvquantValues0 + "/encode_grid", "expected 2^bits = 4 levels (bits is 2), got 3"},
+        Degenerate{"thresholds_for_token_rule",
+                   [](Artifact& a) {
+                     auto& layer = config_named(a, "kvquant").layers[0];
+                     layer.values.outlier_low = layer.keys.outlier_low;
+                   },
+                   kKvquantValues0 + "/outlier_low",
+                   "expected none: values_outlier_rule is token_top_bottom (thresholds belong to channel_thresholds)"},
         Degenerate{"nan_stat",
                    [](Artifact& a) {
                      config_named(a, "rtn").layers[0].stats.logit_relative_mse =
@@ -477,8 +643,79 @@ INSTANTIATE_TEST_SUITE_P(
                 "/@schema", "expected \"kvforge.artifact\", got \"kvforge.activations\""},
         Corrupt{
             "other_version",
-            [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 2); }); },
-            "/@schema_version", "expected 1 (the version this kvforge reads), got 2"},
+            [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 3); }); },
+            "/@schema_version", "expected 1 to 2 (the versions this kvforge reads), got 3"},
+        Corrupt{
+            "version_zero",
+            [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 0); }); },
+            "/@schema_version", "expected 1 to 2 (the versions this kvforge reads), got 0"},
+        Corrupt{"unknown_outlier_rule",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    set_string_attribute(f, "/configs/kvquant", "values_outlier_rule", "top_k");
+                  });
+                },
+                "/configs/kvquant@values_outlier_rule",
+                "expected none, channel_thresholds, token_top_bottom or token_tau, got \"top_k\""},
+        Corrupt{"unknown_residual_rule",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { set_string_attribute(f, "/configs/kivi", "keys_residual_rule", "flush"); });
+                },
+                "/configs/kivi@keys_residual_rule", "expected sliding or block_flush, got \"flush\""},
+        Corrupt{"q_norm_as_bool",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "keys_q_norm", 1); });
+                },
+                "/configs/kvquant@keys_q_norm", "expected a string"},
+        Corrupt{"missing_q_norm",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Adelete_by_name(f, "/configs/rtn", "values_q_norm", H5P_DEFAULT), 0);
+                  });
+                },
+                "/configs/rtn@values_q_norm", "missing"},
+        Corrupt{"rule_changed_to_token_tau",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    set_string_attribute(f, "/configs/kvquant", "values_outlier_rule", "token_tau");
+                  });
+                },
+                "/configs/kvquant@values_outlier_rule", "per_token_all_heads, got token_tau"},
+        Corrupt{"encode_grid_missing",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Ldelete(f, "/configs/kvquant/layers/1/values/encode_grid", H5P_DEFAULT), 0);
+                  });
+                },
+                "/configs/kvquant/layers/1/values/encode_grid", "missing"},
+        Corrupt{"encode_grid_for_iterated",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Ocopy(f, "/configs/kvquant-variants/layers/0/values/grid", f,
+                                      "/configs/kvquant-variants/layers/0/values/encode_grid", H5P_DEFAULT, H5P_DEFAULT),
+                              0);
+                  });
+                },
+                "/configs/kvquant-variants/layers/0/values/encode_grid", "expected none: values_q_norm is iterated"},
+        Corrupt{"encode_grid_unsorted",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    edit_floats(f, "/configs/kvquant/layers/0/keys/encode_grid", [](auto& v) { std::swap(v[2], v[3]); });
+                  });
+                },
+                "/configs/kvquant/layers/0/keys/encode_grid", "expected strictly ascending levels, element [3]"},
+        Corrupt{"encode_grid_float64",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    replace_dataset(f, "/configs/kvquant/layers/0/keys/encode_grid", H5T_IEEE_F64LE, {4}, 0.5f);
+                  });
+                },
+                "/configs/kvquant/layers/0/keys/encode_grid", "expected float32, got float64"},
+        Corrupt{"all_heads_group_set",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_group", 16); });
+                },
+                "/configs/kvquant@values_group", "expected 0 (unused"},
         Corrupt{"nan_in_grid",
                 [](const fs::path& p) {
                   edit_hdf5(p, [](hid_t f) {
@@ -571,9 +808,17 @@ INSTANTIATE_TEST_SUITE_P(
                 "/configs/kivi@keys_grouping", "got \"per_head\""},
         Corrupt{"grid_for_uniform_settings",
                 [](const fs::path& p) {
-                  edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_non_uniform", 0); });
+                  edit_hdf5(p, [](hid_t f) {
+                    set_int_attribute(f, "/configs/kvquant", "values_non_uniform", 0);
+                    set_string_attribute(f, "/configs/kvquant", "values_q_norm", "none");
+                  });
                 },
                 "/configs/kvquant/layers/0/values/grid", "expected none: values_non_uniform is 0"},
+        Corrupt{"q_norm_for_uniform_settings",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_non_uniform", 0); });
+                },
+                "/configs/kvquant@values_q_norm", "expected none when values_non_uniform is 0"},
         Corrupt{"missing_layer",
                 [](const fs::path& p) {
                   edit_hdf5(p, [](hid_t f) { ASSERT_GE(H5Ldelete(f, "/configs/kivi/layers/1", H5P_DEFAULT), 0); });
@@ -585,7 +830,7 @@ INSTANTIATE_TEST_SUITE_P(
                     ASSERT_GE(H5Ocopy(f, "/configs/rtn", f, "/configs/rtn2", H5P_DEFAULT, H5P_DEFAULT), 0);
                   });
                 },
-                "/configs", "expected exactly the 4 groups listed in /configs@names, got 5"},
+                "/configs", "expected exactly the 5 groups listed in /configs@names, got 6"},
         Corrupt{"bits_changed",
                 [](const fs::path& p) {
                   edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "bits", 3); });
@@ -607,6 +852,158 @@ TEST(Artifact, ReaderIgnoresUnknownAttributes) {
     set_string_attribute(f, "/", "future_note", "added by a later minor revision");
     set_int_attribute(f, "/configs/kivi", "kernel_hint", 3);
     set_int_attribute(f, "/configs/kvquant/layers/1/keys", "fit_iterations", 40);
+  });
+  EXPECT_EQ(read_artifact(path), artifact);
+}
+
+// --- version 1 files ----------------------------------------------------------------
+//
+// A version 1 file as kvforge wrote it before version 2: the same layout
+// without the per-tensor rules (X_outlier_rule, X_residual_rule, X_q_norm),
+// with one configuration-level bool `q_norm`, no encode_grid, and
+// schema_version 1. Made here with the HDF5 C API from a version 2 file of
+// settings version 1 could express.
+
+// What version 1 could store: kvforge's old rules (outliers by thresholds or
+// tau, sliding windows, Q-Norm iterated on every fitted grid or on none).
+Artifact version_1_artifact() {
+  Artifact artifact = make_artifact();
+  std::erase_if(artifact.configs, [](const QuantizerConfig& c) { return c.name == "kvquant"; });
+  config_named(artifact, "kivi").settings.keys.residual_rule = ResidualRule::kSliding;
+  return artifact;
+}
+
+void delete_attribute(hid_t file, const std::string& object, const std::string& name) {
+  ASSERT_GE(H5Adelete_by_name(file, object.c_str(), name.c_str(), H5P_DEFAULT), 0) << object << "@" << name;
+}
+
+void set_uint8_attribute(hid_t file, const std::string& object, const char* name, uint8_t value) {
+  const hid_t group = H5Oopen(file, object.c_str(), H5P_DEFAULT);
+  ASSERT_GE(group, 0);
+  const hid_t space = H5Screate(H5S_SCALAR);
+  const hid_t attribute = H5Acreate2(group, name, H5T_STD_U8LE, space, H5P_DEFAULT, H5P_DEFAULT);
+  EXPECT_GE(H5Awrite(attribute, H5T_NATIVE_UINT8, &value), 0);
+  H5Aclose(attribute);
+  H5Sclose(space);
+  H5Oclose(group);
+}
+
+// Rewrites a version 2 file of `artifact` (which version 1 can express) as version 1;
+// `q_norm` gives each configuration's version 1 bool.
+void make_version_1(const fs::path& path, const Artifact& artifact,
+                    const std::function<bool(const QuantizerConfig&)>& q_norm) {
+  edit_hdf5(path, [&](hid_t f) {
+    set_int_attribute(f, "/", "schema_version", 1);
+    for (const auto& config : artifact.configs) {
+      const std::string object = "/configs/" + config.name;
+      for (const char* kind : {"keys", "values"}) {
+        for (const char* rule : {"_outlier_rule", "_residual_rule", "_q_norm"}) {
+          delete_attribute(f, object, std::string(kind) + rule);
+        }
+      }
+      set_uint8_attribute(f, object, "q_norm", q_norm(config) ? 1 : 0);
+    }
+  });
+}
+
+bool has_iterated_grid(const QuantizerConfig& config) {
+  return config.settings.keys.q_norm == QNorm::kIterated || config.settings.values.q_norm == QNorm::kIterated;
+}
+
+TEST(Artifact, ReadsVersion1FilesAsVersion2Values) {
+  const auto dir = scratch_dir("artifact-version-1");
+  const auto path = dir / "v1.h5";
+  const Artifact artifact = version_1_artifact();
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, has_iterated_grid);
+  const Artifact read = read_artifact(path);
+  EXPECT_EQ(read, artifact);
+  // The mapping, spelled out.
+  const auto& variants = config_named(read, "kvquant-variants").settings;
+  EXPECT_EQ(variants.keys.outlier_rule, OutlierRule::kChannelThresholds);
+  EXPECT_EQ(variants.values.outlier_rule, OutlierRule::kTokenTau);
+  EXPECT_EQ(variants.keys.q_norm, QNorm::kIterated);
+  EXPECT_EQ(variants.values.q_norm, QNorm::kIterated);
+  EXPECT_EQ(config_named(read, "kivi").settings.keys.residual_rule, ResidualRule::kSliding);
+  EXPECT_EQ(config_named(read, "rtn").settings.keys.outlier_rule, OutlierRule::kNone);
+
+  // Writing what was read writes version 2, which reads back the same.
+  write_artifact(dir / "v2.h5", read);
+  EXPECT_EQ(read_artifact(dir / "v2.h5"), artifact);
+  const hid_t file = H5Fopen((dir / "v2.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(file, 0);
+  const hid_t attribute = H5Aopen(file, "schema_version", H5P_DEFAULT);
+  int64_t version = 0;
+  EXPECT_GE(H5Aread(attribute, H5T_NATIVE_INT64, &version), 0);
+  EXPECT_EQ(version, 2);
+  EXPECT_GT(H5Aexists_by_name(file, "/configs/kivi", "keys_residual_rule", H5P_DEFAULT), 0);
+  EXPECT_EQ(H5Aexists_by_name(file, "/configs/kivi", "q_norm", H5P_DEFAULT), 0);
+  H5Aclose(attribute);
+  H5Fclose(file);
+}
+
+TEST(Artifact, Version1QNormAppliesToFittedGridsOnly) {
+  const auto dir = scratch_dir("artifact-version-1-q-norm");
+  const auto path = dir / "v1.h5";
+  // q_norm 1 on every configuration: uniform tensors (kivi, int2-rot, rtn) still get none.
+  Artifact artifact = version_1_artifact();
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, [](const QuantizerConfig&) { return true; });
+  EXPECT_EQ(read_artifact(path), artifact);
+  // q_norm 0: the fitted grids were not corrected.
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, [](const QuantizerConfig&) { return false; });
+  for (auto& config : artifact.configs) config.settings.keys.q_norm = config.settings.values.q_norm = QNorm::kNone;
+  const Artifact read = read_artifact(path);
+  EXPECT_EQ(read, artifact);
+  EXPECT_EQ(config_named(read, "kvquant-variants").settings.values.q_norm, QNorm::kNone);
+}
+
+TEST(Artifact, Version1FilesRefuseWhatVersion1Lacks) {
+  const auto dir = scratch_dir("artifact-version-1-refuses");
+  const auto path = dir / "v1.h5";
+  const Artifact artifact = version_1_artifact();
+  // A grouping version 1 did not have.
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, has_iterated_grid);
+  edit_hdf5(path, [](hid_t f) { set_string_attribute(f, "/configs/rtn", "values_grouping", "per_token_all_heads"); });
+  auto error = input_error_of([&] { read_artifact(path); });
+  EXPECT_EQ(error.field(), "/configs/rtn@values_grouping") << error.what();
+  EXPECT_NE(std::string(error.what())
+                .find("expected per_token, per_channel_tokens or per_channel_offline, got \"per_token_all_heads\""),
+            std::string::npos)
+      << error.what();
+  // Version 1's q_norm is required there.
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, has_iterated_grid);
+  edit_hdf5(path, [](hid_t f) { delete_attribute(f, "/configs/kivi", "q_norm"); });
+  error = input_error_of([&] { read_artifact(path); });
+  EXPECT_EQ(error.field(), "/configs/kivi@q_norm") << error.what();
+  EXPECT_NE(std::string(error.what()).find("missing"), std::string::npos) << error.what();
+  // Version 1 rules still hold: runtime outliers need their tau.
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, has_iterated_grid);
+  edit_hdf5(path, [](hid_t f) {
+    const hid_t group = H5Oopen(f, "/configs/kvquant-variants/layers/0/values", H5P_DEFAULT);
+    ASSERT_GE(group, 0);
+    H5Adelete(group, "outlier_tau");
+    const hid_t space = H5Screate(H5S_SCALAR);
+    const hid_t attribute = H5Acreate2(group, "outlier_tau", H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT);
+    const float zero = 0;
+    EXPECT_GE(H5Awrite(attribute, H5T_NATIVE_FLOAT, &zero), 0);
+    H5Aclose(attribute);
+    H5Sclose(space);
+    H5Oclose(group);
+  });
+  error = input_error_of([&] { read_artifact(path); });
+  EXPECT_EQ(error.field(), "/configs/kvquant-variants/layers/0/values@outlier_tau") << error.what();
+  // An encode_grid in a version 1 file is a dataset version 1 does not know: ignored.
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, has_iterated_grid);
+  edit_hdf5(path, [](hid_t f) {
+    ASSERT_GE(H5Ocopy(f, "/configs/kvquant-variants/layers/0/keys/grid", f,
+                      "/configs/kvquant-variants/layers/0/keys/encode_grid", H5P_DEFAULT, H5P_DEFAULT),
+              0);
   });
   EXPECT_EQ(read_artifact(path), artifact);
 }
@@ -657,33 +1054,163 @@ Output run_checker(const fs::path& path) {
   return output;
 }
 
-double sum_of(const std::vector<float>& values) {
-  double sum = 0;
-  for (const float v : values) sum += v;
-  return sum;
-}
+// --- comparing the h5py reader's report with what we wrote ---------------------------
+//
+// The report (tests/check_artifact.py's docstring) gives, per configuration,
+// the settings, and per layer and tensor the scalars and, for every dataset,
+// a position-weighted checksum sum_i v_i * (1 + i) over the flat row-major
+// index i and the values at a few indices: a sum alone would not see two
+// heads, channels or levels trade places.
 
-// Per layer sums of keys' or values' array `member`, or null when the configuration has none.
-template <class Get>
-nlohmann::json layer_sums(const QuantizerConfig& config, Get get) {
-  nlohmann::json sums = nlohmann::json::array();
-  for (const auto& layer : config.layers) {
-    const std::vector<float>& values = get(layer);
-    if (values.empty()) return nullptr;
-    sums.push_back(sum_of(values));
+// Flat indices the report samples: 0, 1, n / 2 and n - 1 (ascending, once each).
+std::vector<size_t> sampled_indices(size_t n) {
+  std::vector<size_t> indices;
+  for (const size_t i : {size_t{0}, size_t{1}, n / 2, n - 1}) {
+    if (i < n && (indices.empty() || i > indices.back())) indices.push_back(i);
   }
-  return sums;
+  return indices;
 }
 
-void expect_sums_near(const nlohmann::json& theirs, const nlohmann::json& ours, const std::string& what) {
-  if (ours.is_null()) {
-    EXPECT_TRUE(theirs.is_null()) << what << ": " << theirs.dump();
+struct Checksum {
+  double value = 0;      // sum_i v_i * (1 + i), summed in index order
+  double tolerance = 0;  // how far another float64 summation order may land from it
+};
+
+// Each product v_i * (1 + i) is exact in float64 (a 24-bit float32 mantissa
+// times an integer below 2^29), so the only rounding is the summation's:
+// any order of summing n terms is within (n - 1) u sum_i |t_i| of the exact
+// sum (u = 2^-53; numpy sums pairwise, we sum in order), hence two orders are
+// within 2 (n - 1) u sum_i |t_i| of each other.
+Checksum position_weighted(const std::vector<float>& values) {
+  Checksum checksum;
+  double magnitude = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double term = static_cast<double>(values[i]) * static_cast<double>(i + 1);
+    checksum.value += term;
+    magnitude += std::abs(term);
+  }
+  const double n = static_cast<double>(values.size());
+  checksum.tolerance = 2 * std::max(n - 1, 0.0) * std::ldexp(1.0, -53) * magnitude;
+  return checksum;
+}
+
+// Appends to `problems` each way `theirs` (one dataset's report entry, or null) differs from `ours`.
+void compare_dataset(const nlohmann::json& theirs, const std::vector<float>& ours, const std::string& what,
+                     std::vector<std::string>& problems) {
+  if (ours.empty()) {
+    if (!theirs.is_null()) problems.push_back(what + ": reported " + theirs.dump() + ", we wrote none");
     return;
   }
-  ASSERT_EQ(theirs.size(), ours.size()) << what;
-  for (size_t i = 0; i < ours.size(); ++i) {
-    EXPECT_NEAR(theirs[i].get<double>(), ours[i].get<double>(), 1e-9) << what << " layer " << i;
+  if (theirs.is_null()) {
+    problems.push_back(what + ": not reported, we wrote " + std::to_string(ours.size()) + " values");
+    return;
   }
+  const Checksum checksum = position_weighted(ours);
+  const double reported = theirs.at("checksum").get<double>();
+  if (!(std::abs(reported - checksum.value) <= checksum.tolerance)) {
+    problems.push_back(what + ": checksum " + std::to_string(reported) + ", ours " + std::to_string(checksum.value));
+  }
+  const std::vector<size_t> indices = sampled_indices(ours.size());
+  const auto& elements = theirs.at("elements");
+  if (elements.size() != indices.size()) {
+    problems.push_back(what + ": " + std::to_string(elements.size()) + " sampled elements, expected " +
+                       std::to_string(indices.size()));
+    return;
+  }
+  for (size_t j = 0; j < indices.size(); ++j) {
+    // float32 -> float64 -> JSON (Python's shortest repr) -> float64: exact.
+    if (elements[j].at(0).get<size_t>() != indices[j] ||
+        elements[j].at(1).get<double>() != static_cast<double>(ours[indices[j]])) {
+      problems.push_back(what + ": element " + elements[j].dump() + ", ours [" + std::to_string(indices[j]) + ", " +
+                         std::to_string(ours[indices[j]]) + "]");
+    }
+  }
+}
+
+template <class T>
+void compare_value(const nlohmann::json& theirs, const T& ours, const std::string& what,
+                   std::vector<std::string>& problems) {
+  if (theirs.get<T>() != ours) problems.push_back(what + ": reported " + theirs.dump());
+}
+
+// Every difference between the h5py reader's report and `artifact` (empty: they agree).
+// `version`: the file's schema version (the report maps version 1 files onto version 2 settings, as we do).
+std::vector<std::string> report_differences(const nlohmann::json& report, const Artifact& artifact,
+                                            int version = kArtifactVersion) {
+  std::vector<std::string> problems;
+  compare_value(report.at("schema_version"), version, "schema_version", problems);
+  compare_value(report.at("num_layers"), artifact.model.num_layers, "num_layers", problems);
+  compare_value(report.at("sources"), artifact.calibration.sources.size(), "sources", problems);
+  compare_value(report.at("calibration_tokens"), artifact.calibration.calibration_tokens, "calibration_tokens",
+                problems);
+  std::vector<std::string> names;
+  for (const auto& config : artifact.configs) names.push_back(config.name);
+  compare_value(report.at("configs"), names, "configs", problems);
+  for (const auto& config : artifact.configs) {
+    const std::string& name = config.name;
+    const QuantizerSettings& s = config.settings;
+    const auto& settings = report.at("settings").at(name);
+    compare_value(settings.at("method"), std::string(method_name(s.method)), name + "@method", problems);
+    compare_value(settings.at("bits"), s.bits, name + "@bits", problems);
+    compare_value(settings.at("keys_pre_rope"), s.keys_pre_rope, name + "@keys_pre_rope", problems);
+    compare_value(settings.at("fisher_weighted"), s.fisher_weighted, name + "@fisher_weighted", problems);
+    compare_value(settings.at("sink_tokens"), s.sink_tokens, name + "@sink_tokens", problems);
+    compare_value(settings.at("residual_tokens"), s.residual_tokens, name + "@residual_tokens", problems);
+    for (const auto& [kind, t] : {std::pair<std::string, const TensorQuantizerSettings&>{"keys", s.keys},
+                                  std::pair<std::string, const TensorQuantizerSettings&>{"values", s.values}}) {
+      const auto& theirs = settings.at(kind);
+      const std::string at = name + "@" + kind + "_";
+      compare_value(theirs.at("grouping"), std::string(grouping_name(t.grouping)), at + "grouping", problems);
+      compare_value(theirs.at("group"), t.group, at + "group", problems);
+      compare_value(theirs.at("non_uniform"), t.non_uniform, at + "non_uniform", problems);
+      compare_value(theirs.at("outlier_fraction"), t.outlier_fraction, at + "outlier_fraction", problems);
+      compare_value(theirs.at("outlier_rule"), std::string(outlier_rule_name(t.outlier_rule)), at + "outlier_rule",
+                    problems);
+      compare_value(theirs.at("residual_rule"), std::string(residual_rule_name(t.residual_rule)), at + "residual_rule",
+                    problems);
+      compare_value(theirs.at("q_norm"), std::string(q_norm_name(t.q_norm)), at + "q_norm", problems);
+    }
+    const auto& layers = report.at("layers").at(name);
+    if (layers.size() != config.layers.size()) {
+      problems.push_back(name + ": " + std::to_string(layers.size()) + " layers reported");
+      continue;
+    }
+    for (size_t i = 0; i < config.layers.size(); ++i) {
+      for (const auto& [kind, q] :
+           {std::pair<std::string, const TensorQuantizer&>{"keys", config.layers[i].keys},
+            std::pair<std::string, const TensorQuantizer&>{"values", config.layers[i].values}}) {
+        const auto& theirs = layers[i].at(kind);
+        const std::string at = name + "/layers/" + std::to_string(i) + "/" + kind;
+        // float32 attributes: exact through float64 and JSON.
+        compare_value(theirs.at("clip_ratio"), static_cast<double>(q.clip_ratio), at + "@clip_ratio", problems);
+        compare_value(theirs.at("outlier_tau"), static_cast<double>(q.outlier_tau), at + "@outlier_tau", problems);
+        const auto& datasets = theirs.at("datasets");
+        compare_dataset(datasets.at("grid"), q.grid, at + "/grid", problems);
+        compare_dataset(datasets.at("encode_grid"), q.encode_grid, at + "/encode_grid", problems);
+        compare_dataset(datasets.at("channel_scale"), q.channel_scale.values, at + "/channel_scale", problems);
+        compare_dataset(datasets.at("channel_offset"), q.channel_offset.values, at + "/channel_offset", problems);
+        compare_dataset(datasets.at("outlier_low"), q.outlier_low.values, at + "/outlier_low", problems);
+        compare_dataset(datasets.at("outlier_high"), q.outlier_high.values, at + "/outlier_high", problems);
+      }
+    }
+    const auto& rows = report.at("effective_bits").at(name);
+    if (rows.size() != config.effective_bits.size()) {
+      problems.push_back(name + "/effective_bits: " + std::to_string(rows.size()) + " rows reported");
+      continue;
+    }
+    for (size_t j = 0; j < rows.size(); ++j) {
+      compare_value(rows[j][0], config.effective_bits[j].first, name + "/effective_bits context", problems);
+      // float64 both ways: exact.
+      compare_value(rows[j][1], config.effective_bits[j].second, name + "/effective_bits bits", problems);
+    }
+  }
+  return problems;
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& line : lines) text += line + "\n";
+  return text;
 }
 
 TEST(Artifact, IndependentH5pyReaderAgrees) {
@@ -694,44 +1221,60 @@ TEST(Artifact, IndependentH5pyReaderAgrees) {
   const Artifact artifact = read_artifact(path);
   const Output output = run_checker(path);
   ASSERT_EQ(output.exit_code, 0) << output.text;
-  const auto report = nlohmann::json::parse(output.text);
+  const std::vector<std::string> differences = report_differences(nlohmann::json::parse(output.text), artifact);
+  EXPECT_TRUE(differences.empty()) << joined(differences);
+}
 
-  EXPECT_EQ(report.at("schema_version").get<int>(), kArtifactVersion);
-  EXPECT_EQ(report.at("num_layers").get<int64_t>(), artifact.model.num_layers);
-  EXPECT_EQ(report.at("sources").get<size_t>(), artifact.calibration.sources.size());
-  EXPECT_EQ(report.at("calibration_tokens").get<int64_t>(), artifact.calibration.calibration_tokens);
-  std::vector<std::string> names;
-  for (const auto& config : artifact.configs) names.push_back(config.name);
-  EXPECT_EQ(report.at("configs").get<std::vector<std::string>>(), names);
-  for (const auto& config : artifact.configs) {
-    SCOPED_TRACE(config.name);
-    EXPECT_EQ(report.at("methods").at(config.name).get<std::string>(), method_name(config.settings.method));
-    EXPECT_EQ(report.at("bits").at(config.name).get<int>(), config.settings.bits);
-    const auto& grids = report.at("grid_sums").at(config.name);
-    expect_sums_near(grids.at("keys"),
-                     layer_sums(
-                         config, [](const auto& l) -> const auto& { return l.keys.grid; }),
-                     "keys grid");
-    expect_sums_near(grids.at("values"),
-                     layer_sums(
-                         config, [](const auto& l) -> const auto& { return l.values.grid; }),
-                     "values grid");
-    const auto& scales = report.at("channel_scale_sums").at(config.name);
-    expect_sums_near(scales.at("keys"),
-                     layer_sums(
-                         config, [](const auto& l) -> const auto& { return l.keys.channel_scale.values; }),
-                     "keys channel_scale");
-    expect_sums_near(scales.at("values"),
-                     layer_sums(
-                         config, [](const auto& l) -> const auto& { return l.values.channel_scale.values; }),
-                     "values channel_scale");
-    const auto rows = report.at("effective_bits").at(config.name);
-    ASSERT_EQ(rows.size(), config.effective_bits.size());
-    for (size_t j = 0; j < rows.size(); ++j) {
-      EXPECT_EQ(rows[j][0].get<int64_t>(), config.effective_bits[j].first);
-      EXPECT_EQ(rows[j][1].get<double>(), config.effective_bits[j].second);  // float64 both ways: exact
-    }
+// Swaps KV heads 0 and 1 of every [Hkv, D] dataset of one tensor group in the
+// file: still a valid artifact, with the same per-dataset sums, but not the one written.
+void swap_heads(hid_t file, const std::string& tensor) {
+  for (const char* name : {"channel_scale", "channel_offset", "outlier_low", "outlier_high"}) {
+    edit_floats(file, (tensor + "/" + name).c_str(),
+                [](std::vector<float>& v) { std::swap_ranges(v.begin(), v.begin() + kHeadDim, v.begin() + kHeadDim); });
   }
+}
+
+TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedHeads) {
+  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  const auto dir = scratch_dir("artifact-h5py-swapped");
+  const auto path = dir / "a.h5";
+  const Artifact written = make_artifact();
+  write_artifact(path, written);
+  edit_hdf5(path, [](hid_t f) { swap_heads(f, kKvquantKeys0); });
+  const Artifact swapped = read_artifact(path);  // valid: the thresholds moved with their scales
+  const auto& ours = config_named(written, "kvquant").layers[0].keys.channel_scale.values;
+  const auto& theirs = config_named(swapped, "kvquant").layers[0].keys.channel_scale.values;
+  ASSERT_NE(theirs, ours);
+  // What a plain sum would have compared: equal (up to the order of float64 additions).
+  double sum_ours = 0, sum_theirs = 0;
+  for (size_t i = 0; i < ours.size(); ++i) sum_ours += ours[i], sum_theirs += theirs[i];
+  EXPECT_NEAR(sum_theirs, sum_ours, 1e-12 * std::abs(sum_ours) + 1e-12);
+
+  const Output output = run_checker(path);
+  ASSERT_EQ(output.exit_code, 0) << output.text;
+  const std::vector<std::string> differences = report_differences(nlohmann::json::parse(output.text), written);
+  const std::string text = joined(differences);
+  for (const char* name : {"channel_scale", "channel_offset", "outlier_low", "outlier_high"}) {
+    EXPECT_NE(text.find("kvquant/layers/0/keys/" + std::string(name) + ": checksum"), std::string::npos) << name << "\n"
+                                                                                                         << text;
+  }
+  EXPECT_EQ(text.find("layers/1"), std::string::npos) << text;  // nothing else differs
+  // And against what the file now holds, they agree.
+  EXPECT_TRUE(report_differences(nlohmann::json::parse(output.text), swapped).empty());
+}
+
+TEST(Artifact, IndependentH5pyReaderMapsVersion1AsWeDo) {
+  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  const auto dir = scratch_dir("artifact-h5py-version-1");
+  const auto path = dir / "v1.h5";
+  const Artifact artifact = version_1_artifact();
+  write_artifact(path, artifact);
+  make_version_1(path, artifact, [](const QuantizerConfig&) { return true; });
+  const Output output = run_checker(path);
+  ASSERT_EQ(output.exit_code, 0) << output.text;
+  const std::vector<std::string> differences =
+      report_differences(nlohmann::json::parse(output.text), read_artifact(path), 1);
+  EXPECT_TRUE(differences.empty()) << joined(differences);
 }
 
 TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
@@ -752,7 +1295,47 @@ TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
       {"thresholds",
        [](hid_t f) { edit_floats(f, "/configs/kvquant/layers/0/keys/outlier_high", [](auto& v) { v[2] += 100; }); },
        "/configs/kvquant/layers/0/keys/outlier_high"},
-      {"version", [](hid_t f) { set_int_attribute(f, "/", "schema_version", 2); }, "/@schema_version"},
+      {"version", [](hid_t f) { set_int_attribute(f, "/", "schema_version", 3); }, "/@schema_version"},
+      {"encode_grid_unsorted",
+       [](hid_t f) {
+         edit_floats(f, "/configs/kvquant/layers/1/values/encode_grid", [](auto& v) { std::swap(v[0], v[3]); });
+       },
+       "/configs/kvquant/layers/1/values/encode_grid"},
+      {"encode_grid_missing",
+       [](hid_t f) { ASSERT_GE(H5Ldelete(f, "/configs/kvquant/layers/0/keys/encode_grid", H5P_DEFAULT), 0); },
+       "/configs/kvquant/layers/0/keys/encode_grid"},
+      {"encode_grid_for_iterated",
+       [](hid_t f) {
+         ASSERT_GE(H5Ocopy(f, "/configs/kvquant-variants/layers/1/keys/grid", f,
+                           "/configs/kvquant-variants/layers/1/keys/encode_grid", H5P_DEFAULT, H5P_DEFAULT),
+                   0);
+       },
+       "/configs/kvquant-variants/layers/1/keys/encode_grid"},
+      {"token_tau_over_all_heads",
+       [](hid_t f) { set_string_attribute(f, "/configs/kvquant", "values_outlier_rule", "token_tau"); },
+       "/configs/kvquant@values_outlier_rule"},
+      {"rule_without_outliers",
+       [](hid_t f) { set_string_attribute(f, "/configs/rtn", "keys_outlier_rule", "token_top_bottom"); },
+       "/configs/rtn@keys_outlier_rule"},
+      {"thresholds_rule_at_runtime",
+       [](hid_t f) {
+         set_string_attribute(f, "/configs/kvquant-variants", "values_outlier_rule", "channel_thresholds");
+       },
+       "/configs/kvquant-variants@values_outlier_rule"},
+      {"block_flush_not_tiled", [](hid_t f) { set_int_attribute(f, "/configs/kivi", "residual_tokens", 80); },
+       "/configs/kivi@keys_residual_rule"},
+      {"block_flush_without_residual",
+       [](hid_t f) {
+         set_int_attribute(f, "/configs/rtn", "residual_tokens", 0);
+         set_string_attribute(f, "/configs/rtn", "values_residual_rule", "block_flush");
+       },
+       "/configs/rtn@values_residual_rule"},
+      {"q_norm_for_uniform", [](hid_t f) { set_string_attribute(f, "/configs/int2-rot", "keys_q_norm", "affine"); },
+       "/configs/int2-rot@keys_q_norm"},
+      {"group_for_all_heads", [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "values_group", 8); },
+       "/configs/kvquant@values_group"},
+      {"unknown_q_norm", [](hid_t f) { set_string_attribute(f, "/configs/kvquant", "keys_q_norm", "yes"); },
+       "/configs/kvquant@keys_q_norm"},
       {"shape",
        [](hid_t f) {
          replace_dataset(f, "/configs/kvquant/layers/0/keys/channel_scale", H5T_IEEE_F32LE, {3, 8}, 0.5f);
