@@ -160,7 +160,7 @@ void check_settings(const Rules& rules, const std::string& object, const Quantiz
       rules.fail(attribute_object(object, setting_attribute(kind, "grouping")), "expected a grouping");
     }
     // Unused by per_channel_offline (kvforge writes 0 there).
-    const int64_t least = s.grouping == Grouping::kPerChannelOffline ? 0 : 1;
+    const int64_t least = s.grouping == Grouping::kPerChannelOffline || s.grouping == Grouping::kPerTokenAllHeads ? 0 : 1;
     if (s.group < least) {
       rules.fail(attribute_object(object, setting_attribute(kind, "group")),
                  std::string(least == 0 ? "expected >= 0" : "expected a positive integer") + ", got " +
@@ -281,7 +281,7 @@ void check_tensor(const Rules& rules, const std::string& object, Kind kind, cons
   const std::string low = object + "/outlier_low";
   const std::string high = object + "/outlier_high";
   const bool thresholds = offline && s.outlier_fraction > 0;
-  const bool runtime_outliers = !offline && s.outlier_fraction > 0;
+  const bool runtime_outliers = !offline && s.outlier_fraction > 0 && s.outlier_rule == OutlierRule::kTokenTau;
   if (thresholds) {
     const std::string because = "when " + std::string(kind == Kind::kKeys ? "keys" : "values") +
                                 "_outlier_fraction is " + number(s.outlier_fraction) + " (> 0) with per_channel_offline";
@@ -559,13 +559,16 @@ void write_settings(Group& group, const QuantizerSettings& settings) {
   group.write_scalar<int64_t>("sink_tokens", settings.sink_tokens);
   group.write_scalar<int64_t>("residual_tokens", settings.residual_tokens);
   write_bool(group, "fisher_weighted", settings.fisher_weighted);
-  write_bool(group, "q_norm", settings.q_norm);
   for (const Kind kind : kKinds) {
     const TensorQuantizerSettings& s = settings_of(settings, kind);
     group.write_string(setting_attribute(kind, "grouping"), std::string(grouping_name(s.grouping)));
     group.write_scalar<int64_t>(setting_attribute(kind, "group"), s.group);
     write_bool(group, setting_attribute(kind, "non_uniform"), s.non_uniform);
     write_float(group, setting_attribute(kind, "outlier_fraction"), s.outlier_fraction, H5T_IEEE_F64LE);
+    // Minimal v2 fields (calib worktree stop-gap; the artifact agent's version replaces this).
+    group.write_string(setting_attribute(kind, "outlier_rule"), std::string(outlier_rule_name(s.outlier_rule)));
+    group.write_string(setting_attribute(kind, "residual_rule"), std::string(residual_rule_name(s.residual_rule)));
+    group.write_string(setting_attribute(kind, "q_norm"), std::string(q_norm_name(s.q_norm)));
   }
 }
 
@@ -585,7 +588,6 @@ QuantizerSettings read_settings(const Group& group) {
   settings.sink_tokens = group.read_integer<int64_t>("sink_tokens");
   settings.residual_tokens = group.read_integer<int64_t>("residual_tokens");
   settings.fisher_weighted = read_bool(group, "fisher_weighted");
-  settings.q_norm = read_bool(group, "q_norm");
   for (const Kind kind : kKinds) {
     TensorQuantizerSettings& s = settings_of(settings, kind);
     const std::string grouping_attribute = setting_attribute(kind, "grouping");
@@ -599,6 +601,15 @@ QuantizerSettings read_settings(const Group& group) {
     s.group = group.read_integer<int64_t>(setting_attribute(kind, "group"));
     s.non_uniform = read_bool(group, setting_attribute(kind, "non_uniform"));
     s.outlier_fraction = read_float(group, setting_attribute(kind, "outlier_fraction"));
+    const auto rule = parse_outlier_rule(group.read_string(setting_attribute(kind, "outlier_rule")));
+    if (!rule) fail(setting_attribute(kind, "outlier_rule"), "expected an outlier rule");
+    s.outlier_rule = *rule;
+    const auto residual = parse_residual_rule(group.read_string(setting_attribute(kind, "residual_rule")));
+    if (!residual) fail(setting_attribute(kind, "residual_rule"), "expected sliding or block_flush");
+    s.residual_rule = *residual;
+    const auto q_norm = parse_q_norm(group.read_string(setting_attribute(kind, "q_norm")));
+    if (!q_norm) fail(setting_attribute(kind, "q_norm"), "expected none, affine or iterated");
+    s.q_norm = *q_norm;
   }
   return settings;
 }
@@ -635,6 +646,9 @@ void write_tensor(Group& group, const TensorQuantizer& q) {
   write_float(group, "clip_ratio", q.clip_ratio, H5T_IEEE_F32LE);
   write_float(group, "outlier_tau", q.outlier_tau, H5T_IEEE_F32LE);
   if (!q.grid.empty()) write_array(group, "grid", {static_cast<int64_t>(q.grid.size())}, q.grid.data());
+  if (!q.encode_grid.empty()) {
+    write_array(group, "encode_grid", {static_cast<int64_t>(q.encode_grid.size())}, q.encode_grid.data());
+  }
   const std::array<std::pair<const char*, const Float32Array*>, 4> arrays = {{
       {"channel_scale", &q.channel_scale},
       {"channel_offset", &q.channel_offset},
@@ -659,6 +673,7 @@ TensorQuantizer read_tensor(const Group& group, Kind kind, const QuantizerSettin
   if (expected.grid) {
     const std::vector<int64_t> shape = {int64_t{1} << settings.bits};
     q.grid = read_array(group, "grid", shape, "2^bits levels").values;
+    if (group.has_child("encode_grid")) q.encode_grid = read_array(group, "encode_grid", shape, "2^bits levels").values;
   } else {
     refuse_present("grid", prefix + "non_uniform is 0 (uniform integer levels)");
   }
