@@ -193,7 +193,7 @@ Command add_calibrate_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::IsMember({2, 3, 4}))
       ->capture_default_str();
-  command->add_option("--name", flags->name, "Configuration name (default METHOD-Nbit)");
+  command->add_option("--name", flags->name, "Configuration name (default METHOD-Nbit, plus a suffix naming any variant flags)");
   command->add_option("--outliers", flags->outliers, "Fraction kept exact in the sparse store (kvquant default 0.01: keys by per-channel thresholds, values per token)")
       ->check(CLI::Range(0.0, 0.5));
   command->add_option("--sink", flags->sink, "First tokens kept in 16 bits (kvquant 1, int2-rot 64)");
@@ -211,7 +211,7 @@ Command add_calibrate_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "affine", "iterated", "none"}));
   command->add_option("--key-window", flags->key_window,
                       "kivi keys' 16-bit window: block_flush (default, KIVI: keys quantized in blocks of --residual, "
-                      "T mod R stay exact) or sliding (kvforge variant: the newest R stay exact); suffix -keys-X")
+                      "T mod R stay exact) or sliding (kvforge variant: the newest R and an incomplete group stay exact); suffix -keys-X")
       ->check(CLI::IsMember(flag_names(kKeyWindows)));
   command->add_option("--value-outliers", flags->value_outliers,
                       "Outliers of runtime groupings (kvquant values): top_bottom (default, KVQuant: the f/2 largest "
