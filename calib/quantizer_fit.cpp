@@ -220,6 +220,15 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
     throw std::invalid_argument("value outlier rule must be token_top_bottom or token_tau, got " +
                                 std::string(outlier_rule_name(runtime_rule)));
   }
+  // tau is per token and head: the tau variant scales values per head too
+  // (per_token, group head_dim) unless the value grouping was asked for.
+  if (runtime_rule == OutlierRule::kTokenTau && fraction > 0 && s.values.grouping == Grouping::kPerTokenAllHeads) {
+    if (options.value_grouping) {
+      throw std::invalid_argument("value outlier rule token_tau is per head: it needs per-head value scaling "
+                                  "(per_token), not per_token_all_heads");
+    }
+    s.values = {Grouping::kPerToken, head_dim};
+  }
   for (TensorQuantizerSettings* t : {&s.keys, &s.values}) {
     t->non_uniform = non_uniform;
     t->q_norm = q_norm;

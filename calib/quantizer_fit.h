@@ -17,7 +17,8 @@
 //             dequantized value) at 2 bits only, as the paper's checkpoints
 //             use it, none at 3 and 4 bits; sink 1 token; no residual.
 //             Variants: value_outlier_rule kTokenTau (kvforge's global tau on
-//             mean +- tau std per token and head), value_grouping kPerToken
+//             mean +- tau std per token and head; it implies per-head value
+//             scaling, kPerToken group head_dim), value_grouping kPerToken
 //             (per-head scaling), q_norm kIterated (levels moved, iterated).
 //   kivi      keys kPerChannelTokens group 32 post-RoPE, kBlockFlush (KIVI's
 //             16-bit buffer flushed in blocks of R, so T mod R keys stay

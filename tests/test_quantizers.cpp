@@ -777,6 +777,15 @@ TEST(PaperRules, MethodDefaultsAndVariants) {
   EXPECT_EQ(variant.values.grouping, Grouping::kPerToken);
   EXPECT_EQ(variant.values.group, 128);
   EXPECT_EQ(variant.keys.outlier_rule, OutlierRule::kChannelThresholds);
+  // tau alone implies per-head scaling (tau is per head); with all-heads
+  // scaling asked for explicitly it is refused.
+  options.q_norm.reset();
+  options.value_grouping.reset();
+  const QuantizerSettings tau_alone = resolve_settings(options, 128);
+  EXPECT_EQ(tau_alone.values.grouping, Grouping::kPerToken);
+  EXPECT_EQ(tau_alone.values.group, 128);
+  options.value_grouping = Grouping::kPerTokenAllHeads;
+  EXPECT_THROW(resolve_settings(options, 128), std::invalid_argument);
   options.outlier_fraction = 0;
   EXPECT_EQ(resolve_settings(options, 128).values.outlier_rule, OutlierRule::kNone);
   FitOptions kivi;

@@ -216,7 +216,7 @@ Command add_calibrate_command(CLI::App& app) {
   command->add_option("--value-outliers", flags->value_outliers,
                       "Outliers of runtime groupings (kvquant values): top_bottom (default, KVQuant: the f/2 largest "
                       "and f/2 smallest of each token) or tau (kvforge variant: |x - mean| > tau std per token and "
-                      "head, tau fitted); suffix -X")
+                      "head, tau fitted; implies --value-scaling head); suffix -X")
       ->check(CLI::IsMember(flag_names(kValueOutliers)));
   command->add_option("--value-scaling", flags->value_scaling,
                       "kvquant values' per-token scaling span: all_heads (default, KVQuant: the token's row over all "
