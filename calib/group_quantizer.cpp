@@ -82,23 +82,18 @@ at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>&
   return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
 }
 
-namespace {
-
-// kPerTokenAllHeads: [..., kv_heads, T, D] <-> [..., T, kv_heads * D] rows,
-// channel index head * D + d.
 at::Tensor to_all_head_rows(const at::Tensor& x) {
   if (x.dim() < 3) throw std::invalid_argument("per_token_all_heads: x must be [..., kv_heads, T, D]");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 3);
   shape.insert(shape.end(), {x.size(-2), x.size(-3) * x.size(-1)});
   return x.movedim(-3, -2).reshape(shape);
 }
+
 at::Tensor from_all_head_rows(const at::Tensor& rows, const at::Tensor& like) {
   std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end() - 3);
   shape.insert(shape.end(), {like.size(-2), like.size(-3), like.size(-1)});
   return rows.reshape(shape).movedim(-2, -3).contiguous();
 }
-
-}  // namespace
 
 at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<float>& grid,
                              const std::vector<float>& encode_grid) {

@@ -47,6 +47,11 @@ at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<flo
 at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
                                       const at::Tensor& inliers = {});
 
+// kPerTokenAllHeads' rows: x [..., kv_heads, T, D] as [..., T, kv_heads * D]
+// (channel index head * D + d), and back into `like`'s layout.
+at::Tensor to_all_head_rows(const at::Tensor& x);
+at::Tensor from_all_head_rows(const at::Tensor& rows, const at::Tensor& like);
+
 // The normalized value (x - center) / half of every element the group
 // quantizer would round (the non-uniform arithmetic's domain, also used for
 // uniform groups), NaN for the elements it keeps as they are (non-inliers,

@@ -62,18 +62,6 @@ at::Tensor top_bottom_mask(const at::Tensor& rows, double fraction) {
   return mask;
 }
 
-// [..., kv_heads, S, D] <-> [..., S, kv_heads * D], channel head * D + d.
-at::Tensor token_rows_all_heads(const at::Tensor& span) {
-  std::vector<int64_t> shape(span.sizes().begin(), span.sizes().end() - 3);
-  shape.insert(shape.end(), {span.size(-2), span.size(-3) * span.size(-1)});
-  return span.movedim(-3, -2).reshape(shape);
-}
-at::Tensor from_token_rows_all_heads(const at::Tensor& rows, const at::Tensor& span) {
-  std::vector<int64_t> shape(span.sizes().begin(), span.sizes().end() - 3);
-  shape.insert(shape.end(), {span.size(-2), span.size(-3), span.size(-1)});
-  return rows.reshape(shape).movedim(-2, -3).contiguous();
-}
-
 }  // namespace
 
 at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuantizer& quantizer,
@@ -88,7 +76,7 @@ at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuant
   switch (tensor.outlier_rule) {
     case OutlierRule::kTokenTopBottom:
       if (tensor.grouping == Grouping::kPerTokenAllHeads) {
-        return from_token_rows_all_heads(top_bottom_mask(token_rows_all_heads(span), tensor.outlier_fraction), span);
+        return from_all_head_rows(top_bottom_mask(to_all_head_rows(span), tensor.outlier_fraction), span);
       }
       return top_bottom_mask(span, tensor.outlier_fraction);
     case OutlierRule::kTokenTau: {
