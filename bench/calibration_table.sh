@@ -1,36 +1,55 @@
 #!/usr/bin/env bash
-# The calibration table: every method at 2, 3 and 4 bits on pyllama-16m,
+# The calibration table on pyllama-16m: every method's published default
+# (kvquant, kivi, int2-rot, rtn) at 2, 3 and 4 bits beside kvforge's own
+# variants (KIVI's keys with the sliding window; KVQuant with per-head tau
+# value outliers, with iterated Q-Norm, and with both, as kvforge had it) and
+# the KVQuant ablations (uniform grid, no Fisher weighting, no outliers),
 # fitted on captures of calib.txt and measured on captures of heldout.txt,
-# with the KVQuant ablations (uniform grid, no Fisher weighting, no
-# outliers). Writes bench/results/calibration-pyllama-16m.{md,json}.
-# Usage: bench/calibration_table.sh   (env: SAMPLES, SEQ, HELDOUT_SAMPLES, DEVICE, KV, KVFORGE_SHARED)
+# with effective bits at the nominal and at the held-out outlier fractions.
+# Writes bench/results/calibration-pyllama-16m.{md,json}.
+# Usage: bench/calibration_table.sh
+#   env: SAMPLES, SEQ, HELDOUT_SAMPLES, BITS (default 2,3,4), DEVICE, KV, KVFORGE_SHARED, WORK, RESULTS
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KV=${KV:-build/tools/kvforge}
 SHARED=${KVFORGE_SHARED:-../shared}
 MODEL=$SHARED/models/pyllama-16m
+CALIB_DATA=$SHARED/data/calib.txt
+HELDOUT_DATA=$SHARED/data/heldout.txt
 WORK=${WORK:-out/calibration-table}
+RESULTS=${RESULTS:-bench/results}
 SAMPLES=${SAMPLES:-16}
 SEQ=${SEQ:-2048}
 HELDOUT_SAMPLES=${HELDOUT_SAMPLES:-8}
+BITS=${BITS:-2,3,4}
 DEVICE=${DEVICE:-cpu}
-mkdir -p "$WORK" bench/results
+mkdir -p "$WORK" "$RESULTS"
 
-[ -f "$WORK/calib.h5" ] || $KV capture --model "$MODEL" --data "$SHARED/data/calib.txt" --samples "$SAMPLES" \
+[ -f "$WORK/calib.h5" ] || $KV capture --model "$MODEL" --data "$CALIB_DATA" --samples "$SAMPLES" \
   --seq-len "$SEQ" --seed 0 --device "$DEVICE" --out "$WORK/calib.h5"
-[ -f "$WORK/heldout.h5" ] || $KV capture --model "$MODEL" --data "$SHARED/data/heldout.txt" --samples "$HELDOUT_SAMPLES" \
+[ -f "$WORK/heldout.h5" ] || $KV capture --model "$MODEL" --data "$HELDOUT_DATA" --samples "$HELDOUT_SAMPLES" \
   --seq-len "$SEQ" --seed 1 --device "$DEVICE" --fields q,k_pre,k_post,v --out "$WORK/heldout.h5"
 
 ART=$WORK/artifact.h5
 rm -f "$ART"
-$KV calibrate --acts "$WORK/calib.h5" --out "$ART" --method kvquant,kivi,int2-rot,rtn --bits 2,3,4
-$KV calibrate --acts "$WORK/calib.h5" --out "$ART" --append --method kvquant --bits 2,3,4 --name uniform --uniform
-$KV calibrate --acts "$WORK/calib.h5" --out "$ART" --append --method kvquant --bits 2,3,4 --name no-fisher --no-fisher
-$KV calibrate --acts "$WORK/calib.h5" --out "$ART" --append --method kvquant --bits 2,3,4 --name no-outliers --outliers 0
+fit() { $KV calibrate --acts "$WORK/calib.h5" --out "$ART" --append --bits "$BITS" "$@"; }
+# The published methods (each method's default).
+fit --method kvquant,kivi,int2-rot,rtn
+# kvforge's variants (named METHOD-Nbit-SUFFIX by calibrate).
+fit --method kivi --key-window sliding
+fit --method kvquant --value-outliers tau --value-scaling head
+fit --method kvquant --q-norm iterated
+fit --method kvquant --value-outliers tau --value-scaling head --q-norm iterated
+# KVQuant ablations of the paper default.
+fit --method kvquant --name uniform --uniform
+fit --method kvquant --name no-fisher --no-fisher
+fit --method kvquant --name no-outliers --outliers 0
 $KV inspect "$ART" --acts "$WORK/heldout.h5" --json > "$WORK/inspect.json"
 
 python3 bench/format_calibration_table.py "$WORK/inspect.json" \
-  --command "bench/calibration_table.sh (SAMPLES=$SAMPLES SEQ=$SEQ HELDOUT_SAMPLES=$HELDOUT_SAMPLES DEVICE=$DEVICE)" \
+  --command "bench/calibration_table.sh (SAMPLES=$SAMPLES SEQ=$SEQ HELDOUT_SAMPLES=$HELDOUT_SAMPLES BITS=$BITS DEVICE=$DEVICE)" \
   --commit "$(git rev-parse --short HEAD)" --machine "$(nproc) cores, $(uname -m), $DEVICE" \
-  --json-out bench/results/calibration-pyllama-16m.json > bench/results/calibration-pyllama-16m.md
-echo "wrote bench/results/calibration-pyllama-16m.md"
+  --model "$(basename "$MODEL")" --calib-data "$(basename "$CALIB_DATA")" --calib-windows "$SAMPLES" \
+  --heldout-data "$(basename "$HELDOUT_DATA")" --heldout-windows "$HELDOUT_SAMPLES" --seq-len "$SEQ" \
+  --json-out "$RESULTS/calibration-pyllama-16m.json" > "$RESULTS/calibration-pyllama-16m.md"
+echo "wrote $RESULTS/calibration-pyllama-16m.md"

@@ -10,6 +10,8 @@
 #include <string>
 #include <utility>
 
+#include "calib/group_quantizer.h"
+
 
 namespace kvforge {
 
@@ -39,8 +41,31 @@ std::vector<float> fit_grid(const at::Tensor& values, const at::Tensor& weights,
   return to_float_grid(weighted_kmeans_1d(xs, ws, 1 << bits, options));
 }
 
-std::vector<float> q_norm_grid(const std::vector<float>& grid, const at::Tensor& values) {
-  if (grid.empty()) throw std::invalid_argument("q_norm_grid: empty grid");
+std::vector<float> q_norm_affine_grid(const std::vector<float>& levels, const at::Tensor& values,
+                                      const at::Tensor& weights) {
+  if (levels.empty()) throw std::invalid_argument("q_norm_affine_grid: empty grid");
+  const at::Tensor x = values.to(at::kDouble).reshape({-1});
+  const at::Tensor w = weights.defined() ? weights.to(at::kDouble).reshape({-1}) : at::ones_like(x);
+  if (w.numel() != x.numel()) throw std::invalid_argument("q_norm_affine_grid: weights and values differ in length");
+  const double total = w.sum().item<double>();
+  if (x.numel() == 0 || !(total > 0)) return levels;
+  const at::Tensor dequantized = nearest_level(x, levels);
+  const auto moments = [&](const at::Tensor& v) {
+    const double mean = (w * v).sum().item<double>() / total;
+    const double std = std::sqrt((w * (v - mean).square()).sum().item<double>() / total);
+    return std::pair{mean, std};
+  };
+  const auto [mean, std] = moments(x);
+  const auto [mean_hat, std_hat] = moments(dequantized);
+  if (!(std_hat > 0)) return levels;
+  const double a = std / std_hat, b = mean - a * mean_hat;
+  std::vector<double> grid;
+  for (const float c : levels) grid.push_back(a * static_cast<double>(c) + b);
+  return to_float_grid(grid);
+}
+
+std::vector<float> q_norm_iterated_grid(const std::vector<float>& grid, const at::Tensor& values) {
+  if (grid.empty()) throw std::invalid_argument("q_norm_iterated_grid: empty grid");
   const at::Tensor x = values.to(at::kDouble).reshape({-1});
   const int64_t n = x.numel();
   if (n == 0) return grid;

@@ -63,6 +63,7 @@ std::vector<int64_t> group_shape(const at::Tensor& x, Grouping grouping, int64_t
       dim = -2;
       return shape;
     case Grouping::kPerChannelOffline:
+    case Grouping::kPerTokenAllHeads:  // rearranged into rows by the callers below
       break;
   }
   throw std::invalid_argument("group quantizer: per_channel_offline is not a runtime grouping");
@@ -77,6 +78,33 @@ at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>&
   // Midpoints between neighbouring levels; bucketize (right=false) counts the
   // midpoints strictly below x, so x on a midpoint goes to the lower level.
   const at::Tensor midpoints = (levels.slice(0, 0, -1) + levels.slice(0, 1)) / 2;
+  const at::Tensor index = at::bucketize(normalized.contiguous(), midpoints);
+  return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
+}
+
+at::Tensor to_all_head_rows(const at::Tensor& x) {
+  if (x.dim() < 3) throw std::invalid_argument("per_token_all_heads: x must be [..., kv_heads, T, D]");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 3);
+  shape.insert(shape.end(), {x.size(-2), x.size(-3) * x.size(-1)});
+  return x.movedim(-3, -2).reshape(shape);
+}
+
+at::Tensor from_all_head_rows(const at::Tensor& rows, const at::Tensor& like) {
+  std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end() - 3);
+  shape.insert(shape.end(), {like.size(-2), like.size(-3), like.size(-1)});
+  return rows.reshape(shape).movedim(-2, -3).contiguous();
+}
+
+at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<float>& grid,
+                             const std::vector<float>& encode_grid) {
+  if (encode_grid.empty()) return nearest_level(normalized, grid);
+  if (encode_grid.size() != grid.size()) throw std::invalid_argument("dequantize_levels: grid sizes differ");
+  const at::Tensor levels = at::tensor(at::ArrayRef<float>(grid)).to(at::kDouble);
+  if (grid.size() == 1) return at::full_like(normalized, levels[0].item<double>());
+  // The codes by the encode grid's midpoints (ties to the lower level, as
+  // nearest_level), the values from `grid`.
+  const at::Tensor encode = at::tensor(at::ArrayRef<float>(encode_grid)).to(at::kDouble);
+  const at::Tensor midpoints = (encode.slice(0, 0, -1) + encode.slice(0, 1)) / 2;
   const at::Tensor index = at::bucketize(normalized.contiguous(), midpoints);
   return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
 }
@@ -96,13 +124,18 @@ at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const Gr
   } else {
     const at::Tensor center = (bounds.lo + bounds.hi) / 2;
     const at::Tensor half = (bounds.hi - bounds.lo) / 2;
-    quantized = center + half * nearest_level((x - center) / half, quantizer.grid);
+    quantized = center + half * dequantize_levels((x - center) / half, quantizer.grid, quantizer.encode_grid);
   }
   return at::where(exact_elements(x, bounds, inliers), x, quantized);
 }
 
 at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, int64_t group,
                                        const GroupQuantizer& quantizer, const at::Tensor& inliers) {
+  if (grouping == Grouping::kPerTokenAllHeads) {
+    const at::Tensor rows = to_all_head_rows(x);
+    const at::Tensor mask = inliers.defined() ? to_all_head_rows(inliers) : at::Tensor();
+    return from_all_head_rows(quantize_dequantize_grouped(rows, Grouping::kPerToken, rows.size(-1), quantizer, mask), x);
+  }
   int64_t dim = 0;
   const auto shape = group_shape(x, grouping, group, dim);
   const at::Tensor mask = inliers.defined() ? inliers.reshape(shape) : at::Tensor();
@@ -111,6 +144,11 @@ at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, i
 
 at::Tensor normalize_grouped(const at::Tensor& x, Grouping grouping, int64_t group, double clip_ratio,
                              const at::Tensor& inliers) {
+  if (grouping == Grouping::kPerTokenAllHeads) {
+    const at::Tensor rows = to_all_head_rows(x);
+    const at::Tensor mask = inliers.defined() ? to_all_head_rows(inliers) : at::Tensor();
+    return from_all_head_rows(normalize_grouped(rows, Grouping::kPerToken, rows.size(-1), clip_ratio, mask), x);
+  }
   int64_t dim = 0;
   const auto shape = group_shape(x, grouping, group, dim);
   const at::Tensor grouped = x.reshape(shape);

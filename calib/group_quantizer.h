@@ -11,7 +11,9 @@
 //     x^    = lo + code * scale
 //   non-uniform grid (ascending levels in [-1, 1] units):
 //     center = (lo + hi) / 2, half = (hi - lo) / 2
-//     x^ = center + half * nearest_level((x - center) / half)
+//     code = nearest level of the encode grid (`encode_grid`, or `grid`
+//            itself when it is empty) to (x - center) / half, ties to the lower
+//     x^ = center + half * grid[code]
 //   a group with hi == lo (constant, or without inliers) is kept as it is.
 #include <ATen/core/Tensor.h>
 
@@ -26,17 +28,29 @@ struct GroupQuantizer {
   int bits = 2;
   double clip_ratio = 1.0;
   std::vector<float> grid;  // empty: uniform integer levels
+  std::vector<float> encode_grid;  // empty: codes by `grid` (Q-Norm affine: the k-means levels)
 };
 
 // The grid level nearest to each element (float64 tensor), ties to the lower
 // level. `grid` ascending, not empty.
 at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>& grid);
 
+// grid[code] with code the index of the encode_grid level nearest to each
+// element (ties to the lower); encode_grid empty: nearest_level(grid). Both
+// ascending, of one size.
+at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<float>& grid,
+                             const std::vector<float>& encode_grid);
+
 // x: float64; every slice along `dim` is one group. `inliers`: undefined (all
 // elements are inliers) or a bool tensor of x's shape; elements outside it
 // keep their value and take no part in the group's min and max.
 at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
                                       const at::Tensor& inliers = {});
+
+// kPerTokenAllHeads' rows: x [..., kv_heads, T, D] as [..., T, kv_heads * D]
+// (channel index head * D + d), and back into `like`'s layout.
+at::Tensor to_all_head_rows(const at::Tensor& x);
+at::Tensor from_all_head_rows(const at::Tensor& rows, const at::Tensor& like);
 
 // The normalized value (x - center) / half of every element the group
 // quantizer would round (the non-uniform arithmetic's domain, also used for
@@ -49,7 +63,9 @@ at::Tensor normalize_grouped(const at::Tensor& x, Grouping grouping, int64_t gro
 // are batch and heads). kPerToken: groups of G' = min(group, D) consecutive
 // channels of one token (D % G' == 0). kPerChannelTokens: groups of `group`
 // consecutive tokens of one channel, from token 0 (T % group == 0; callers
-// keep incomplete groups out). kPerChannelOffline is not a runtime grouping
+// keep incomplete groups out). kPerTokenAllHeads: x is [..., kv_heads, T, D]
+// and each token's group is its kv_heads * D elements across the heads
+// (`group` unused). kPerChannelOffline is not a runtime grouping
 // (std::invalid_argument).
 at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, int64_t group,
                                        const GroupQuantizer& quantizer, const at::Tensor& inliers = {});

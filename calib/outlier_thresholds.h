@@ -16,7 +16,8 @@
 // (high - low) / 2; a constant channel gets scale = max(|offset|, 1) * 2^-20
 // instead of 0.
 //
-// Per token (values, at runtime): r = |x - mean_t| / std_t, with mean_t and
+// Per token with OutlierRule::kTokenTau (kvforge's variant; KVQuant's own
+// per-token rule, kTokenTopBottom, needs nothing fitted): r = |x - mean_t| / std_t, with mean_t and
 // std_t (population) over the token's head_dim channels (r = 0 where
 // std_t = 0); over all n calibration elements, j = round(n f) and tau is the
 // (n - j)-th smallest r, so that r > tau selects j of them; where ties make

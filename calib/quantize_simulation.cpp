@@ -31,24 +31,67 @@ at::Tensor offline_normalized(const TensorQuantizer& quantizer, const at::Tensor
 
 }  // namespace
 
+int64_t top_bottom_count(int64_t n, double fraction) {
+  if (n < 1 || !(fraction >= 0 && fraction < 1)) {
+    throw std::invalid_argument("top_bottom_count: expected n >= 1 and a fraction in [0, 1)");
+  }
+  // The rank torch.quantile(w, 1 - f/2) interpolates at, (n - 1)(1 - f/2);
+  // elements >= that quantile are the top k = n - ceil(rank). A rank that is
+  // an integer in exact arithmetic may come out a few ulps above it in
+  // float64 (e.g. n = 201, f = 0.01: 199): the tolerance keeps it integer.
+  const double rank = static_cast<double>(n - 1) * (1 - fraction / 2);
+  return n - static_cast<int64_t>(std::ceil(rank - 1e-9 * std::max(1.0, rank)));
+}
+
+namespace {
+
+// Rule 2's kTokenTopBottom on rows [..., n]: a bool mask of the rows' shape.
+at::Tensor top_bottom_mask(const at::Tensor& rows, double fraction) {
+  const int64_t n = rows.size(-1);
+  const int64_t k = top_bottom_count(n, fraction);
+  at::Tensor mask = at::zeros(rows.sizes(), rows.options().dtype(at::kBool));
+  if (k == 0 || rows.numel() == 0) return mask;
+  if (2 * k >= n) return mask.fill_(true);
+  // Stable sorts keep equal values in ascending channel order, both ways.
+  const at::Tensor flat = rows.reshape({-1, n});
+  const at::Tensor largest = std::get<1>(flat.sort(true, -1, true)).narrow(1, 0, k);
+  const at::Tensor smallest = std::get<1>(flat.sort(true, -1, false)).narrow(1, 0, k);
+  at::Tensor flat_mask = mask.view({-1, n});
+  flat_mask.scatter_(1, largest, true);
+  flat_mask.scatter_(1, smallest, true);
+  return mask;
+}
+
+}  // namespace
+
 at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuantizer& quantizer,
                         const at::Tensor& span) {
   if (tensor.outlier_fraction <= 0) return at::zeros(span.sizes(), span.options().dtype(at::kBool));
   const int64_t heads = span.size(-3), head_dim = span.size(-1);
-  switch (tensor.grouping) {
-    case Grouping::kPerChannelOffline: {
-      const at::Tensor low = channel_tensor(quantizer.outlier_low, heads, head_dim, "outlier_low");
-      const at::Tensor high = channel_tensor(quantizer.outlier_high, heads, head_dim, "outlier_high");
-      return (span < low).logical_or(span > high);
-    }
-    case Grouping::kPerToken:
-    case Grouping::kPerChannelTokens: {
+  if (tensor.grouping == Grouping::kPerChannelOffline) {
+    const at::Tensor low = channel_tensor(quantizer.outlier_low, heads, head_dim, "outlier_low");
+    const at::Tensor high = channel_tensor(quantizer.outlier_high, heads, head_dim, "outlier_high");
+    return (span < low).logical_or(span > high);
+  }
+  switch (tensor.outlier_rule) {
+    case OutlierRule::kTokenTopBottom:
+      if (tensor.grouping == Grouping::kPerTokenAllHeads) {
+        return from_all_head_rows(top_bottom_mask(to_all_head_rows(span), tensor.outlier_fraction), span);
+      }
+      return top_bottom_mask(span, tensor.outlier_fraction);
+    case OutlierRule::kTokenTau: {
       const at::Tensor mean = span.mean(-1, true);
       const at::Tensor std = (span - mean).square().mean(-1, true).sqrt();
       return (span - mean).abs() > std * static_cast<double>(quantizer.outlier_tau);
     }
+    case OutlierRule::kNone:
+    case OutlierRule::kChannelThresholds:
+      break;
   }
-  throw std::invalid_argument("outlier_mask: unknown grouping");
+  throw std::invalid_argument(std::string("outlier_mask: outlier_rule ") +
+                              std::string(outlier_rule_name(tensor.outlier_rule)) + " with grouping " +
+                              std::string(grouping_name(tensor.grouping)) + " and outlier fraction " +
+                              std::to_string(tensor.outlier_fraction));
 }
 
 namespace {
@@ -61,7 +104,7 @@ at::Tensor quantize_offline_channels(const QuantizerSettings& settings, const Te
   const at::Tensor normalized = offline_normalized(quantizer, span);
   at::Tensor level;
   if (!quantizer.grid.empty()) {
-    level = nearest_level(normalized, quantizer.grid);
+    level = dequantize_levels(normalized, quantizer.grid, quantizer.encode_grid);
   } else {
     const double top = static_cast<double>((int64_t{1} << settings.bits) - 1);
     level = at::round((normalized + 1) * top / 2).clamp(0.0, top) * 2 / top - 1;
@@ -74,12 +117,27 @@ at::Tensor quantize_offline_channels(const QuantizerSettings& settings, const Te
 TokenSpan quantized_tokens(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor, int64_t tokens) {
   TokenSpan span;
   span.begin = std::clamp<int64_t>(settings.sink_tokens, 0, tokens);
-  span.end = std::max(span.begin, tokens - std::max<int64_t>(settings.residual_tokens, 0));
-  if (tensor.grouping == Grouping::kPerChannelTokens) {
-    if (tensor.group < 1) throw std::invalid_argument("per_channel_tokens group must be >= 1");
-    span.end = span.begin + span.size() / tensor.group * tensor.group;
+  const int64_t residual = settings.residual_tokens;
+  const bool channel_groups = tensor.grouping == Grouping::kPerChannelTokens;
+  if (channel_groups && tensor.group < 1) throw std::invalid_argument("per_channel_tokens group must be >= 1");
+  switch (tensor.residual_rule) {
+    case ResidualRule::kSliding:
+      span.end = std::max(span.begin, tokens - std::max<int64_t>(residual, 0));
+      if (channel_groups) span.end = span.begin + span.size() / tensor.group * tensor.group;
+      return span;
+    case ResidualRule::kBlockFlush:
+      if (residual < 1) {
+        throw std::invalid_argument("block_flush needs residual_tokens >= 1, got " + std::to_string(residual));
+      }
+      if (channel_groups && residual % tensor.group != 0) {
+        throw std::invalid_argument("block_flush with per_channel_tokens needs residual_tokens (" +
+                                    std::to_string(residual) + ") a multiple of the group (" +
+                                    std::to_string(tensor.group) + ")");
+      }
+      span.end = span.begin + (tokens - span.begin) / residual * residual;
+      return span;
   }
-  return span;
+  throw std::invalid_argument("quantized_tokens: unknown residual rule");
 }
 
 SimulatedTensor simulate_quantization(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
@@ -96,7 +154,7 @@ SimulatedTensor simulate_quantization(const QuantizerSettings& settings, const T
     if (tensor.grouping == Grouping::kPerChannelOffline) {
       quantized = at::where(mask, span, quantize_offline_channels(settings, quantizer, span));
     } else {
-      const GroupQuantizer group{settings.bits, quantizer.clip_ratio, quantizer.grid};
+      const GroupQuantizer group{settings.bits, quantizer.clip_ratio, quantizer.grid, quantizer.encode_grid};
       quantized = quantize_dequantize_grouped(span, tensor.grouping, tensor.group, group,
                                               tensor.outlier_fraction > 0 ? mask.logical_not() : at::Tensor());
     }

@@ -5,27 +5,42 @@
 //
 // A window of T positions (0..T-1) is quantized as follows, for keys and for
 // values alike, each with its TensorQuantizerSettings and its layer's
-// TensorQuantizer (arithmetic in float64, result in the input's dtype):
+// TensorQuantizer (arithmetic in float64, result in the input's dtype);
+// docs/artifact.md pins the same rules:
 //
-// 1. 16-bit tokens. Positions < sink_tokens and the newest residual_tokens
-//    are kept exact; the rest, [begin, end) with begin = min(sink, T) and
-//    end = max(begin, T - residual), is quantized. kPerChannelTokens groups
-//    run from `begin` in steps of `group` tokens; the tokens of an incomplete
-//    last group stay exact too (end is rounded down to a whole group).
-// 2. Outliers (outlier_fraction > 0), kept exact:
-//    kPerChannelOffline: x < outlier_low[h, c] or x > outlier_high[h, c];
-//    runtime groupings (kPerToken, kPerChannelTokens):
-//    |x - mean_t| > outlier_tau * std_t, mean_t and std_t (population) over
-//    the token's head_dim channels, all of them. Outliers take no part in
-//    their group's min and max.
+// 1. 16-bit tokens. Positions < sink_tokens stay exact; of the rest,
+//    [begin, end) with begin = min(sink, T) is quantized, by the tensor's
+//    residual_rule (R = residual_tokens, G = group):
+//    kSliding:    end = max(begin, T - R); kPerChannelTokens rounds end down
+//                 to begin + a whole number of G-token groups.
+//    kBlockFlush: end = begin + floor((T - begin) / R) * R (KIVI's keys: the
+//                 16-bit buffer is quantized whole each time it reaches R
+//                 tokens, so (T - begin) mod R tokens stay exact); R > 0 and,
+//                 for kPerChannelTokens, a multiple of G (groups of G tokens
+//                 tile each block from `begin`). Streaming (a prefill, then
+//                 one token at a time) quantizes the same tokens in the same
+//                 groups as quantizing the window at once.
+// 2. Outliers (outlier_fraction f > 0), kept exact, by the outlier_rule:
+//    kChannelThresholds (kPerChannelOffline): x < outlier_low[h, c] or
+//      x > outlier_high[h, c];
+//    kTokenTopBottom: per token, over its span of n elements (one head's D
+//      channels, or all kv_heads * D for kPerTokenAllHeads, channel index
+//      head * D + d), the k largest and the k smallest,
+//      k = n - ceil((n - 1) (1 - f / 2)); ties by ascending channel index;
+//      every element when 2k >= n;
+//    kTokenTau: |x - mean_t| > outlier_tau * std_t, mean_t and std_t
+//      (population) over the token's head_dim channels of one head.
+//    Outliers take no part in their group's min and max.
 // 3. The other elements (inliers):
 //    kPerChannelOffline: n = (x - channel_offset[h, c]) / channel_scale[h, c];
-//      with a grid x^ = offset + scale * nearest_level(n) (ties to the lower
+//      with a grid x^ = offset + scale * grid[code], code the nearest level
+//      of encode_grid (of grid when encode_grid is empty; ties to the lower
 //      level); without, uniform levels on [-1, 1]:
 //      code = clamp(round_half_even((n + 1) * (2^b - 1) / 2), 0, 2^b - 1),
 //      x^ = offset + scale * (code * 2 / (2^b - 1) - 1).
-//    kPerToken / kPerChannelTokens: group_quantizer.h's min/max arithmetic
-//      over the group's inliers with the layer's clip_ratio and grid.
+//    Runtime groupings (kPerToken, kPerChannelTokens, kPerTokenAllHeads):
+//      group_quantizer.h's min/max arithmetic over the group's inliers with
+//      the layer's clip_ratio, grid and encode_grid.
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -45,6 +60,9 @@ struct TokenSpan {
   int64_t size() const { return end - begin; }
 };
 TokenSpan quantized_tokens(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor, int64_t tokens);
+
+// k of rule 2's kTokenTopBottom for a span of n elements.
+int64_t top_bottom_count(int64_t n, double fraction);
 
 // x: [..., kv_heads, T, D] float (any leading batch axes), positions 0..T-1.
 SimulatedTensor simulate_quantization(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,

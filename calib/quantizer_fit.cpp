@@ -31,7 +31,7 @@ Float32Array to_array(const at::Tensor& t) {
 }
 
 void check_group(const char* option, const TensorQuantizerSettings& tensor, int64_t head_dim) {
-  if (tensor.grouping == Grouping::kPerChannelOffline) return;
+  if (tensor.grouping == Grouping::kPerChannelOffline || tensor.grouping == Grouping::kPerTokenAllHeads) return;
   if (tensor.group < 1) throw std::invalid_argument(std::string(option) + " must be >= 1");
   if (tensor.grouping == Grouping::kPerToken && tensor.group < head_dim && head_dim % tensor.group != 0) {
     throw std::invalid_argument(std::string(option) + " " + std::to_string(tensor.group) +
@@ -50,10 +50,16 @@ bool clip_search(const FitOptions& options) {
   return options.clip_search.value_or(options.method == QuantMethod::kInt2Rot);
 }
 
-// The fit's view of the settings: no residual window (see the header).
+// The fit's view of the settings: no residual window (see the header), so
+// every position past the sink (in whole token groups) is fitted on.
 QuantizerSettings fit_view(QuantizerSettings settings) {
   settings.residual_tokens = 0;
+  settings.keys.residual_rule = settings.values.residual_rule = ResidualRule::kSliding;
   return settings;
+}
+TensorQuantizerSettings fit_view(TensorQuantizerSettings tensor) {
+  tensor.residual_rule = ResidualRule::kSliding;
+  return tensor;
 }
 
 // The clip ratio with the least squared error on the fit positions (the
@@ -61,7 +67,7 @@ QuantizerSettings fit_view(QuantizerSettings settings) {
 double search_clip_ratio(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
                          const TensorQuantizer& quantizer, const at::Tensor& x, const FitOptions& options) {
   const QuantizerSettings view = fit_view(settings);
-  const TokenSpan tokens = quantized_tokens(view, tensor, x.size(-2));
+  const TokenSpan tokens = quantized_tokens(view, fit_view(tensor), x.size(-2));
   if (tokens.size() == 0) return 1.0;
   at::Tensor span = x.narrow(-2, tokens.begin, tokens.size()).to(at::kDouble);
   if (tensor.grouping == Grouping::kPerToken) {
@@ -76,7 +82,7 @@ double search_clip_ratio(const QuantizerSettings& settings, const TensorQuantize
   const at::Tensor inliers = tensor.outlier_fraction > 0 ? outliers.logical_not() : at::Tensor();
   double best_ratio = 1.0, best_error = std::numeric_limits<double>::infinity();
   for (const double ratio : clip_candidates(options)) {
-    const GroupQuantizer group{settings.bits, ratio, quantizer.grid};
+    const GroupQuantizer group{settings.bits, ratio, quantizer.grid, quantizer.encode_grid};
     const at::Tensor approx = quantize_dequantize_grouped(span, tensor.grouping, tensor.group, group, inliers);
     const double error = (approx - span).square().sum().item<double>();
     if (error < best_error) {
@@ -90,7 +96,7 @@ double search_clip_ratio(const QuantizerSettings& settings, const TensorQuantize
 TensorQuantizer fit_tensor(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
                            const at::Tensor& x, const at::Tensor& fisher, const FitOptions& options) {
   const QuantizerSettings view = fit_view(settings);
-  const TokenSpan tokens = quantized_tokens(view, tensor, x.size(-2));
+  const TokenSpan tokens = quantized_tokens(view, fit_view(tensor), x.size(-2));
   TensorQuantizer quantizer;
   if (tokens.size() == 0) {
     log::debug("calibration windows of ", x.size(-2), " tokens leave nothing to fit past the ", settings.sink_tokens,
@@ -111,14 +117,24 @@ TensorQuantizer fit_tensor(const QuantizerSettings& settings, const TensorQuanti
       quantizer.outlier_low = to_array(thresholds.low);
       quantizer.outlier_high = to_array(thresholds.high);
     }
-  } else if (fraction > 0) {
+  } else if (tensor.outlier_rule == OutlierRule::kTokenTau) {
     quantizer.outlier_tau = static_cast<float>(fit_outlier_tau(span, fraction));
   }
   if (tensor.non_uniform) {
     const at::Tensor weights = settings.fisher_weighted ? fisher : at::Tensor();
-    const NormalizedInliers inliers = normalized_inliers(view, tensor, quantizer, x, weights);
+    const NormalizedInliers inliers = normalized_inliers(view, fit_view(tensor), quantizer, x, weights);
     quantizer.grid = fit_grid(inliers.values, inliers.weights, settings.bits, options.kmeans);
-    if (settings.q_norm) quantizer.grid = q_norm_grid(quantizer.grid, inliers.values);
+    switch (tensor.q_norm) {
+      case QNorm::kNone:
+        break;
+      case QNorm::kAffine:
+        quantizer.encode_grid = quantizer.grid;
+        quantizer.grid = q_norm_affine_grid(quantizer.encode_grid, inliers.values, inliers.weights);
+        break;
+      case QNorm::kIterated:
+        quantizer.grid = q_norm_iterated_grid(quantizer.grid, inliers.values);
+        break;
+    }
   }
   if (tensor.grouping != Grouping::kPerChannelOffline && clip_search(options)) {
     quantizer.clip_ratio = static_cast<float>(search_clip_ratio(settings, tensor, quantizer, x, options));
@@ -153,18 +169,19 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
   s.method = options.method;
   s.bits = options.bits;
   double fraction = 0;
-  bool non_uniform = false, fisher = false, q_norm = false;
+  bool non_uniform = false, fisher = false;
   switch (options.method) {
     case QuantMethod::kKvquant:
       s.keys_pre_rope = true;
       s.keys = {Grouping::kPerChannelOffline, 0};
-      s.values = {Grouping::kPerToken, head_dim};
+      s.values = {Grouping::kPerTokenAllHeads, 0};
       s.sink_tokens = 1;
       fraction = 0.01;
-      non_uniform = fisher = q_norm = true;
+      non_uniform = fisher = true;
       break;
     case QuantMethod::kKivi:
       s.keys = {Grouping::kPerChannelTokens, 32};
+      s.keys.residual_rule = ResidualRule::kBlockFlush;
       s.values = {Grouping::kPerToken, 32};
       s.residual_tokens = 128;
       break;
@@ -185,13 +202,48 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
   }
   non_uniform = options.non_uniform.value_or(non_uniform);
   s.fisher_weighted = non_uniform && options.fisher.value_or(fisher);
-  s.q_norm = non_uniform && options.q_norm.value_or(q_norm);
+  // The paper's Q-Norm at 2 bits only (its checkpoints use it there).
+  const QNorm q_norm = non_uniform ? options.q_norm.value_or(s.bits == 2 ? QNorm::kAffine : QNorm::kNone) : QNorm::kNone;
+  if (options.value_grouping) {
+    if (*options.value_grouping == Grouping::kPerTokenAllHeads) {
+      s.values = {Grouping::kPerTokenAllHeads, 0};
+    } else if (*options.value_grouping == Grouping::kPerToken) {
+      if (s.values.grouping != Grouping::kPerToken) s.values = {Grouping::kPerToken, head_dim};
+    } else {
+      throw std::invalid_argument("value grouping must be per_token or per_token_all_heads, got " +
+                                  std::string(grouping_name(*options.value_grouping)));
+    }
+  }
+  if (options.key_residual_rule) s.keys.residual_rule = *options.key_residual_rule;
+  const OutlierRule runtime_rule = options.value_outlier_rule.value_or(OutlierRule::kTokenTopBottom);
+  if (runtime_rule != OutlierRule::kTokenTopBottom && runtime_rule != OutlierRule::kTokenTau) {
+    throw std::invalid_argument("value outlier rule must be token_top_bottom or token_tau, got " +
+                                std::string(outlier_rule_name(runtime_rule)));
+  }
+  // tau is per token and head: the tau variant scales values per head too
+  // (per_token, group head_dim) unless the value grouping was asked for.
+  if (runtime_rule == OutlierRule::kTokenTau && fraction > 0 && s.values.grouping == Grouping::kPerTokenAllHeads) {
+    if (options.value_grouping) {
+      throw std::invalid_argument("value outlier rule token_tau is per head: it needs per-head value scaling "
+                                  "(per_token), not per_token_all_heads");
+    }
+    s.values = {Grouping::kPerToken, head_dim};
+  }
   for (TensorQuantizerSettings* t : {&s.keys, &s.values}) {
     t->non_uniform = non_uniform;
+    t->q_norm = q_norm;
     t->outlier_fraction = fraction;
+    if (fraction == 0) {
+      t->outlier_rule = OutlierRule::kNone;
+    } else {
+      t->outlier_rule = t->grouping == Grouping::kPerChannelOffline ? OutlierRule::kChannelThresholds : runtime_rule;
+    }
   }
-  if (options.key_group && s.keys.grouping != Grouping::kPerChannelOffline) s.keys.group = *options.key_group;
-  if (options.value_group) s.values.group = *options.value_group;
+  const auto ungrouped = [](const TensorQuantizerSettings& t) {
+    return t.grouping == Grouping::kPerChannelOffline || t.grouping == Grouping::kPerTokenAllHeads;
+  };
+  if (options.key_group && !ungrouped(s.keys)) s.keys.group = *options.key_group;
+  if (options.value_group && !ungrouped(s.values)) s.values.group = *options.value_group;
   if (options.sink_tokens) s.sink_tokens = *options.sink_tokens;
   if (options.residual_tokens) s.residual_tokens = *options.residual_tokens;
   if (s.sink_tokens < 0 || s.residual_tokens < 0) {
@@ -199,7 +251,18 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
   }
   check_group("key group", s.keys, head_dim);
   check_group("value group", s.values, head_dim);
+  // The windows' own checks (block_flush: residual > 0, a multiple of the group).
+  for (const TensorQuantizerSettings* t : {&s.keys, &s.values}) quantized_tokens(s, *t, s.residual_tokens + 1);
   return s;
+}
+
+CalibrationSubset calibration_subset(int64_t samples, int64_t seq_len, int64_t max_calibration_tokens) {
+  CalibrationSubset subset{samples, seq_len};
+  if (max_calibration_tokens > 0 && samples > 0) {
+    subset.tokens = std::min(seq_len, max_calibration_tokens);
+    subset.windows = std::clamp<int64_t>(max_calibration_tokens / subset.tokens, 1, samples);
+  }
+  return subset;
 }
 
 LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
@@ -312,11 +375,8 @@ QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOpti
   const int64_t samples = store.samples_complete();
   const int64_t length = store.layout().provenance.seq_len;
   if (samples < 1) throw InputError(store.path().string(), "samples_complete", "expected at least one sample");
-  int64_t tokens = length, windows = samples;
-  if (options.max_calibration_tokens > 0) {
-    tokens = std::min(length, options.max_calibration_tokens);
-    windows = std::clamp<int64_t>(options.max_calibration_tokens / tokens, 1, samples);
-  }
+  const CalibrationSubset subset = calibration_subset(samples, length, options.max_calibration_tokens);
+  const int64_t tokens = subset.tokens, windows = subset.windows;
   const ActivationField key_field = settings.keys_pre_rope ? ActivationField::kKeysPreRope
                                                            : ActivationField::kKeysPostRope;
   require_field(store, key_field, settings.keys_pre_rope ? "the method quantizes pre-RoPE keys"
@@ -350,7 +410,7 @@ QuantizerConfig fit_quantizers(const ActivationStoreReader& store, const FitOpti
               s.value_outlier_fraction);
   }
   for (const int64_t context : options.effective_bits_contexts) {
-    config.effective_bits.emplace_back(context, effective_bits(settings, model.head_dim, context));
+    config.effective_bits.emplace_back(context, effective_bits(settings, model.num_kv_heads, model.head_dim, context));
   }
   return config;
 }

@@ -3,17 +3,34 @@
 // `kvforge calibrate` runs per method. The arithmetic the fitted parameters
 // take part in is quantize_simulation.h's.
 //
-// Method defaults (FitOptions fields left unset):
-//   kvquant   keys per channel pre-RoPE (kPerChannelOffline), values per token
-//             (group head_dim); non-uniform grids (one per layer for keys,
-//             one for values) by Fisher-weighted k-means with Q-Norm; 1%
-//             outliers each; sink 1 token; no residual.
-//   kivi      keys kPerChannelTokens group 32 post-RoPE, values kPerToken
-//             group 32, residual 128; nothing fitted (clip ratio 1).
+// Method defaults (FitOptions fields left unset) are the published methods;
+// kvforge's own improvements are named variants (FitOptions overrides,
+// `calibrate` flags):
+//   kvquant   keys per channel pre-RoPE (kPerChannelOffline) with 1% outliers
+//             by offline per-channel thresholds; values scaled per token over
+//             all KV heads (kPerTokenAllHeads, v_proj's whole output row)
+//             with 1% outliers by kTokenTopBottom (the 0.5% largest and 0.5%
+//             smallest of each token's row, a fixed count), as the paper and
+//             its reference code; non-uniform grids (one per layer for keys,
+//             one for values) by Fisher-weighted k-means; Q-Norm affine (the
+//             paper's: k-means boundaries kept, moment-matching map on the
+//             dequantized value) at 2 bits only, as the paper's checkpoints
+//             use it, none at 3 and 4 bits; sink 1 token; no residual.
+//             Variants: value_outlier_rule kTokenTau (kvforge's global tau on
+//             mean +- tau std per token and head; it implies per-head value
+//             scaling, kPerToken group head_dim), value_grouping kPerToken
+//             (per-head scaling), q_norm kIterated (levels moved, iterated).
+//   kivi      keys kPerChannelTokens group 32 post-RoPE, kBlockFlush (KIVI's
+//             16-bit buffer flushed in blocks of R, so T mod R keys stay
+//             exact), values kPerToken group 32 kSliding (the newest R
+//             exact), R = 128; nothing fitted (clip ratio 1). Variant:
+//             key_residual_rule kSliding (kvforge's former rule).
 //   int2-rot  keys and values kPerToken group head_dim, post-RoPE, sink 64,
-//             residual 256; clip ratios fitted per layer (keys and values
-//             separately) by grid search over 1.00, 0.99, ..., 0.50.
+//             residual 256 sliding; clip ratios fitted per layer (keys and
+//             values separately) by grid search over 1.00, 0.99, ..., 0.50.
 //   rtn       keys and values kPerToken group head_dim, post-RoPE, no windows.
+// Outliers asked of a runtime grouping (outlier_fraction > 0) take
+// kTokenTopBottom unless value_outlier_rule says kTokenTau (then keys too).
 //
 // Fitting uses every calibration position except the sink's (the residual
 // window is a matter of recency, not of distribution); the statistics
@@ -43,7 +60,11 @@ struct FitOptions {
   std::optional<int64_t> key_group;  // ignored for kPerChannelOffline keys (group 0: not applicable)
   std::optional<int64_t> value_group;
   std::optional<bool> fisher;       // Fisher-weighted grids (needs fisher_k / fisher_v)
-  std::optional<bool> q_norm;       // Q-Norm on the grids
+  std::optional<QNorm> q_norm;      // unset: affine at 2 bits, none at 3 and 4 (non-uniform grids only)
+  // Variants of the published defaults (see above).
+  std::optional<ResidualRule> key_residual_rule;  // kivi: kBlockFlush (kSliding: variant)
+  std::optional<OutlierRule> value_outlier_rule;  // runtime groupings: kTokenTopBottom or kTokenTau
+  std::optional<Grouping> value_grouping;         // kvquant: kPerTokenAllHeads (kPerToken: variant)
   std::optional<bool> non_uniform;  // fitted grids instead of uniform levels
   std::optional<bool> clip_search;  // fit clip ratios (runtime groupings only)
   std::vector<double> clip_candidates;  // empty: 1.00, 0.99, ..., 0.50
@@ -61,6 +82,16 @@ struct FitOptions {
 // The method's defaults with the options' overrides, checked against
 // head_dim (std::invalid_argument naming the option otherwise).
 QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim);
+
+// The calibration subset max_calibration_tokens selects from a store of
+// `samples` windows of `seq_len` positions (see FitOptions): what is fitted
+// on, and what the artifact records as calibration_tokens.
+struct CalibrationSubset {
+  int64_t windows = 0;
+  int64_t tokens = 0;  // leading positions of each window
+  int64_t total() const { return windows * tokens; }
+};
+CalibrationSubset calibration_subset(int64_t samples, int64_t seq_len, int64_t max_calibration_tokens);
 
 // One layer's calibration activations, float32 [N, heads, T, D], positions
 // 0..T-1 of each window.

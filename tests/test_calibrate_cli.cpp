@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+
 #include "formats/activation_store.h"
 #include "formats/artifact.h"
 #include "tests/test_paths.h"
@@ -63,12 +65,97 @@ TEST(CalibrateCli, EveryMethodIntoOneArtifactThatInspectReads) {
   EXPECT_EQ(kvquant.at("layers").size(), 5u);
   // Measured again on the calibration store itself, the held-out columns
   // reproduce the statistics calibrate recorded.
+  double key_outliers = 0, value_outliers = 0;
   for (const auto& layer : kvquant.at("layers")) {
     EXPECT_NEAR(layer.at("heldout").at("key_relative_mse").get<double>(),
                 layer.at("calibration").at("key_relative_mse").get<double>(), 1e-9);
     EXPECT_NEAR(layer.at("heldout").at("value_outlier_fraction").get<double>(),
                 layer.at("calibration").at("value_outlier_fraction").get<double>(), 1e-9);
+    key_outliers += layer.at("heldout").at("key_outlier_fraction").get<double>() / 5;
+    value_outliers += layer.at("heldout").at("value_outlier_fraction").get<double>() / 5;
   }
+  // Effective bits at the held-out outlier fractions (averaged over layers),
+  // by hand at 131,072 tokens: pyllama-16m has 2 KV heads of 128 channels.
+  // Keys: sink 1 exact, 2 bits + f_K (16 + 16) + 32/128 per quantized
+  // element, 32 bits per channel over the context; values: 2 bits + one
+  // scale/offset per token over 256 channels + f_V (16 + 16) + 32/256.
+  const auto& held = kvquant.at("heldout_outlier_fraction");
+  EXPECT_NEAR(held.at("keys").get<double>(), key_outliers, 1e-12);
+  EXPECT_NEAR(held.at("values").get<double>(), value_outliers, 1e-12);
+  const double t = 131072, q = (t - 1) / t;
+  const double keys = 16 / t + q * (2 + key_outliers * 32 + 32.0 / 128) + 32 / t;
+  const double values = 16 / t + q * (2 + 32.0 / 256 + value_outliers * 32 + 32.0 / 256);
+  const auto& measured = kvquant.at("effective_bits_heldout");
+  ASSERT_EQ(measured.size(), kvquant.at("effective_bits").size());
+  EXPECT_EQ(measured.back().at("context").get<int64_t>(), 131072);
+  EXPECT_NEAR(measured.back().at("bits").get<double>(), (keys + values) / 2, 1e-12);
+  // KVQuant's values take a fixed count per token (k = 2 of 256 each way),
+  // so the nominal value side is 4/256 too; the keys' thresholds select
+  // about 1% on the data they were fitted on.
+  EXPECT_NEAR(value_outliers, 4.0 / 256, 1e-12);
+  const auto text_heldout = testing::run_kvforge("inspect " + quoted(artifact_path) + " --acts " + quoted(calibration_store()));
+  ASSERT_EQ(text_heldout.exit_code, 0) << text_heldout.stderr_text;
+  EXPECT_NE(text_heldout.stdout_text.find("effective bits (held-out outliers"), std::string::npos);
+  EXPECT_NE(text_heldout.stdout_text.find("effective bits (nominal outliers)"), std::string::npos);
+}
+
+TEST(CalibrateCli, MaxTokensRecordsTheTokensFittedOn) {
+  // 150 tokens of 96-token windows: the fit takes 1 whole window, 96 tokens.
+  const auto dir = testing::scratch_dir("calibrate-max-tokens");
+  const auto artifact_path = dir / "art.h5";
+  const auto result = testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                           quoted(artifact_path) + " --method rtn --max-tokens 150");
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  EXPECT_EQ(read_artifact(artifact_path).calibration.calibration_tokens, 96);
+  // More than the store holds: every window.
+  ASSERT_EQ(testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                 quoted(artifact_path) + " --method rtn --max-tokens 100000")
+                .exit_code,
+            0);
+  EXPECT_EQ(read_artifact(artifact_path).calibration.calibration_tokens, 2 * 96);
+  // Fewer than a window: that many leading positions of one window.
+  ASSERT_EQ(testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                 quoted(artifact_path) + " --method rtn --max-tokens 40")
+                .exit_code,
+            0);
+  EXPECT_EQ(read_artifact(artifact_path).calibration.calibration_tokens, 40);
+}
+
+TEST(CalibrateCli, VariantsAreNamedBesideThePaperDefaults) {
+  const auto dir = testing::scratch_dir("calibrate-variants");
+  const auto artifact_path = dir / "art.h5";
+  const std::string base = "calibrate --quiet --acts " + quoted(calibration_store()) + " --out " + quoted(artifact_path);
+  ASSERT_EQ(testing::run_kvforge(base + " --method kvquant,kivi --bits 2").exit_code, 0);
+  const auto variants = testing::run_kvforge(base + " --append --method kvquant,kivi --bits 2 --key-window sliding "
+                                                    "--value-outliers tau --value-scaling head --q-norm iterated");
+  ASSERT_EQ(variants.exit_code, 0) << variants.stderr_text;
+  const Artifact artifact = read_artifact(artifact_path);
+  std::map<std::string, QuantizerSettings> by_name;
+  for (const auto& config : artifact.configs) by_name[config.name] = config.settings;
+  ASSERT_EQ(by_name.size(), 4u);
+  const auto& kvquant = by_name.at("kvquant-2bit");
+  EXPECT_EQ(kvquant.values.grouping, Grouping::kPerTokenAllHeads);
+  EXPECT_EQ(kvquant.values.outlier_rule, OutlierRule::kTokenTopBottom);
+  EXPECT_EQ(kvquant.values.q_norm, QNorm::kAffine);
+  const auto& kvquant_variant = by_name.at("kvquant-2bit-head-scaling-tau-qnorm-iterated");
+  EXPECT_EQ(kvquant_variant.values.grouping, Grouping::kPerToken);
+  EXPECT_EQ(kvquant_variant.values.outlier_rule, OutlierRule::kTokenTau);
+  EXPECT_EQ(kvquant_variant.keys.q_norm, QNorm::kIterated);
+  EXPECT_EQ(kvquant_variant.keys.residual_rule, kvquant.keys.residual_rule);  // the key window flag is kivi's
+  EXPECT_EQ(by_name.at("kivi-2bit").keys.residual_rule, ResidualRule::kBlockFlush);
+  EXPECT_EQ(by_name.at("kivi-2bit-keys-sliding").keys.residual_rule, ResidualRule::kSliding);
+  // --help says which is the default and which the variant.
+  const auto help = testing::run_kvforge("calibrate --help");
+  for (const char* text : {"block_flush (default, KIVI", "sliding (kvforge variant", "top_bottom (default, KVQuant",
+                           "tau (kvforge variant", "iterated (kvforge variant"}) {
+    EXPECT_NE(help.stdout_text.find(text), std::string::npos) << text << "\n" << help.stdout_text;
+  }
+  // A variant that cannot run is refused before anything is written.
+  const auto bad = testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                        quoted(dir / "bad.h5") + " --method kivi --residual 0");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.stderr_text.find("block_flush"), std::string::npos) << bad.stderr_text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "bad.h5"));
 }
 
 TEST(CalibrateCli, InspectSummarizesAStore) {

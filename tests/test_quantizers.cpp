@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "calib/activation_recorder.h"
@@ -247,6 +248,7 @@ TEST(Simulation, KiviKeepsIncompleteGroupsAndTheResidualExact) {
   // Per-channel token groups with runtime outliers, a grid and clipping.
   TensorQuantizerSettings with_outliers = s.keys;
   with_outliers.outlier_fraction = 0.05;
+  with_outliers.outlier_rule = OutlierRule::kTokenTau;  // the variant; the reference finds tau outliers
   with_outliers.non_uniform = true;
   TensorQuantizer q;
   q.outlier_tau = 1.5f;
@@ -313,10 +315,10 @@ TEST(Simulation, KvquantKeysPerChannelOutliersAndGridTies) {
   expect_simulation_matches(s, s.keys, uniform, x, "kvquant keys, uniform");
 }
 
-TEST(Simulation, KvquantValuesPerTokenOutliersAndGrid) {
+TEST(Simulation, KvquantValuesPerHeadTauVariantOutliersAndGrid) {
   QuantizerSettings s;
   s.method = QuantMethod::kKvquant;
-  s.values = {Grouping::kPerToken, 8, true, 0.01};
+  s.values = {Grouping::kPerToken, 8, true, 0.01, OutlierRule::kTokenTau};
   s.sink_tokens = 1;
   TensorQuantizer q;
   q.grid = {-1.0f, -0.5f, 0.25f, 1.0f};
@@ -371,33 +373,428 @@ TEST(CalibrationStats, LogitErrorOverCausalPairsWithGqa) {
   EXPECT_NEAR(logit_error(q, k, k_hat).relative(), err / ref, 1e-12);
 }
 
+// ---- the papers' rules, from the papers' streaming and sorting ---------------
+
+// KIVI's cache, token by token, as its reference code runs it (float64): a
+// prefill of P tokens, then single appended tokens up to T. Keys: the
+// prefill quantizes its first floor(P' / R) * R tokens (P' = tokens past the
+// sink) per channel in groups of G tokens and keeps the rest in a 16-bit
+// buffer; each append goes to the buffer, which is quantized whole (per
+// channel, G-token groups) when it holds R tokens. Values: the prefill
+// quantizes all but the newest R per token in groups of G channels; each
+// append that leaves more than R in the buffer quantizes the oldest one.
+// The first `sink` positions are never quantized.
+struct StreamedCache {
+  Slab out;
+  std::vector<bool> quantized;  // per token
+};
+
+void quantize_key_block(const Slab& x, Slab& out, int64_t first, int64_t count, int64_t group, int bits) {
+  for (int64_t h = 0; h < x.heads; ++h) {
+    for (int64_t c = 0; c < x.dim; ++c) {
+      for (int64_t g = first; g < first + count; g += group) {
+        double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+        for (int64_t t = g; t < g + group; ++t) {
+          mn = std::min(mn, x.at(h, t, c));
+          mx = std::max(mx, x.at(h, t, c));
+        }
+        if (!(mx > mn)) continue;
+        for (int64_t t = g; t < g + group; ++t) out.at(h, t, c) = reference_round(x.at(h, t, c), mn, mx, bits, {});
+      }
+    }
+  }
+}
+
+void quantize_value_token(const Slab& x, Slab& out, int64_t t, int64_t group, int bits) {
+  for (int64_t h = 0; h < x.heads; ++h) {
+    for (int64_t g = 0; g < x.dim; g += group) {
+      double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+      for (int64_t c = g; c < g + group; ++c) {
+        mn = std::min(mn, x.at(h, t, c));
+        mx = std::max(mx, x.at(h, t, c));
+      }
+      if (!(mx > mn)) continue;
+      for (int64_t c = g; c < g + group; ++c) out.at(h, t, c) = reference_round(x.at(h, t, c), mn, mx, bits, {});
+    }
+  }
+}
+
+StreamedCache stream_kivi_keys(const Slab& x, int64_t prefill, int64_t tokens, int64_t sink, int64_t residual,
+                               int64_t group, int bits) {
+  StreamedCache cache{x, std::vector<bool>(static_cast<size_t>(tokens), false)};
+  const auto flush = [&](int64_t first, int64_t count) {
+    quantize_key_block(x, cache.out, first, count, group, bits);
+    for (int64_t t = first; t < first + count; ++t) cache.quantized[static_cast<size_t>(t)] = true;
+  };
+  const int64_t begin = std::min(sink, prefill);
+  const int64_t prefix = (prefill - begin) / residual * residual;  // KIVI: key_states[:, :, :-(L % R)]
+  if (prefix > 0) flush(begin, prefix);
+  int64_t buffer_start = begin + prefix;
+  for (int64_t t = prefill; t < tokens; ++t) {
+    if (t < sink) {
+      buffer_start = t + 1;
+      continue;
+    }
+    if (t + 1 - buffer_start == residual) {  // the buffer reached R tokens
+      flush(buffer_start, residual);
+      buffer_start = t + 1;
+    }
+  }
+  return cache;
+}
+
+StreamedCache stream_kivi_values(const Slab& x, int64_t prefill, int64_t tokens, int64_t sink, int64_t residual,
+                                 int64_t group, int bits) {
+  StreamedCache cache{x, std::vector<bool>(static_cast<size_t>(tokens), false)};
+  const auto quantize = [&](int64_t t) {
+    quantize_value_token(x, cache.out, t, group, bits);
+    cache.quantized[static_cast<size_t>(t)] = true;
+  };
+  std::vector<int64_t> buffer;  // 16-bit tokens past the sink, oldest first
+  for (int64_t t = std::min(sink, prefill); t < prefill; ++t) buffer.push_back(t);
+  while (static_cast<int64_t>(buffer.size()) > residual) {  // prefill: all but the newest R
+    quantize(buffer.front());
+    buffer.erase(buffer.begin());
+  }
+  for (int64_t t = prefill; t < tokens; ++t) {
+    if (t < sink) continue;
+    buffer.push_back(t);
+    if (static_cast<int64_t>(buffer.size()) > residual) {
+      quantize(buffer.front());
+      buffer.erase(buffer.begin());
+    }
+  }
+  return cache;
+}
+
+Slab first_tokens(const Slab& x, int64_t tokens) {
+  Slab out{x.heads, tokens, x.dim, {}};
+  for (int64_t h = 0; h < x.heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t c = 0; c < x.dim; ++c) out.x.push_back(x.at(h, t, c));
+    }
+  }
+  return out;
+}
+
+void expect_stream_matches(const QuantizerSettings& s, const TensorQuantizerSettings& t, const Slab& x,
+                           const StreamedCache& cache, const std::string& what) {
+  const SimulatedTensor sim = simulate_quantization(s, t, {}, to_tensor(x));
+  const TokenSpan span = quantized_tokens(s, t, x.tokens);
+  for (int64_t tok = 0; tok < x.tokens; ++tok) {
+    ASSERT_EQ(cache.quantized[static_cast<size_t>(tok)], tok >= span.begin && tok < span.end) << what << " token " << tok;
+  }
+  const at::Tensor expected = at::tensor(at::ArrayRef<double>(cache.out.x)).view(sim.dequantized.sizes());
+  // Float32 output of values below 16 in magnitude: rounding error < 16 * 2^-24 = 1e-6.
+  ASSERT_LT((sim.dequantized.to(at::kDouble) - expected).abs().max().item<double>(), 1e-6) << what;
+}
+
+TEST(PaperRules, KiviWindowsEqualKivisStreamingForEveryPrefill) {
+  FitOptions options;
+  options.method = QuantMethod::kKivi;
+  QuantizerSettings s = resolve_settings(options, 8);
+  ASSERT_EQ(s.keys.residual_rule, ResidualRule::kBlockFlush);
+  ASSERT_EQ(s.values.residual_rule, ResidualRule::kSliding);
+  ASSERT_EQ(s.residual_tokens, 128);
+  ASSERT_EQ(s.keys.group, 32);
+  ASSERT_EQ(s.values.group, 32);
+  // The same rules at a scale a loop can stream: R = 8, G = 4 (R a multiple of G).
+  s.residual_tokens = 8;
+  s.keys.group = 4;
+  s.values.group = 4;
+  const Slab x = random_slab(2, 41, 8, 21);
+  for (const int64_t sink : {0, 3}) {
+    s.sink_tokens = sink;
+    for (int64_t tokens = 1; tokens <= x.tokens; tokens += (tokens < 20 ? 1 : 3)) {
+      const Slab window = first_tokens(x, tokens);
+      for (int64_t prefill = 0; prefill <= tokens; ++prefill) {
+        const std::string what = "sink " + std::to_string(sink) + " T " + std::to_string(tokens) + " P " +
+                                 std::to_string(prefill);
+        expect_stream_matches(s, s.keys, window, stream_kivi_keys(window, prefill, tokens, sink, 8, 4, s.bits),
+                              "keys " + what);
+        expect_stream_matches(s, s.values, window, stream_kivi_values(window, prefill, tokens, sink, 8, 4, s.bits),
+                              "values " + what);
+      }
+    }
+  }
+  // T mod R keys exact at the artifact's scale: 131,072 + 100 tokens, R 128.
+  const QuantizerSettings kivi = resolve_settings(options, 128);
+  EXPECT_EQ(quantized_tokens(kivi, kivi.keys, 131072 + 100).end, 131072);
+  EXPECT_EQ(quantized_tokens(kivi, kivi.values, 131072 + 100).end, 131072 + 100 - 128);
+  // kvforge's former key window, the sliding variant: R + (T - R) mod G exact.
+  TensorQuantizerSettings sliding = kivi.keys;
+  sliding.residual_rule = ResidualRule::kSliding;
+  EXPECT_EQ(quantized_tokens(kivi, sliding, 131072 + 100).end, (131072 + 100 - 128) / 32 * 32);
+  TensorQuantizerSettings misfit = kivi.keys;
+  misfit.group = 48;  // 128 is not a multiple of 48
+  EXPECT_THROW(quantized_tokens(kivi, misfit, 1000), std::invalid_argument);
+}
+
+// KVQuant's count: k = n - ceil((n - 1)(1 - f/2)) in exact arithmetic, with f
+// = p / 10000, as integers: ceil((n - 1)(20000 - p) / 20000).
+int64_t exact_top_bottom_count(int64_t n, int64_t p) {
+  const int64_t numerator = (n - 1) * (20000 - p);
+  return n - (numerator + 19999) / 20000;
+}
+
+// torch.quantile(w, q) (linear interpolation) and `w >= upper`, on distinct values.
+int64_t quantile_count(std::vector<double> w, double q) {
+  std::sort(w.begin(), w.end());
+  const double rank = q * static_cast<double>(w.size() - 1);
+  const auto lo = static_cast<size_t>(std::floor(rank)), hi = static_cast<size_t>(std::ceil(rank));
+  const double upper = w[lo] + (rank - static_cast<double>(lo)) * (w[hi] - w[lo]);
+  return std::count_if(w.begin(), w.end(), [&](double v) { return v >= upper; });
+}
+
+TEST(PaperRules, KvquantTopBottomCount) {
+  EXPECT_EQ(top_bottom_count(4096, 0.01), 21);
+  EXPECT_EQ(top_bottom_count(256, 0.01), 2);
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal;
+  for (const int64_t n : {int64_t{256}, int64_t{4096}}) {
+    std::vector<double> w(static_cast<size_t>(n));
+    for (double& v : w) v = normal(rng);
+    EXPECT_EQ(top_bottom_count(n, 0.01), quantile_count(w, 1 - 0.01 / 2)) << n;
+  }
+  for (int64_t n = 1; n <= 2100; n += 1) {
+    for (const int64_t p : {int64_t{0}, int64_t{100}, int64_t{200}, int64_t{500}, int64_t{1000}}) {
+      ASSERT_EQ(top_bottom_count(n, static_cast<double>(p) / 10000), exact_top_bottom_count(n, p))
+          << "n " << n << " f " << p << "/10000";
+    }
+  }
+}
+
+// The outliers of one token's row (n elements, channel index = position in
+// the row) by sorting, as the rule states: the k largest (descending value,
+// lower index first) and the k smallest (ascending value, lower index first).
+std::vector<bool> reference_top_bottom(const std::vector<double>& row, int64_t k) {
+  const size_t n = row.size();
+  std::vector<bool> outlier(n, false);
+  if (2 * k >= static_cast<int64_t>(n)) return std::vector<bool>(n, true);
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::vector<size_t> largest = order, smallest = order;
+  std::sort(largest.begin(), largest.end(), [&](size_t a, size_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+  std::sort(smallest.begin(), smallest.end(), [&](size_t a, size_t b) { return row[a] < row[b] || (row[a] == row[b] && a < b); });
+  for (int64_t i = 0; i < k; ++i) {
+    outlier[largest[static_cast<size_t>(i)]] = true;
+    outlier[smallest[static_cast<size_t>(i)]] = true;
+  }
+  return outlier;
+}
+
+// Index of the level nearest to n, the lower one on a tie.
+size_t reference_code(const std::vector<float>& levels, double n) {
+  size_t best = 0;
+  for (size_t i = 1; i < levels.size(); ++i) {
+    if (std::abs(n - static_cast<double>(levels[i])) < std::abs(n - static_cast<double>(levels[best]))) best = i;
+  }
+  return best;
+}
+
+// KVQuant's values: per token, over all heads' channels (h * D + c): the
+// top/bottom outliers, then one min/max scaling over the row's inliers and
+// grid[nearest encode level] (or uniform levels).
+Reference reference_all_heads(const QuantizerSettings& s, const TensorQuantizerSettings& t, const TensorQuantizer& q,
+                              const Slab& x) {
+  Reference ref{x, std::vector<bool>(x.x.size(), false)};
+  const int64_t begin = std::min(s.sink_tokens, x.tokens);
+  const int64_t end = std::max(begin, x.tokens - s.residual_tokens);
+  const int64_t n = x.heads * x.dim;
+  const int64_t k = t.outlier_fraction > 0 ? top_bottom_count(n, t.outlier_fraction) : 0;
+  const auto index = [&](int64_t i, int64_t tok) { return static_cast<size_t>(((i / x.dim) * x.tokens + tok) * x.dim + i % x.dim); };
+  for (int64_t tok = begin; tok < end; ++tok) {
+    std::vector<double> row;
+    for (int64_t i = 0; i < n; ++i) row.push_back(x.x[index(i, tok)]);
+    const std::vector<bool> outlier = k > 0 ? reference_top_bottom(row, k) : std::vector<bool>(static_cast<size_t>(n), false);
+    double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+    for (int64_t i = 0; i < n; ++i) {
+      ref.outlier[index(i, tok)] = outlier[static_cast<size_t>(i)];
+      if (outlier[static_cast<size_t>(i)]) continue;
+      mn = std::min(mn, row[static_cast<size_t>(i)]);
+      mx = std::max(mx, row[static_cast<size_t>(i)]);
+    }
+    const double lo = q.clip_ratio * mn, hi = q.clip_ratio * mx;
+    if (!(hi > lo)) continue;
+    for (int64_t i = 0; i < n; ++i) {
+      if (outlier[static_cast<size_t>(i)]) continue;
+      double v;
+      if (q.grid.empty()) {
+        v = reference_round(row[static_cast<size_t>(i)], lo, hi, s.bits, {});
+      } else {
+        const double center = (lo + hi) / 2, half = (hi - lo) / 2;
+        const auto& encode = q.encode_grid.empty() ? q.grid : q.encode_grid;
+        v = center + half * q.grid[reference_code(encode, (row[static_cast<size_t>(i)] - center) / half)];
+      }
+      ref.out.x[index(i, tok)] = v;
+    }
+  }
+  return ref;
+}
+
+void expect_matches(const Reference& ref, const SimulatedTensor& sim, const std::string& what) {
+  const at::Tensor expected = at::tensor(at::ArrayRef<double>(ref.out.x)).view(sim.dequantized.sizes());
+  EXPECT_LT((sim.dequantized.to(at::kDouble) - expected).abs().max().item<double>(), 1e-6) << what;
+  std::vector<uint8_t> flags(ref.outlier.begin(), ref.outlier.end());
+  const at::Tensor expected_outliers = at::tensor(at::ArrayRef<uint8_t>(flags)).view(sim.outliers.sizes()).to(at::kBool);
+  EXPECT_TRUE(sim.outliers.equal(expected_outliers)) << what;
+}
+
+TEST(PaperRules, KvquantValuesTopBottomPerTokenAcrossHeads) {
+  FitOptions options;
+  options.method = QuantMethod::kKvquant;
+  const QuantizerSettings defaults = resolve_settings(options, 16);
+  ASSERT_EQ(defaults.values.grouping, Grouping::kPerTokenAllHeads);
+  ASSERT_EQ(defaults.values.outlier_rule, OutlierRule::kTokenTopBottom);
+  ASSERT_EQ(defaults.values.outlier_fraction, 0.01);
+  ASSERT_EQ(defaults.keys.outlier_rule, OutlierRule::kChannelThresholds);
+
+  QuantizerSettings s = defaults;
+  s.sink_tokens = 1;
+  // 4 heads x 16 channels: n = 64; f = 0.08 gives k = 64 - ceil(63 * 0.96 = 60.48) = 3.
+  s.values.outlier_fraction = 0.08;
+  ASSERT_EQ(top_bottom_count(64, 0.08), 3);
+  Slab x = random_slab(4, 7, 16, 31);
+  // Token 2: ties among the largest across heads (the lower channel index
+  // wins) and among the smallest.
+  // (random_slab's planted values reach 11 in magnitude: 20 stays the largest.)
+  for (const auto& [h, c] : {std::pair{0, 5}, std::pair{1, 2}, std::pair{2, 9}, std::pair{3, 0}}) x.at(h, 2, c) = 20.0;
+  for (const auto& [h, c] : {std::pair{0, 1}, std::pair{3, 3}, std::pair{1, 7}, std::pair{2, 2}}) x.at(h, 2, c) = -20.0;
+  // Token 4: constant across every head: the first k in channel order are
+  // both the largest and the smallest.
+  for (int64_t h = 0; h < 4; ++h) {
+    for (int64_t c = 0; c < 16; ++c) x.at(h, 4, c) = 0.5;
+  }
+  TensorQuantizer q;
+  for (const bool grid : {false, true}) {
+    if (grid) {
+      s.values.non_uniform = true;
+      q.encode_grid = {-1.0f, -0.3f, 0.2f, 1.0f};  // codes: the nearest of these
+      q.grid = {-0.9f, -0.25f, 0.3f, 1.1f};        // values: these (Q-Norm affine's split)
+    }
+    const Reference ref = reference_all_heads(s, s.values, q, x);
+    const SimulatedTensor sim = simulate_quantization(s, s.values, q, to_tensor(x));
+    expect_matches(ref, sim, grid ? "all heads, encode grid" : "all heads, uniform");
+    // A batched input gives the same per window.
+    const SimulatedTensor batched = simulate_quantization(s, s.values, q, to_tensor(x).unsqueeze(0).expand({2, -1, -1, -1}));
+    EXPECT_TRUE(batched.dequantized[1].equal(sim.dequantized));
+  }
+  const SimulatedTensor sim = simulate_quantization(s, s.values, q, to_tensor(x));
+  // Token 2's outliers: 20 at (0,5), (1,2), (2,9) (channels 5, 18, 41 of 64)
+  // and -20 at (0,1), (1,7), (2,2); (3,0) and (3,3) lose the ties.
+  EXPECT_TRUE(sim.outliers[0][2][5].item<bool>() && sim.outliers[1][2][2].item<bool>() && sim.outliers[2][2][9].item<bool>());
+  EXPECT_FALSE(sim.outliers[3][2][0].item<bool>());
+  EXPECT_FALSE(sim.outliers[3][2][3].item<bool>());
+  EXPECT_EQ(sim.outliers.select(1, 2).sum().item<int64_t>(), 6);
+  EXPECT_EQ(sim.outliers.select(1, 4).sum().item<int64_t>(), 3);  // channels 0, 1, 2 of head 0
+  // A fixed count per token: 2k for tokens without ties, none in the sink.
+  EXPECT_EQ(sim.outliers.select(1, 0).sum().item<int64_t>(), 0);
+  EXPECT_EQ(sim.outliers.select(1, 5).sum().item<int64_t>(), 6);
+
+  // One head's span (per_token groupings with the top/bottom rule): n = D.
+  TensorQuantizerSettings per_head{Grouping::kPerToken, 16, false, 0.08, OutlierRule::kTokenTopBottom};
+  const SimulatedTensor head = simulate_quantization(s, per_head, {}, to_tensor(x));
+  for (int64_t h = 0; h < 4; ++h) {
+    Slab one{1, x.tokens, x.dim, {}};
+    for (int64_t t = 0; t < x.tokens; ++t) {
+      for (int64_t c = 0; c < x.dim; ++c) one.x.push_back(x.at(h, t, c));
+    }
+    TensorQuantizerSettings all = per_head;
+    all.grouping = Grouping::kPerTokenAllHeads;
+    expect_matches(reference_all_heads(s, all, {}, one),
+                   simulate_quantization(s, per_head, {}, to_tensor(one)), "per head " + std::to_string(h));
+    EXPECT_TRUE(head.dequantized[h].equal(simulate_quantization(s, per_head, {}, to_tensor(one)).dequantized[0]));
+  }
+}
+
 // ---- effective bits ---------------------------------------------------------
 
-TEST(EffectiveBits, MatchTheReportedCosts) {
-  const auto settings = [](QuantMethod method) {
+TEST(EffectiveBits, ByHandAt131072Tokens) {
+  const auto settings = [](QuantMethod method, int bits = 2) {
     FitOptions options;
     options.method = method;
+    options.bits = bits;
     return resolve_settings(options, 128);
   };
-  // OptR: INT2, group 128, sink 64 + residual 256 in 16 bits: 2.32 at 64K.
-  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), 128, 65536), 2.32, 0.01);
-  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), 128, 65536),
-              16.0 * 320 / 65536 + (65536.0 - 320) / 65536 * 2.25, 1e-12);
-  // KIVI-2, group 32: 2 + 32/32 bits, the residual vanishing at long contexts.
-  const double kivi = effective_bits(settings(QuantMethod::kKivi), 128, 131072);
-  EXPECT_GT(kivi, 3.0);
-  EXPECT_LT(kivi, 3.02);
-  EXPECT_NEAR(kivi, 16.0 * 128 / 131072 + (131072.0 - 128) / 131072 * 3, 1e-12);
-  // RTN per token, group 128: 2.25 at every context.
-  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kRtn), 128, 2048), 2.25);
-  // KVQuant: keys 2 + 1% x 32 + per-channel scale/offset and pointers over
-  // the context; values 2 + 1% x 32 + 32 / 128 per token; the sink exact.
-  const double t = 4096, q = (t - 1) / t;
-  const double keys = 16 / t + q * (2 + 0.32) + 64 / t;
-  const double values = 16 / t + q * (2 + 32.0 / 128 + 0.32 + 32.0 / 128);
-  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKvquant), 128, 4096), (keys + values) / 2, 1e-12);
+  const int64_t kv_heads = 8, dim = 128;  // a Llama-3-8B layer
+  const double t = 131072;
+  // RTN per token, group 128: 2 + 32/128 at every context.
+  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kRtn), kv_heads, dim, 131072), 2.25);
+  // INT2 (OptR), group 128, sink 64 + residual 256 in 16 bits; 2.32 at 64K.
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), kv_heads, dim, 131072),
+              (16.0 * 320 + (t - 320) * 2.25) / t, 1e-12);
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kInt2Rot), kv_heads, dim, 65536), 2.32, 0.01);
+  // KIVI-2, G 32, R 128: keys flushed in blocks of 128, so none exact at
+  // 131072 = 1024 x 128 (3 bits each); values: the newest 128 exact.
+  const double kivi_values = (16.0 * 128 + (t - 128) * 3) / t;
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKivi), kv_heads, dim, 131072), (3 + kivi_values) / 2, 1e-12);
+  // 100 tokens later: 100 keys exact.
+  const double t2 = 131172;
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKivi), kv_heads, dim, 131172),
+              ((16.0 * 100 + (t2 - 100) * 3) / t2 + (16.0 * 128 + (t2 - 128) * 3) / t2) / 2, 1e-12);
+  // KVQuant-2: the sink token exact. Keys: 2 bits + outliers 1% x (16-bit
+  // value + 16-bit index into the token's 128 channels) + a 32-bit row
+  // pointer per token and head (32/128), + 32 bits per channel (scale and
+  // offset) over the context. Values: one scale and offset per token over
+  // 8 x 128 = 1024 channels (32/1024), k = 1024 - ceil(1023 x 0.995) = 6
+  // largest and 6 smallest (12/1024 x 32) + a row pointer (32/1024).
+  const double q = (t - 1) / t;
+  const double keys = 16 / t + q * (2 + 0.01 * 32 + 32.0 / 128) + 32 / t;
+  const double values = 16 / t + q * (2 + 32.0 / 1024 + 12.0 / 1024 * 32 + 32.0 / 1024);
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKvquant), kv_heads, dim, 131072), (keys + values) / 2, 1e-12);
+  // At measured outlier fractions (2% of keys, 0.5% of values).
+  const double keys_measured = 16 / t + q * (2 + 0.02 * 32 + 32.0 / 128) + 32 / t;
+  const double values_measured = 16 / t + q * (2 + 32.0 / 1024 + 0.005 * 32 + 32.0 / 1024);
+  EXPECT_NEAR(effective_bits(settings(QuantMethod::kKvquant), kv_heads, dim, 131072, OutlierFractions{0.02, 0.005}),
+              (keys_measured + values_measured) / 2, 1e-12);
+  // A token span over 65536 elements needs 32-bit indices: 1024 heads x 128,
+  // k = 131072 - ceil(131071 x 0.995) = 656.
+  const QuantizerSettings kvquant = settings(QuantMethod::kKvquant);
+  const double wide = 16 / t + q * (2 + 32.0 / 131072 + 1312.0 / 131072 * (16 + 32) + 32.0 / 131072);
+  EXPECT_NEAR(tensor_effective_bits(kvquant, kvquant.values, 1024, dim, 131072), wide, 1e-12);
   // Windows longer than the context: everything 16 bits.
-  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kInt2Rot), 128, 300), 16.0);
+  EXPECT_DOUBLE_EQ(effective_bits(settings(QuantMethod::kInt2Rot), kv_heads, dim, 300), 16.0);
+}
+
+TEST(PaperRules, MethodDefaultsAndVariants) {
+  FitOptions options;
+  options.method = QuantMethod::kKvquant;
+  for (const int bits : {2, 3, 4}) {
+    options.bits = bits;
+    const QuantizerSettings s = resolve_settings(options, 128);
+    const QNorm expected = bits == 2 ? QNorm::kAffine : QNorm::kNone;
+    EXPECT_EQ(s.keys.q_norm, expected) << bits;
+    EXPECT_EQ(s.values.q_norm, expected) << bits;
+    EXPECT_EQ(s.values.group, 0);
+  }
+  options.bits = 2;
+  options.q_norm = QNorm::kIterated;
+  options.value_outlier_rule = OutlierRule::kTokenTau;
+  options.value_grouping = Grouping::kPerToken;
+  const QuantizerSettings variant = resolve_settings(options, 128);
+  EXPECT_EQ(variant.values.q_norm, QNorm::kIterated);
+  EXPECT_EQ(variant.values.outlier_rule, OutlierRule::kTokenTau);
+  EXPECT_EQ(variant.values.grouping, Grouping::kPerToken);
+  EXPECT_EQ(variant.values.group, 128);
+  EXPECT_EQ(variant.keys.outlier_rule, OutlierRule::kChannelThresholds);
+  // tau alone implies per-head scaling (tau is per head); with all-heads
+  // scaling asked for explicitly it is refused.
+  options.q_norm.reset();
+  options.value_grouping.reset();
+  const QuantizerSettings tau_alone = resolve_settings(options, 128);
+  EXPECT_EQ(tau_alone.values.grouping, Grouping::kPerToken);
+  EXPECT_EQ(tau_alone.values.group, 128);
+  options.value_grouping = Grouping::kPerTokenAllHeads;
+  EXPECT_THROW(resolve_settings(options, 128), std::invalid_argument);
+  options.outlier_fraction = 0;
+  EXPECT_EQ(resolve_settings(options, 128).values.outlier_rule, OutlierRule::kNone);
+  FitOptions kivi;
+  kivi.method = QuantMethod::kKivi;
+  kivi.key_residual_rule = ResidualRule::kSliding;
+  EXPECT_EQ(resolve_settings(kivi, 128).keys.residual_rule, ResidualRule::kSliding);
+  kivi.key_residual_rule.reset();
+  kivi.residual_tokens = 0;  // block_flush needs R > 0
+  EXPECT_THROW(resolve_settings(kivi, 128), std::invalid_argument);
 }
 
 // ---- RoPE settings from the fingerprint -------------------------------------
@@ -510,6 +907,14 @@ class CapturedStore : public ::testing::Test {
     options.method = QuantMethod::kKvquant;
     return options;
   }
+  // kvforge's former KVQuant: per-head value scaling, tau outliers, iterated Q-Norm.
+  static FitOptions kvforge_variant() {
+    FitOptions options = kvquant();
+    options.value_grouping = Grouping::kPerToken;
+    options.value_outlier_rule = OutlierRule::kTokenTau;
+    options.q_norm = QNorm::kIterated;
+    return options;
+  }
 
   static std::filesystem::path* path_;
   static ActivationStoreReader* store_;
@@ -586,6 +991,7 @@ double weighted_error(const Normalized& n, const std::vector<float>& grid) {
 
 TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
   const QuantizerConfig config = fit_quantizers(*store_, kvquant());
+  const QuantizerConfig tau_variant = fit_quantizers(*store_, kvforge_variant());
   ASSERT_EQ(config.layers.size(), 5u);
   EXPECT_EQ(config.name, "kvquant");
   EXPECT_TRUE(config.settings.keys_pre_rope);
@@ -611,7 +1017,13 @@ TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
     const double key_share = static_cast<double>(selected) / static_cast<double>(total);
     EXPECT_NEAR(key_share, 0.01, 0.001) << "layer " << layer;
     EXPECT_NEAR(lq.stats.key_outlier_fraction, key_share, 1e-12) << "layer " << layer;
-    // Values: |x - mean_t| > tau std_t per token.
+    // Values: KVQuant's per-token rule over both heads' 256 channels: the 2
+    // largest and 2 smallest of each token past the sink, k = 256 -
+    // ceil(255 x 0.995) = 2 (no ties within a row in these activations).
+    EXPECT_NEAR(lq.stats.value_outlier_fraction, 4.0 / 256, 1e-12) << "layer " << layer;
+    // kvforge's variant: |x - mean_t| > tau std_t per token and head, tau
+    // fitted to select the requested fraction.
+    const LayerQuantizers& vq = tau_variant.layers[static_cast<size_t>(layer)];
     const at::Tensor values = read(ActivationField::kValues, layer);
     const auto v = values.accessor<float, 4>();
     selected = total = 0;
@@ -623,7 +1035,7 @@ TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
           for (int64_t c = 0; c < dim; ++c) mean += v[w][h][t][c] / static_cast<double>(dim);
           for (int64_t c = 0; c < dim; ++c) var += std::pow(v[w][h][t][c] - mean, 2) / static_cast<double>(dim);
           for (int64_t c = 0; c < dim; ++c) {
-            selected += std::abs(v[w][h][t][c] - mean) > lq.values.outlier_tau * std::sqrt(var);
+            selected += std::abs(v[w][h][t][c] - mean) > vq.values.outlier_tau * std::sqrt(var);
             ++total;
           }
         }
@@ -631,7 +1043,7 @@ TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
     }
     const double value_share = static_cast<double>(selected) / static_cast<double>(total);
     EXPECT_NEAR(value_share, 0.01, 0.001) << "layer " << layer;
-    EXPECT_NEAR(lq.stats.value_outlier_fraction, value_share, 1e-5) << "layer " << layer;
+    EXPECT_NEAR(vq.stats.value_outlier_fraction, value_share, 1e-5) << "layer " << layer;
     // Quantized keys and values are worse than nothing but far from useless.
     EXPECT_GT(lq.stats.key_relative_mse, 0);
     EXPECT_LT(lq.stats.key_relative_mse, 0.2);
@@ -643,8 +1055,10 @@ TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
   EXPECT_EQ(config.effective_bits[3].first, 65536);
 }
 
-TEST_F(CapturedStore, QNormKeepsMeanAndStdOfTheNormalizedData) {
-  const QuantizerConfig config = fit_quantizers(*store_, kvquant());
+TEST_F(CapturedStore, QNormIteratedVariantKeepsMeanAndStdOfTheNormalizedData) {
+  const QuantizerConfig config = fit_quantizers(*store_, kvforge_variant());
+  EXPECT_EQ(config.settings.values.q_norm, QNorm::kIterated);
+  EXPECT_TRUE(config.layers[0].values.encode_grid.empty());
   for (int64_t layer = 0; layer < 5; ++layer) {
     const LayerQuantizers& lq = config.layers[static_cast<size_t>(layer)];
     const Normalized keys = normalized_keys(lq.keys, read(ActivationField::kKeysPreRope, layer),
@@ -673,9 +1087,93 @@ TEST_F(CapturedStore, QNormKeepsMeanAndStdOfTheNormalizedData) {
   }
 }
 
+// The normalized inliers of KVQuant's values (positions past the sink), as
+// float64 values written out: per token over both heads' channels, the
+// top/bottom outliers dropped, by the row's inlier min and max.
+Normalized normalized_values_all_heads(const at::Tensor& values, const at::Tensor& fisher, double fraction) {
+  Normalized n;
+  const auto v = values.accessor<float, 4>();
+  const auto f = fisher.accessor<float, 4>();
+  const int64_t heads = values.size(1), dim = values.size(3), width = heads * dim;
+  const int64_t k = exact_top_bottom_count(width, std::llround(fraction * 10000));
+  for (int64_t w = 0; w < values.size(0); ++w) {
+    for (int64_t t = 1; t < values.size(2); ++t) {
+      std::vector<double> row;
+      for (int64_t i = 0; i < width; ++i) row.push_back(v[w][i / dim][t][i % dim]);
+      const std::vector<bool> outlier = reference_top_bottom(row, k);
+      double mn = std::numeric_limits<double>::infinity(), mx = -mn;
+      for (int64_t i = 0; i < width; ++i) {
+        if (outlier[static_cast<size_t>(i)]) continue;
+        mn = std::min(mn, row[static_cast<size_t>(i)]);
+        mx = std::max(mx, row[static_cast<size_t>(i)]);
+      }
+      if (!(mx > mn)) continue;
+      for (int64_t i = 0; i < width; ++i) {
+        if (outlier[static_cast<size_t>(i)]) continue;
+        n.values.push_back((row[static_cast<size_t>(i)] - (mn + mx) / 2) / ((mx - mn) / 2));
+        n.weights.push_back(f[w][i / dim][t][i % dim]);
+      }
+    }
+  }
+  return n;
+}
+
+TEST_F(CapturedStore, QNormAffineKeepsTheKmeansCodesAndMatchesMeanAndStd) {
+  // KVQuant's default at 2 bits: codes by the k-means levels, dequantized
+  // through their affine image.
+  const QuantizerConfig config = fit_quantizers(*store_, kvquant());
+  EXPECT_EQ(config.settings.keys.q_norm, QNorm::kAffine);
+  EXPECT_EQ(config.settings.values.q_norm, QNorm::kAffine);
+  for (const int64_t layer : {0, 2, 4}) {
+    const LayerQuantizers& lq = config.layers[static_cast<size_t>(layer)];
+    const Normalized keys = normalized_keys(lq.keys, read(ActivationField::kKeysPreRope, layer),
+                                            read(ActivationField::kFisherKeys, layer));
+    const Normalized values = normalized_values_all_heads(read(ActivationField::kValues, layer),
+                                                          read(ActivationField::kFisherValues, layer), 0.01);
+    for (const auto& [n, q, what] : {std::tuple{&keys, &lq.keys, "keys"}, std::tuple{&values, &lq.values, "values"}}) {
+      ASSERT_EQ(q->encode_grid.size(), 4u) << what;
+      ASSERT_EQ(q->grid.size(), 4u) << what;
+      // grid = a c + b: one a and b for every level (float levels: ~1e-7).
+      const double a = (q->grid[3] - q->grid[0]) / (q->encode_grid[3] - q->encode_grid[0]);
+      const double b = q->grid[0] - a * q->encode_grid[0];
+      EXPECT_GT(a, 0) << what;
+      for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(q->grid[i], a * q->encode_grid[i] + b, 1e-6) << what;
+      // Fisher-weighted moments (the fit's weighting) of the data and of its
+      // dequantized values grid[nearest k-means level].
+      double total = 0, mean = 0, mean_hat = 0;
+      for (size_t i = 0; i < n->values.size(); ++i) {
+        const double x = n->values[i], w = n->weights[i];
+        total += w;
+        mean += w * x;
+        mean_hat += w * q->grid[reference_code(q->encode_grid, x)];
+      }
+      mean /= total;
+      mean_hat /= total;
+      double var = 0, var_hat = 0;
+      for (size_t i = 0; i < n->values.size(); ++i) {
+        const double x = n->values[i], w = n->weights[i];
+        var += w * (x - mean) * (x - mean);
+        var_hat += w * std::pow(q->grid[reference_code(q->encode_grid, x)] - mean_hat, 2);
+      }
+      const double std = std::sqrt(var / total), std_hat = std::sqrt(var_hat / total);
+      // The map makes them equal in exact arithmetic; the levels are rounded
+      // to float (|error| <= 2^-24 |level|, levels within ~2: 1.2e-7) and
+      // the fit sees float32 normalized values (relative 6e-8), so the
+      // moments agree to a few 1e-7; 2e-6 leaves room for a code flipped
+      // exactly at a midpoint by that rounding.
+      EXPECT_NEAR(mean_hat, mean, 2e-6) << what << " layer " << layer;
+      EXPECT_NEAR(std_hat, std, 2e-6) << what << " layer " << layer;
+      // And the simulation encodes by the k-means levels: on the fit set it
+      // dequantizes to exactly these grid values (checked element-wise by
+      // PaperRules.KvquantValuesTopBottomPerTokenAcrossHeads).
+    }
+  }
+}
+
 TEST_F(CapturedStore, FisherWeightingLowersTheFisherWeightedError) {
-  FitOptions weighted = kvquant(), plain = kvquant();
-  weighted.q_norm = plain.q_norm = false;
+  // The per-head tau variant, whose normalized values normalized_values writes out.
+  FitOptions weighted = kvforge_variant(), plain = kvforge_variant();
+  weighted.q_norm = plain.q_norm = QNorm::kNone;
   plain.fisher = false;
   const QuantizerConfig a = fit_quantizers(*store_, weighted);
   const QuantizerConfig b = fit_quantizers(*store_, plain);
@@ -857,14 +1355,25 @@ TEST_F(CapturedStore, KiviAndRtnFitNothingAndNeedNoFisher) {
       EXPECT_EQ(config.settings.residual_tokens, 128);
     }
   }
-  // KIVI with runtime outliers (an ablation): tau per token, as for values.
+  // KIVI with runtime outliers (an ablation): KVQuant's per-token top/bottom
+  // rule by default, k = 128 - ceil(127 x 0.995) = 1 of each token's 128
+  // channels each way: 2/128 of the quantized elements.
   FitOptions outliers;
   outliers.method = QuantMethod::kKivi;
   outliers.outlier_fraction = 0.01;
   const QuantizerConfig config = fit_quantizers(*store_, outliers);
+  EXPECT_EQ(config.settings.keys.outlier_rule, OutlierRule::kTokenTopBottom);
+  EXPECT_EQ(config.settings.keys.residual_rule, ResidualRule::kBlockFlush);
   for (const auto& layer : config.layers) {
-    EXPECT_GT(layer.keys.outlier_tau, 0.0f);
+    EXPECT_EQ(layer.keys.outlier_tau, 0.0f);
     EXPECT_TRUE(layer.keys.outlier_low.empty());
+    EXPECT_NEAR(layer.stats.key_outlier_fraction, 2.0 / 128, 1e-12);
+  }
+  // The tau variant: tau per token, as kvforge had it.
+  outliers.value_outlier_rule = OutlierRule::kTokenTau;
+  const QuantizerConfig tau = fit_quantizers(*store_, outliers);
+  for (const auto& layer : tau.layers) {
+    EXPECT_GT(layer.keys.outlier_tau, 0.0f);
     // Fitted on all 512 positions, measured on the quantized [0, 384).
     EXPECT_NEAR(layer.stats.key_outlier_fraction, 0.01, 0.0025);
   }

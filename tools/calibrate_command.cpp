@@ -1,6 +1,9 @@
 // kvforge calibrate: fit KV-cache quantizers on an activation store and
 // write them, as named configurations, into one versioned artifact.
+#include <array>
 #include <filesystem>
+#include <optional>
+#include <string_view>
 #include <set>
 #include <sstream>
 
@@ -29,17 +32,82 @@ struct CalibrateFlags {
   std::optional<int64_t> value_group;
   bool no_fisher = false;
   bool no_qnorm = false;
+  // Variants of the published defaults ("" : the method's default).
+  std::string key_window;      // sliding, block_flush
+  std::string value_outliers;  // top_bottom, tau
+  std::string value_scaling;   // all_heads, head
+  std::string q_norm;          // auto, affine, iterated, none
   bool uniform = false;
   int64_t max_tokens = 0;
   bool append = false;
 };
 
-std::string config_name(const CalibrateFlags& flags, QuantMethod method, int bits, size_t configs) {
-  if (!flags.name.empty()) {
-    if (configs > 1) return flags.name + "-" + std::string(method_name(method)) + "-" + std::to_string(bits) + "bit";
-    return flags.name;
+// The flags' names for the variant values, one table each.
+constexpr std::array<std::pair<std::string_view, ResidualRule>, 2> kKeyWindows = {{
+    {"sliding", ResidualRule::kSliding}, {"block_flush", ResidualRule::kBlockFlush}}};
+constexpr std::array<std::pair<std::string_view, OutlierRule>, 2> kValueOutliers = {{
+    {"top_bottom", OutlierRule::kTokenTopBottom}, {"tau", OutlierRule::kTokenTau}}};
+constexpr std::array<std::pair<std::string_view, Grouping>, 2> kValueScalings = {{
+    {"all_heads", Grouping::kPerTokenAllHeads}, {"head", Grouping::kPerToken}}};
+constexpr std::array<std::pair<std::string_view, QNorm>, 3> kQNorms = {{
+    {"affine", QNorm::kAffine}, {"iterated", QNorm::kIterated}, {"none", QNorm::kNone}}};
+
+template <typename T, size_t N>
+std::optional<T> flag_value(const std::array<std::pair<std::string_view, T>, N>& table, const std::string& text) {
+  for (const auto& [name, value] : table) {
+    if (name == text) return value;
   }
-  return std::string(method_name(method)) + "-" + std::to_string(bits) + "bit";
+  return std::nullopt;  // "" or "auto": the method's default
+}
+
+template <typename T, size_t N>
+std::string_view flag_name(const std::array<std::pair<std::string_view, T>, N>& table, T value) {
+  for (const auto& [name, v] : table) {
+    if (v == value) return name;
+  }
+  return "?";
+}
+
+template <typename T, size_t N>
+std::vector<std::string> flag_names(const std::array<std::pair<std::string_view, T>, N>& table) {
+  std::vector<std::string> names;
+  for (const auto& entry : table) names.emplace_back(entry.first);
+  return names;
+}
+
+FitOptions fit_options(const CalibrateFlags& flags, QuantMethod method, int bits, std::string name);
+
+// What sets a variant apart from the method's published default, as a name
+// suffix ("" for the default itself): e.g. kivi-2bit-keys-sliding,
+// kvquant-2bit-tau-head-scaling-qnorm-iterated. Only the variant flags
+// count, and only where they change the resolved settings.
+std::string variant_suffix(const CalibrateFlags& flags, QuantMethod method, int bits, int64_t head_dim) {
+  const FitOptions with = fit_options(flags, method, bits, "");
+  FitOptions without = with;
+  without.key_residual_rule.reset();
+  without.value_outlier_rule.reset();
+  without.value_grouping.reset();
+  without.q_norm.reset();
+  const QuantizerSettings a = resolve_settings(with, head_dim), b = resolve_settings(without, head_dim);
+  std::string suffix;
+  if (a.keys.residual_rule != b.keys.residual_rule) {
+    suffix += "-keys-" + std::string(flag_name(kKeyWindows, a.keys.residual_rule));
+  }
+  if (a.values.grouping != b.values.grouping) {
+    suffix += "-" + std::string(flag_name(kValueScalings, a.values.grouping)) + "-scaling";
+  }
+  if (a.values.outlier_rule != b.values.outlier_rule || a.keys.outlier_rule != b.keys.outlier_rule) {
+    suffix += "-" + std::string(flag_name(kValueOutliers, a.values.outlier_rule));
+  }
+  if (a.values.q_norm != b.values.q_norm) suffix += "-qnorm-" + std::string(flag_name(kQNorms, a.values.q_norm));
+  return suffix;
+}
+
+std::string config_name(const CalibrateFlags& flags, QuantMethod method, int bits, size_t configs, int64_t head_dim) {
+  const std::string automatic =
+      std::string(method_name(method)) + "-" + std::to_string(bits) + "bit" + variant_suffix(flags, method, bits, head_dim);
+  if (!flags.name.empty()) return configs > 1 ? flags.name + "-" + automatic : flags.name;
+  return automatic;
 }
 
 FitOptions fit_options(const CalibrateFlags& flags, QuantMethod method, int bits, std::string name) {
@@ -53,7 +121,11 @@ FitOptions fit_options(const CalibrateFlags& flags, QuantMethod method, int bits
   options.key_group = flags.key_group ? flags.key_group : flags.group;
   options.value_group = flags.value_group ? flags.value_group : flags.group;
   if (flags.no_fisher) options.fisher = false;
-  if (flags.no_qnorm) options.q_norm = false;
+  if (flags.no_qnorm) options.q_norm = QNorm::kNone;
+  if (const auto q_norm = flag_value(kQNorms, flags.q_norm)) options.q_norm = q_norm;
+  options.key_residual_rule = flag_value(kKeyWindows, flags.key_window);
+  options.value_outlier_rule = flag_value(kValueOutliers, flags.value_outliers);
+  options.value_grouping = flag_value(kValueScalings, flags.value_scaling);
   if (flags.uniform) options.non_uniform = false;
   options.max_calibration_tokens = flags.max_tokens;
   return options;
@@ -76,9 +148,9 @@ int run(const CalibrateFlags& flags, const Invocation& invocation) {
   artifact.calibration.sources = store.sources();
   artifact.calibration.store_file = std::filesystem::path(flags.acts).filename().string();
   const auto& provenance = store.layout().provenance;
+  // The tokens the fit uses (whole leading windows), not the flag's value.
   artifact.calibration.calibration_tokens =
-      flags.max_tokens > 0 ? std::min(flags.max_tokens, store.samples_complete() * provenance.seq_len)
-                           : store.samples_complete() * provenance.seq_len;
+      calibration_subset(store.samples_complete(), provenance.seq_len, flags.max_tokens).total();
   artifact.tool_version = kVersion;
   artifact.command_line = invocation.command_line;
   artifact.created_utc = current_utc_timestamp();
@@ -91,7 +163,7 @@ int run(const CalibrateFlags& flags, const Invocation& invocation) {
   }
   log::ProgressMeter progress("calibrate", static_cast<int64_t>(jobs.size()), 0.0);
   for (const auto& [method, bits] : jobs) {
-    const std::string name = config_name(flags, method, bits, jobs.size());
+    const std::string name = config_name(flags, method, bits, jobs.size(), store.layout().model.head_dim);
     log::info("fitting ", name, " on ", flags.acts);
     QuantizerConfig config = fit_quantizers(store, fit_options(flags, method, bits, name));
     std::erase_if(artifact.configs, [&](const QuantizerConfig& c) { return c.name == name; });
@@ -121,18 +193,39 @@ Command add_calibrate_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::IsMember({2, 3, 4}))
       ->capture_default_str();
-  command->add_option("--name", flags->name, "Configuration name (default METHOD-Nbit)");
-  command->add_option("--outliers", flags->outliers, "Fraction kept exact in the sparse store (kvquant default 0.01)")
+  command->add_option("--name", flags->name, "Configuration name (default METHOD-Nbit, plus a suffix naming any variant flags)");
+  command->add_option("--outliers", flags->outliers, "Fraction kept exact in the sparse store (kvquant default 0.01: keys by per-channel thresholds, values per token)")
       ->check(CLI::Range(0.0, 0.5));
   command->add_option("--sink", flags->sink, "First tokens kept in 16 bits (kvquant 1, int2-rot 64)");
-  command->add_option("--residual", flags->residual, "Newest tokens kept in 16 bits (kivi 128, int2-rot 256)");
+  command->add_option("--residual", flags->residual, "16-bit window R: kivi 128 (keys: the T mod R not yet flushed, values: the newest R), int2-rot 256 newest");
   command->add_option("--group", flags->group, "Group size for keys and values (kivi 32, int2-rot 128)");
   command->add_option("--key-group", flags->key_group, "Group size for keys");
   command->add_option("--value-group", flags->value_group, "Group size for values");
   command->add_flag("--no-fisher", flags->no_fisher, "kvquant: plain k-means instead of Fisher-weighted");
-  command->add_flag("--no-qnorm", flags->no_qnorm, "kvquant: no Q-Norm correction of the grids");
+  command->add_flag("--no-qnorm", flags->no_qnorm, "kvquant: no Q-Norm correction of the grids (= --q-norm none)");
+  // Variants: the default of each is the published method; a variant adds a
+  // suffix to the configuration name so that both fit in one artifact.
+  command->add_option("--q-norm", flags->q_norm,
+                      "kvquant grids: auto (default: the paper's affine Q-Norm at 2 bits, none at 3 and 4), "
+                      "affine, iterated (kvforge variant: levels moved, iterated), none; name suffix -qnorm-X")
+      ->check(CLI::IsMember({"auto", "affine", "iterated", "none"}));
+  command->add_option("--key-window", flags->key_window,
+                      "kivi keys' 16-bit window: block_flush (default, KIVI: keys quantized in blocks of --residual, "
+                      "T mod R stay exact) or sliding (kvforge variant: the newest R and an incomplete group stay exact); suffix -keys-X")
+      ->check(CLI::IsMember(flag_names(kKeyWindows)));
+  command->add_option("--value-outliers", flags->value_outliers,
+                      "Outliers of runtime groupings (kvquant values): top_bottom (default, KVQuant: the f/2 largest "
+                      "and f/2 smallest of each token) or tau (kvforge variant: |x - mean| > tau std per token and "
+                      "head, tau fitted; implies --value-scaling head); suffix -X")
+      ->check(CLI::IsMember(flag_names(kValueOutliers)));
+  command->add_option("--value-scaling", flags->value_scaling,
+                      "kvquant values' per-token scaling span: all_heads (default, KVQuant: the token's row over all "
+                      "KV heads) or head (kvforge variant: per head); suffix -X-scaling")
+      ->check(CLI::IsMember(flag_names(kValueScalings)));
   command->add_flag("--uniform", flags->uniform, "kvquant: uniform levels instead of fitted grids (ablation)");
-  command->add_option("--max-tokens", flags->max_tokens, "Fit on at most this many calibration tokens");
+  command->add_option("--max-tokens", flags->max_tokens,
+                      "Fit on at most this many calibration tokens (leading whole windows; the artifact records "
+                      "the tokens actually used)");
   command->add_flag("--append", flags->append, "Add the configurations to an existing artifact of the same model");
   return [flags](const Invocation& invocation) { return run(*flags, invocation); };
 }

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <optional>
 
+#include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"
 #include "calib/quantizer_fit.h"
 #include "formats/artifact.h"
@@ -25,10 +26,25 @@ nlohmann::json tensor_json(const TensorQuantizerSettings& settings, const Tensor
   nlohmann::json out = {{"grouping", std::string(grouping_name(settings.grouping))},
                         {"group", settings.group},
                         {"outlier_fraction", settings.outlier_fraction},
+                        {"outlier_rule", std::string(outlier_rule_name(settings.outlier_rule))},
+                        {"residual_rule", std::string(residual_rule_name(settings.residual_rule))},
+                        {"q_norm", std::string(q_norm_name(settings.q_norm))},
                         {"clip_ratio", q.clip_ratio}};
   if (!q.grid.empty()) out["grid"] = q.grid;
+  if (!q.encode_grid.empty()) out["encode_grid"] = q.encode_grid;
   if (q.outlier_tau > 0) out["outlier_tau"] = q.outlier_tau;
   return out;
+}
+
+// The outlier shares measured per layer, averaged over layers (every layer
+// quantizes as many elements): the fraction effective bits are counted at.
+OutlierFractions mean_outlier_fractions(const std::vector<LayerCalibrationStats>& layers) {
+  OutlierFractions mean;
+  for (const auto& l : layers) {
+    mean.keys += l.key_outlier_fraction / static_cast<double>(layers.size());
+    mean.values += l.value_outlier_fraction / static_cast<double>(layers.size());
+  }
+  return mean;
 }
 
 nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
@@ -50,11 +66,11 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
                         {"keys_pre_rope", s.keys_pre_rope},
                         {"sink_tokens", s.sink_tokens},
                         {"residual_tokens", s.residual_tokens},
-                        {"fisher_weighted", s.fisher_weighted},
-                        {"q_norm", s.q_norm}};
+                        {"fisher_weighted", s.fisher_weighted}};
     for (const auto& [context, bits] : config.effective_bits) {
       c["effective_bits"].push_back({{"context", context}, {"bits", bits}});
     }
+    std::vector<LayerCalibrationStats> heldout_stats;
     for (size_t layer = 0; layer < config.layers.size(); ++layer) {
       const auto& l = config.layers[layer];
       nlohmann::json entry = {{"layer", layer},
@@ -63,9 +79,19 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
                               {"calibration", stats_json(l.stats)}};
       if (heldout) {
         const auto activations = load_layer_activations(*heldout, s, static_cast<int64_t>(layer), samples);
-        entry["heldout"] = stats_json(measure_layer(s, l, activations, &*rope));
+        heldout_stats.push_back(measure_layer(s, l, activations, &*rope));
+        entry["heldout"] = stats_json(heldout_stats.back());
       }
       c["layers"].push_back(entry);
+    }
+    if (heldout && !heldout_stats.empty()) {
+      const OutlierFractions measured = mean_outlier_fractions(heldout_stats);
+      c["heldout_outlier_fraction"] = {{"keys", measured.keys}, {"values", measured.values}};
+      for (const auto& [context, bits] : config.effective_bits) {
+        c["effective_bits_heldout"].push_back(
+            {{"context", context},
+             {"bits", effective_bits(s, artifact.model.num_kv_heads, artifact.model.head_dim, context, measured)}});
+      }
     }
     out["configs"].push_back(c);
   }
@@ -83,9 +109,25 @@ void print_artifact(const nlohmann::json& summary) {
               << c["bits"] << " bits, keys " << c["layers"][0]["keys"]["grouping"].get<std::string>()
               << (c["keys_pre_rope"].get<bool>() ? " (pre-RoPE)" : "") << ", values "
               << c["layers"][0]["values"]["grouping"].get<std::string>() << ", sink " << c["sink_tokens"]
-              << ", residual " << c["residual_tokens"] << "\n  effective bits:";
+              << ", residual " << c["residual_tokens"] << "\n";
+    const auto& keys = c["layers"][0]["keys"];
+    const auto& values = c["layers"][0]["values"];
+    std::cout << "  keys: window " << keys["residual_rule"].get<std::string>() << ", outliers "
+              << keys["outlier_rule"].get<std::string>() << ", Q-Norm " << keys["q_norm"].get<std::string>()
+              << "; values: window " << values["residual_rule"].get<std::string>() << ", outliers "
+              << values["outlier_rule"].get<std::string>() << ", Q-Norm " << values["q_norm"].get<std::string>()
+              << "\n  effective bits (nominal outliers):";
     for (const auto& entry : c["effective_bits"]) {
       std::printf(" %lld: %.3f", static_cast<long long>(entry["context"].get<int64_t>()), entry["bits"].get<double>());
+    }
+    if (c.contains("effective_bits_heldout")) {
+      std::printf("\n  effective bits (held-out outliers, K %.3f%% V %.3f%%):",
+                  100 * c["heldout_outlier_fraction"]["keys"].get<double>(),
+                  100 * c["heldout_outlier_fraction"]["values"].get<double>());
+      for (const auto& entry : c["effective_bits_heldout"]) {
+        std::printf(" %lld: %.3f", static_cast<long long>(entry["context"].get<int64_t>()),
+                    entry["bits"].get<double>());
+      }
     }
     std::printf("\n  %5s %11s %11s %11s %9s %9s %s\n", "layer", "K rel.MSE", "V rel.MSE", "logit MSE", "K outl.",
                 "V outl.", heldout ? "(calibration | held-out)" : "(calibration)");
