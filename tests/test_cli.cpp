@@ -37,12 +37,67 @@ TEST(Cli, VersionAndHelp) {
   const auto version = run_kvforge("--version");
   EXPECT_EQ(version.exit_code, 0);
   EXPECT_NE(version.stdout_text.find("kvforge "), std::string::npos);
-  for (const char* command : {"info", "perplexity", "generate"}) {
+  EXPECT_EQ(run_kvforge("--help").exit_code, 0);
+  for (const char* command : {"info", "perplexity", "generate", "capture"}) {
     const auto help = run_kvforge(std::string(command) + " --help");
     EXPECT_EQ(help.exit_code, 0) << command;
     EXPECT_NE(help.stdout_text.find("--model"), std::string::npos) << command;
   }
-  EXPECT_NE(run_kvforge("no-such-command").exit_code, 0);
+  for (const char* command : {"calibrate", "inspect"}) {
+    const auto help = run_kvforge(std::string(command) + " --help");
+    EXPECT_EQ(help.exit_code, 0) << command;
+    EXPECT_NE(help.stdout_text.find("--acts"), std::string::npos) << command;
+  }
+}
+
+// README: bad input is one line on stderr naming the flag and what was
+// expected, exit 2 -- for CLI11's parse errors as for kvforge's own checks.
+TEST(Cli, BadCommandLineValuesAreOneLineAndExitTwo) {
+  const std::string model = " --model " + quoted(testing::pyllama_dir());
+  const std::string data = " --data " + quoted(testing::shared_dir() / "data" / "heldout.txt");
+  const auto out = testing::scratch_dir("bad_values") / "acts.h5";
+  const std::string capture = "capture" + model + data + " --out " + quoted(out);
+  struct Case {
+    std::string args;
+    std::string named;  // the flag or argument the line must name
+  };
+  const std::vector<Case> cases = {
+      {"no-such-command", "got \"no-such-command\""},               // unknown command
+      {"", "expected a command: info, perplexity, generate, capture, calibrate, inspect"},
+      {"info", "--model"},                                           // missing required
+      {"info" + model + " --ctx many", "--ctx"},                     // not a number
+      {"perplexity" + model + data + " --ctx 1", "--ctx"},           // out of range
+      {"perplexity" + model + data + " --batch 0", "--batch: expected a positive integer, got \"0\""},
+      {"perplexity --model /no/such/dir" + data, "--model"},         // no such directory
+      {"perplexity" + model, "--data"},                              // missing required
+      {"generate" + model + " --prompt hi --max-new x", "--max-new: expected a positive integer, got \"x\""},
+      {capture + " --samples 1.5", "--samples: expected a positive integer, got \"1.5\""},
+      {"generate" + model + " --prompt hi --temperature 2", "--temperature"},  // unknown option
+      {"capture" + model + data, "--out"},
+      {capture + " --seq-len 1", "--seq-len"},
+      {capture + " --compression 12", "--compression"},
+      {capture + " --loss-chunk -5", "--loss-chunk"},
+      {capture + " stray", "stray"},                                 // extra positional
+      {capture + " --merge " + quoted(testing::pyllama_dir() / "config.json") + " " +
+           quoted(testing::pyllama_dir() / "config.json"),
+       "--merge"},                                                   // excluded options
+      {capture + " --fields q,zz", "--fields zz"},                   // kvforge's own check
+      {capture + " --device gpu", "--device gpu"},
+      {capture + " --dtype fp8", "--dtype"},
+      {"calibrate --acts /no/such.h5 --out x.h5", "--acts"},
+      {"calibrate --acts " + quoted(testing::pyllama_dir() / "config.json") + " --out x.h5 --bits 5", "--bits"},
+      {"inspect /no/such.h5", "/no/such.h5"},
+      {"inspect " + quoted(testing::pyllama_dir() / "config.json") + " --samples some", "--samples"},
+      {"--quiet info" + model + " --ctx", "--ctx"},                  // value missing
+  };
+  for (const auto& c : cases) {
+    const auto result = run_kvforge(c.args);
+    EXPECT_EQ(result.exit_code, 2) << c.args << "\n" << result.stderr_text;
+    EXPECT_EQ(count_lines(result.stderr_text), 1) << c.args << "\n" << result.stderr_text;
+    EXPECT_NE(result.stderr_text.find(c.named), std::string::npos) << c.args << "\n" << result.stderr_text;
+  }
+  EXPECT_FALSE(std::filesystem::exists(out));
+  EXPECT_FALSE(std::filesystem::exists(out.string() + ".partial"));
 }
 
 TEST(Cli, InfoReportsArchitectureAndKvBytes) {
@@ -158,6 +213,79 @@ TEST(Cli, MissingTensorIsNamed) {
   EXPECT_EQ(count_lines(result.stderr_text), 1) << result.stderr_text;
   EXPECT_NE(result.stderr_text.find("model.layers.0.self_attn.q_proj.bias"), std::string::npos)
       << result.stderr_text;
+}
+
+// A copy of pyllama-16m that declares only `positions` positions.
+std::filesystem::path model_with_max_positions(const std::string& name, int64_t positions) {
+  const auto dir = model_copy(name);
+  auto config = nlohmann::json::parse(testing::read_file(dir / "config.json"));
+  config["max_position_embeddings"] = positions;
+  replace_file(dir / "config.json", config.dump());
+  return dir;
+}
+
+bool no_store_written(const std::filesystem::path& out) {
+  return !std::filesystem::exists(out) && !std::filesystem::exists(out.string() + ".partial");
+}
+
+TEST(Cli, CaptureRefusesWindowsPastTheModelsPositions) {
+  const std::string data = " --data " + quoted(testing::shared_dir() / "data" / "calib.txt");
+  const auto out = testing::scratch_dir("long_context") / "acts.h5";
+  // The case: 100000 positions on a 4096-position model.
+  const auto refused = run_kvforge("capture --model " + quoted(testing::pyllama_dir()) + data + " --seq-len 100000" +
+                                   " --out " + quoted(out));
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_EQ(count_lines(refused.stderr_text), 1) << refused.stderr_text;
+  for (const char* part : {"--seq-len 100000", "max_position_embeddings (4096", "config.json", "--allow-long-context"}) {
+    EXPECT_NE(refused.stderr_text.find(part), std::string::npos) << part << ": " << refused.stderr_text;
+  }
+  EXPECT_TRUE(no_store_written(out));
+
+  // One past a declared maximum of 32: refused, then allowed with a warning.
+  const auto model = model_with_max_positions("max_positions", 32);
+  const std::string args = "capture --model " + quoted(model) + data + " -n 1 --fields q,v --seq-len 33 --out " +
+                           quoted(out);
+  const auto at_limit = run_kvforge("--quiet capture --model " + quoted(model) + data +
+                                    " -n 1 --fields q,v --seq-len 32 --out " + quoted(out));
+  EXPECT_EQ(at_limit.exit_code, 0) << at_limit.stderr_text;
+  EXPECT_EQ(at_limit.stderr_text, "");
+  std::filesystem::remove(out);
+  const auto past = run_kvforge(args);
+  EXPECT_EQ(past.exit_code, 2);
+  EXPECT_NE(past.stderr_text.find("max_position_embeddings (32"), std::string::npos) << past.stderr_text;
+  EXPECT_TRUE(no_store_written(out));
+  const auto allowed = run_kvforge(args + " --allow-long-context");
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.stderr_text;
+  EXPECT_NE(allowed.stderr_text.find("exceeds the model's max_position_embeddings (32"), std::string::npos)
+      << allowed.stderr_text;
+  EXPECT_NE(allowed.stderr_text.find("memory estimate on cpu: "), std::string::npos) << allowed.stderr_text;
+  EXPECT_TRUE(std::filesystem::exists(out));
+}
+
+TEST(Cli, CaptureRefusesWhatCannotFitInMemory) {
+  const auto out = testing::scratch_dir("memory") / "acts.h5";
+  // 2^24 positions: petabytes of attention scores, more than any machine has.
+  const std::string args = "--quiet capture --model " + quoted(testing::pyllama_dir()) + " --data " +
+                           quoted(testing::shared_dir() / "data" / "calib.txt") +
+                           " --seq-len 16777216 --allow-long-context --out " + quoted(out);
+  const auto refused = run_kvforge(args);
+  EXPECT_EQ(refused.exit_code, 2);
+  // The context warning, then the one-line refusal.
+  ASSERT_EQ(count_lines(refused.stderr_text), 2) << refused.stderr_text;
+  const std::string last = refused.stderr_text.substr(refused.stderr_text.find('\n') + 1);
+  for (const char* part : {"--seq-len 16777216", "needs about", "GiB on cpu", "available", "--skip-memory-check"}) {
+    EXPECT_NE(last.find(part), std::string::npos) << part << ": " << last;
+  }
+  EXPECT_TRUE(no_store_written(out));
+  // Forced past the estimate, the capture stops at the next check (the data
+  // hold fewer tokens than one window) before allocating or writing.
+  const auto forced = run_kvforge(args + " --skip-memory-check");
+  EXPECT_EQ(forced.exit_code, 2);
+  EXPECT_NE(forced.stderr_text.find("trying anyway (--skip-memory-check)"), std::string::npos) << forced.stderr_text;
+  EXPECT_NE(forced.stderr_text.find("calib.txt: expected at least one window of 16777215 text tokens"),
+            std::string::npos)
+      << forced.stderr_text;
+  EXPECT_TRUE(no_store_written(out));
 }
 
 }  // namespace

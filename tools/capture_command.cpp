@@ -1,16 +1,20 @@
 // kvforge capture: record queries, keys, values and their Fisher sensitivity
 // over calibration text into an activation store (or merge stores).
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
 #include "calib/capture.h"
+#include "calib/capture_memory.h"
+#include "calib/device_memory.h"
 #include "formats/input_error.h"
 #include "formats/model_fingerprint.h"
 #include "formats/sha256.h"
 #include "kvforge/version.h"
 #include "log/log.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/model_flags.h"
 #include "tools/text_input.h"
 
@@ -30,6 +34,8 @@ struct CaptureFlags {
   int64_t loss_chunk = 1024;
   bool resume = false;
   bool no_bos = false;
+  bool allow_long_context = false;
+  bool skip_memory_check = false;
   std::string command_line;
 };
 
@@ -38,7 +44,7 @@ std::vector<ActivationField> parse_fields(const std::vector<std::string>& names)
   std::vector<ActivationField> fields;
   for (const auto& name : names) {
     const auto field = parse_activation_field(name);
-    if (!field) throw std::invalid_argument("--fields " + name + ": expected q, k_pre, k_post, v, fisher_k or fisher_v");
+    if (!field) throw InputError("--fields " + name, "", "expected q, k_pre, k_post, v, fisher_k or fisher_v");
     fields.push_back(*field);
   }
   return fields;
@@ -59,14 +65,63 @@ int run_merge(const CaptureFlags& flags) {
   return 0;
 }
 
+bool records_fisher(const std::vector<ActivationField>& fields) {
+  return std::any_of(fields.begin(), fields.end(), [](ActivationField f) {
+    return f == ActivationField::kFisherKeys || f == ActivationField::kFisherValues;
+  });
+}
+
+// Windows longer than the model was trained for give activations unlike any
+// it produces in use, and are the usual typo (100000 for 1000).
+void check_context_length(const CaptureFlags& flags, const ModelConfig& config) {
+  const int64_t max_positions = config.max_position_embeddings;
+  if (max_positions <= 0 || flags.seq_len <= max_positions) return;
+  const std::string what = "the model's max_position_embeddings (" + std::to_string(max_positions) + ", " +
+                           (std::filesystem::path(flags.model.model_dir) / "config.json").string() + ")";
+  if (!flags.allow_long_context) {
+    throw InputError("--seq-len " + std::to_string(flags.seq_len), "",
+                     "expected at most " + what + "; --allow-long-context captures past it");
+  }
+  log::warn("--seq-len ", flags.seq_len, " exceeds ", what, ": capturing past it (--allow-long-context)");
+}
+
+// Refuses before anything is allocated when the capture cannot fit.
+void check_memory(const CaptureFlags& flags, const ModelConfig& config, const ComputeTarget& target,
+                  const std::vector<ActivationField>& fields) {
+  const CaptureMemoryEstimate estimate =
+      estimate_capture_memory(config, {.seq_len = flags.seq_len,
+                                       .dtype = target.dtype,
+                                       .attention = target.attention,
+                                       .fisher = records_fisher(fields),
+                                       .loss_chunk_tokens = flags.loss_chunk,
+                                       .staging_in_same_memory = !target.device.is_cuda()});
+  const std::optional<int64_t> available = available_device_memory(target.device);
+  log::info("memory estimate on ", target.device.str(), ": ", format_bytes(estimate.peak()), " peak (weights ",
+            format_bytes(estimate.weights), ", forward ", format_bytes(estimate.forward), ", loss ",
+            format_bytes(estimate.loss_head), ", layer backward ", format_bytes(estimate.layer_backward), "); ",
+            available ? format_bytes(*available) : std::string("unknown"), " available");
+  if (!available || estimate.peak() <= *available) return;
+  const std::string need = "a capture of " + std::to_string(flags.seq_len) + " positions needs about " +
+                           format_bytes(estimate.peak()) + " on " + target.device.str() + ", " +
+                           format_bytes(*available) + " available";
+  if (!flags.skip_memory_check) {
+    throw InputError("--seq-len " + std::to_string(flags.seq_len), "",
+                     "expected a window that fits: " + need + "; --skip-memory-check tries anyway");
+  }
+  log::warn(need, ": trying anyway (--skip-memory-check)");
+}
+
 int run(const CaptureFlags& flags) {
   if (!flags.merge.empty()) return run_merge(flags);
   if (flags.model.model_dir.empty() || flags.data.empty()) {
-    throw std::invalid_argument("capture: --model and --data are required (or --merge A.h5 B.h5 ...)");
+    throw InputError("capture", "", "expected --model and --data (or --merge A.h5 B.h5 ...)");
   }
   const ComputeTarget target = flags.model.target();
   const std::filesystem::path model_dir = flags.model.model_dir;
   const ModelConfig config = load_model_config(model_dir);
+  const std::vector<ActivationField> fields = parse_fields(flags.fields);
+  check_context_length(flags, config);
+  check_memory(flags, config, target, fields);
   const Tokenizer tokenizer = load_tokenizer(model_dir);
   const std::string text = read_text_file(flags.data);
   const std::vector<int32_t> tokens = tokenizer.encode(text);
@@ -78,11 +133,18 @@ int run(const CaptureFlags& flags) {
     layout.model = fingerprint_model(config, checkpoint, tokenizer.sha256());
   }
   CaptureSettings settings;
+  settings.bos = bos_token(config, flags.no_bos);
+  // Before the store is created: a refusal leaves no OUT.partial behind.
+  const int64_t window_text_tokens = flags.seq_len - (settings.bos ? 1 : 0);
+  if (static_cast<int64_t>(tokens.size()) < window_text_tokens) {
+    throw InputError(flags.data, "", "expected at least one window of " + std::to_string(window_text_tokens) +
+                                         " text tokens (--seq-len " + std::to_string(flags.seq_len) + "), got " +
+                                         std::to_string(tokens.size()));
+  }
   settings.samples = flags.samples;
   settings.seq_len = flags.seq_len;
   settings.seed = flags.seed;
-  settings.bos = bos_token(config, flags.no_bos);
-  settings.recorder.fields = parse_fields(flags.fields);
+  settings.recorder.fields = fields;
   settings.recorder.loss_chunk_tokens = flags.loss_chunk;
   auto& provenance = layout.provenance;
   provenance.data_file = std::filesystem::path(flags.data).filename().string();
@@ -127,16 +189,19 @@ Command add_capture_command(CLI::App& app) {
   auto flags = std::make_shared<CaptureFlags>();
   CLI::App* command = app.add_subcommand(
       "capture", "Record queries, keys, values and Fisher sensitivity over calibration text into an HDF5 store");
-  command->add_option("-m,--model", flags->model.model_dir, "Hugging Face model folder")->check(CLI::ExistingDirectory);
+  CLI::Option* model =
+      command->add_option("-m,--model", flags->model.model_dir, "Hugging Face model folder")->check(CLI::ExistingDirectory);
   command->add_option("--device", flags->model.device, "cpu, cuda or cuda:N")->capture_default_str();
   command->add_option("--dtype", flags->model.dtype, "fp32, bf16 or fp16 (default: fp32 on cpu, bf16 on cuda)");
   command->add_option("--attention", flags->model.attention, "auto, eager or sdpa")->capture_default_str();
-  command->add_option("-f,--data", flags->data, "Calibration text file")->check(CLI::ExistingFile);
+  CLI::Option* data = command->add_option("-f,--data", flags->data, "Calibration text file")->check(CLI::ExistingFile);
   command->add_option("-o,--out", flags->out, "Activation store to write (HDF5)")->required();
   command->add_option("--merge", flags->merge, "Merge these stores of the same model into --out instead")
       ->expected(2, -1)
-      ->check(CLI::ExistingFile);
-  command->add_option("-n,--samples", flags->samples, "Windows to record")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(CLI::ExistingFile)
+      ->excludes(model)
+      ->excludes(data);
+  command->add_option("-n,--samples", flags->samples, "Windows to record")->capture_default_str()->check(positive_integer());
   command->add_option("-l,--seq-len", flags->seq_len, "Positions per window, BOS included")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{2}, int64_t{1} << 24));
@@ -148,9 +213,13 @@ Command add_capture_command(CLI::App& app) {
       ->check(CLI::Range(0, 9));
   command->add_option("--loss-chunk", flags->loss_chunk, "Positions whose logits are held at once in the Fisher pass")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_integer());
   command->add_flag("--resume", flags->resume, "Continue an interrupted capture (OUT.partial)");
   command->add_flag("--no-bos", flags->no_bos, "Do not start windows with the model's BOS token");
+  command->add_flag("--allow-long-context", flags->allow_long_context,
+                    "Allow --seq-len past the model's max_position_embeddings (warns)");
+  command->add_flag("--skip-memory-check", flags->skip_memory_check,
+                    "Run even when the memory estimate exceeds what the device has free (warns)");
   return [flags](const Invocation& invocation) {
     flags->command_line = invocation.command_line;
     return run(*flags);

@@ -6,6 +6,7 @@
 #include "log/log.h"
 #include "model/generation.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/model_flags.h"
 #include "tools/text_input.h"
 
@@ -96,7 +97,7 @@ Command add_generate_command(CLI::App& app) {
   command->add_option("-p,--prompt", flags->prompt, "Prompt text")->required();
   command->add_option("-n,--max-new", flags->max_new_tokens, "Tokens to generate")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_integer());
   command->add_flag("--no-bos", flags->no_bos, "Do not prepend the model's BOS token");
   command->add_flag("--ignore-eos", flags->ignore_eos, "Keep generating after the EOS token");
   command->add_flag("--json", flags->json, "Print prompt and generated ids as JSON");

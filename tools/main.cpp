@@ -5,15 +5,17 @@
 #include <exception>
 #include <iostream>
 #include <map>
+#include <stdexcept>
 #include <string>
 
 #include "formats/input_error.h"
 #include "kvforge/version.h"
 #include "log/log.h"
 #include "tools/commands.h"
+#include "tools/parse_error.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvforge: calibrate, rotate and evaluate 2-bit KV caches for Llama-family models"};
+  CLI::App app{"kvforge: calibrate, rotate and evaluate 2-bit KV caches for Llama-family models", "kvforge"};
   app.require_subcommand(1);
   app.fallthrough();  // --quiet and friends also work after the subcommand
   app.set_version_flag("--version", std::string("kvforge ") + kvforge::kVersion);
@@ -37,15 +39,21 @@ int main(int argc, char** argv) {
   add(kvforge::cli::add_calibrate_command);
   add(kvforge::cli::add_inspect_command);
 
+  const auto configure_log = [&] {
+    kvforge::log::configure({.level = quiet     ? kvforge::log::Level::kWarn
+                                      : verbose ? kvforge::log::Level::kDebug
+                                                : kvforge::log::Level::kInfo,
+                             .json = log_json});
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
+    configure_log();
+    kvforge::log::error(kvforge::cli::parse_error_line(app, e));
+    return kvforge::cli::kBadInputExitCode;
   }
-  kvforge::log::configure({.level = quiet     ? kvforge::log::Level::kWarn
-                                    : verbose ? kvforge::log::Level::kDebug
-                                              : kvforge::log::Level::kInfo,
-                           .json = log_json});
+  configure_log();
   kvforge::cli::Invocation invocation;
   for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + std::string(argv[i]);
   try {
@@ -54,7 +62,11 @@ int main(int argc, char** argv) {
     }
   } catch (const kvforge::InputError& e) {
     kvforge::log::error(e.what());
-    return 2;
+    return kvforge::cli::kBadInputExitCode;
+  } catch (const std::invalid_argument& e) {
+    // The libraries' word for a bad flag value (--device, --fields, ...).
+    kvforge::log::error(e.what());
+    return kvforge::cli::kBadInputExitCode;
   } catch (const c10::Error& e) {
     // torch's own message without its C++ backtrace: one line for the user.
     const std::string message = e.what_without_backtrace();

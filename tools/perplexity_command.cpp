@@ -7,6 +7,7 @@
 #include "eval/perplexity.h"
 #include "log/log.h"
 #include "tools/commands.h"
+#include "tools/flag_checks.h"
 #include "tools/model_flags.h"
 #include "tools/text_input.h"
 
@@ -91,12 +92,12 @@ Command add_perplexity_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{2}, int64_t{1} << 24));
   command->add_option("--stride", flags->stride,
                       "Text tokens between window starts (default: the window's text length, no overlap)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_integer());
   command->add_option("-b,--batch", flags->batch, "Windows per forward pass")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_integer());
   command->add_option("--max-windows", flags->max_windows, "Evaluate only the first N windows")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_integer());
   command->add_flag("--no-bos", flags->no_bos, "Do not prepend the model's BOS token to each window");
   command->add_flag("--json", flags->json, "Print the result as JSON");
   return [flags](const Invocation&) { return run(*flags); };
