@@ -118,7 +118,7 @@ TensorQuantizer fit_tensor(const QuantizerSettings& settings, const TensorQuanti
     const at::Tensor weights = settings.fisher_weighted ? fisher : at::Tensor();
     const NormalizedInliers inliers = normalized_inliers(view, tensor, quantizer, x, weights);
     quantizer.grid = fit_grid(inliers.values, inliers.weights, settings.bits, options.kmeans);
-    if (settings.q_norm) quantizer.grid = q_norm_grid(quantizer.grid, inliers.values);
+    if (tensor.q_norm != QNorm::kNone) quantizer.grid = q_norm_grid(quantizer.grid, inliers.values);
   }
   if (tensor.grouping != Grouping::kPerChannelOffline && clip_search(options)) {
     quantizer.clip_ratio = static_cast<float>(search_clip_ratio(settings, tensor, quantizer, x, options));
@@ -185,10 +185,11 @@ QuantizerSettings resolve_settings(const FitOptions& options, int64_t head_dim) 
   }
   non_uniform = options.non_uniform.value_or(non_uniform);
   s.fisher_weighted = non_uniform && options.fisher.value_or(fisher);
-  s.q_norm = non_uniform && options.q_norm.value_or(q_norm);
+  const QNorm tensor_q_norm = non_uniform && options.q_norm.value_or(q_norm) ? QNorm::kIterated : QNorm::kNone;
   for (TensorQuantizerSettings* t : {&s.keys, &s.values}) {
     t->non_uniform = non_uniform;
     t->outlier_fraction = fraction;
+    t->q_norm = tensor_q_norm;
   }
   if (options.key_group && s.keys.grouping != Grouping::kPerChannelOffline) s.keys.group = *options.key_group;
   if (options.value_group) s.values.group = *options.value_group;

@@ -559,7 +559,7 @@ void write_settings(Group& group, const QuantizerSettings& settings) {
   group.write_scalar<int64_t>("sink_tokens", settings.sink_tokens);
   group.write_scalar<int64_t>("residual_tokens", settings.residual_tokens);
   write_bool(group, "fisher_weighted", settings.fisher_weighted);
-  write_bool(group, "q_norm", settings.q_norm);
+  write_bool(group, "q_norm", settings.keys.q_norm != QNorm::kNone || settings.values.q_norm != QNorm::kNone);
   for (const Kind kind : kKinds) {
     const TensorQuantizerSettings& s = settings_of(settings, kind);
     group.write_string(setting_attribute(kind, "grouping"), std::string(grouping_name(s.grouping)));
@@ -585,7 +585,7 @@ QuantizerSettings read_settings(const Group& group) {
   settings.sink_tokens = group.read_integer<int64_t>("sink_tokens");
   settings.residual_tokens = group.read_integer<int64_t>("residual_tokens");
   settings.fisher_weighted = read_bool(group, "fisher_weighted");
-  settings.q_norm = read_bool(group, "q_norm");
+  const QNorm q_norm = read_bool(group, "q_norm") ? QNorm::kIterated : QNorm::kNone;
   for (const Kind kind : kKinds) {
     TensorQuantizerSettings& s = settings_of(settings, kind);
     const std::string grouping_attribute = setting_attribute(kind, "grouping");
@@ -599,6 +599,7 @@ QuantizerSettings read_settings(const Group& group) {
     s.group = group.read_integer<int64_t>(setting_attribute(kind, "group"));
     s.non_uniform = read_bool(group, setting_attribute(kind, "non_uniform"));
     s.outlier_fraction = read_float(group, setting_attribute(kind, "outlier_fraction"));
+    s.q_norm = s.non_uniform ? q_norm : QNorm::kNone;
   }
   return settings;
 }

@@ -51,7 +51,7 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
                         {"sink_tokens", s.sink_tokens},
                         {"residual_tokens", s.residual_tokens},
                         {"fisher_weighted", s.fisher_weighted},
-                        {"q_norm", s.q_norm}};
+                        {"q_norm", s.keys.q_norm != QNorm::kNone || s.values.q_norm != QNorm::kNone}};
     for (const auto& [context, bits] : config.effective_bits) {
       c["effective_bits"].push_back({{"context", context}, {"bits", bits}});
     }
