@@ -634,8 +634,6 @@ TEST(Artifact, CheckMatchesNamesTheDifferingFingerprintField) {
 
 // --- the independent h5py reader ---------------------------------------------------
 
-bool python_has_h5py() { return std::system("python3 -c 'import h5py, numpy' >/dev/null 2>&1") == 0; }
-
 struct Output {
   int exit_code = -1;
   std::string text;  // stdout, then stderr
@@ -687,7 +685,7 @@ void expect_sums_near(const nlohmann::json& theirs, const nlohmann::json& ours, 
 }
 
 TEST(Artifact, IndependentH5pyReaderAgrees) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py");
   const auto path = dir / "a.h5";
   write_artifact(path, make_artifact());
@@ -735,7 +733,7 @@ TEST(Artifact, IndependentH5pyReaderAgrees) {
 }
 
 TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py-refuses");
   struct Case {
     const char* name;
