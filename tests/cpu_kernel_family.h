@@ -20,14 +20,12 @@ std::optional<std::string> unavailable_cpu_kernel_family();
 
 }  // namespace kvforge::testing
 
-// The words tests/CMakeLists.txt recognizes to report a forced-family run
-// as skipped.
-#define KVFORGE_CPU_FAMILY_SKIP_MESSAGE "cannot run the forced CPU kernel family: "
-
-// In a test body or SetUp: skip when the forced family cannot run here.
+// In a test body or SetUp: skip when the forced family cannot run here,
+// with KVFORGE_CPU_FAMILY_SKIP_MESSAGE (defined by tests/CMakeLists.txt,
+// which reports a forced-family run that prints it as skipped).
 #define KVFORGE_SKIP_IF_FORCED_CPU_FAMILY_UNAVAILABLE()                                   \
   do {                                                                                    \
     if (const auto why = ::kvforge::testing::unavailable_cpu_kernel_family()) {           \
-      GTEST_SKIP() << KVFORGE_CPU_FAMILY_SKIP_MESSAGE << *why;                            \
+      GTEST_SKIP() << KVFORGE_CPU_FAMILY_SKIP_MESSAGE ": " << *why;                     \
     }                                                                                     \
   } while (false)

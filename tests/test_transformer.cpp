@@ -183,12 +183,19 @@ class PyLlamaLowPrecision : public PyLlama {
     const at::Tensor ids = ref.at("input_ids").to(at::kLong);
     const Transformer fp32 = Transformer::load(model_dir(), kCpuFp32);
     const Transformer low = Transformer::load(model_dir(), {c10::Device(c10::kCPU), dtype});
-    const at::Tensor hidden = fp32.hidden_states(ids)[0];
+    // The fp32 forward once per process: the bf16 and fp16 tests share it.
+    static const at::Tensor hidden = fp32.hidden_states(ids)[0];
+    static const at::Tensor logits = fp32.logits(hidden);
     const at::Tensor low_hidden = low.hidden_states(ids)[0].to(at::kFloat);
-    const at::Tensor logits = fp32.logits(hidden);
-    ASSERT_TRUE(logits.argmax(-1).equal(ref.at("argmax_fp32")[0].to(at::kLong)));
+    // The fp32 reference against transformers': margins to the suite's fp32
+    // tolerance 1e-4, and the argmax wherever the margin exceeds twice that
+    // tolerance of the largest logit (elsewhere the kernels may break a tie).
     const auto top = std::get<0>(logits.topk(2, -1));
-    EXPECT_LT(max_relative_error(top.select(-1, 0) - top.select(-1, 1), ref.at("top2_margin_fp32")[0]), 1e-4);
+    const at::Tensor hf_margin = ref.at("top2_margin_fp32")[0];
+    EXPECT_LT(max_relative_error(top.select(-1, 0) - top.select(-1, 1), hf_margin), 1e-4);
+    const at::Tensor decided = hf_margin > 2 * 1e-4 * logits.abs().amax(-1);
+    EXPECT_EQ(logits.argmax(-1).ne(ref.at("argmax_fp32")[0].to(at::kLong)).logical_and(decided).sum().item<int64_t>(), 0);
+    EXPECT_GT(decided.to(at::kDouble).mean().item<double>(), 0.99);
 
     const RoundingCount roundings{fp32.config(), /*fp32_weights=*/false};  // a bf16 checkpoint
     const double u = unit_roundoff(dtype);
