@@ -6,9 +6,15 @@ usage: check_activation_store.py FILE
 
 Checks every required attribute, group and dataset (names, types, shapes,
 chunks, filters) and prints one JSON object:
-  {"samples_complete": N, "sources": K, "sums": {"tokens": S, "stream_start": S,
-   "layers/0/q": S, ...}}
-where each sum is the float64 sum of the dataset over the committed samples.
+  {"samples_complete": N, "sources": K,
+   "sums": {"tokens": S, "stream_start": S, "layers/0/q": S, ...},
+   "weighted_sums": {"tokens": W, ...}}
+where each sum is the float64 sum of the dataset over the committed samples
+and each weighted sum is sum_i weight(i) * x_i over the same values, i the
+row-major index in the dataset ([sample, head, token, channel]), with
+weight(i) = ((i * 2654435761) mod 2^32 + 1) / 2^32: distinct for every i
+below 2^32 (the multiplier is odd), so that values in the wrong sample,
+head, token or channel change it, which a plain sum would not notice.
 On the first violation it prints "FILE: OBJECT: problem" to stderr and exits 1.
 Memory stays at one sample of one dataset.
 """
@@ -28,6 +34,27 @@ MODEL_STRINGS = ["architecture", "rope", "kvo_sha256", "tokenizer_sha256"]
 MODEL_INTS = ["num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size"]
 PROVENANCE_STRINGS = ["data_file", "data_sha256", "compute_dtype", "device", "tool_version", "command_line"]
 PROVENANCE_INT64 = ["data_tokens", "samples", "seq_len"]
+
+
+HASH_MULTIPLIER = np.uint64(2654435761)
+HASH_MASK = np.uint64(0xFFFFFFFF)
+
+
+def position_weights(first, count):
+    """weight(i) for i in [first, first + count): exact in float64."""
+    index = np.arange(first, first + count, dtype=np.uint64)
+    return (((index * HASH_MULTIPLIER) & HASH_MASK).astype(np.float64) + 1.0) / 2.0**32
+
+
+def checksums(rows):
+    """(sum, weighted sum) over the rows (numpy arrays, one per sample) in order."""
+    total, weighted, first = 0.0, 0.0, 0
+    for row in rows:
+        values = np.asarray(row, dtype=np.float64).ravel()
+        total += float(values.sum())
+        weighted += float(np.dot(position_weights(first, values.size), values))
+        first += values.size
+    return total, weighted
 
 
 class Violation(Exception):
@@ -146,11 +173,11 @@ def check(path):
         if not 0 <= done <= samples:
             fail("/@samples_complete", f"expected 0..{samples}")
 
-        sums = {}
+        sums, weighted = {}, {}
         tokens = check_dataset(f, "tokens", "<i4", (samples, seq_len))
         starts = check_dataset(f, "stream_start", "<i8", (samples,))
-        sums["tokens"] = float(sum(tokens[s].astype(np.float64).sum() for s in range(done)))
-        sums["stream_start"] = float(starts[:done].astype(np.float64).sum())
+        sums["tokens"], weighted["tokens"] = checksums(tokens[s] for s in range(done))
+        sums["stream_start"], weighted["stream_start"] = checksums([starts[:done]])
         chunk_len = min(seq_len, max(1, MAX_CHUNK_BYTES // (4 * head_dim)))
         for layer in range(model["num_layers"]):
             for name in fields:
@@ -159,8 +186,9 @@ def check(path):
                 ds = check_dataset(f, path_in_file, "<f4", (samples, heads, seq_len, head_dim),
                                    (1, 1, chunk_len, head_dim), level)
                 # Sample by sample; float64 so tiny Fisher values are summed exactly enough.
-                sums[path_in_file] = float(sum(ds[s].astype(np.float64).sum() for s in range(done)))
-        return {"samples_complete": done, "sources": check_sources(f, samples), "sums": sums}
+                sums[path_in_file], weighted[path_in_file] = checksums(ds[s] for s in range(done))
+        return {"samples_complete": done, "sources": check_sources(f, samples), "sums": sums,
+                "weighted_sums": weighted}
 
 
 def main():

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -599,8 +600,6 @@ TEST(ActivationStore, MergeRefusesAPartialStore) {
 
 // --- the independent h5py reader ---------------------------------------------
 
-bool python_has_h5py() { return std::system("python3 -c 'import h5py, numpy' >/dev/null 2>&1") == 0; }
-
 // stdout of `command`; fails the test when it exits non-zero.
 std::string run_command(const std::string& command) {
   std::string output;
@@ -616,20 +615,51 @@ std::string run_command(const std::string& command) {
   return output;
 }
 
-// Sum in float64 of every committed value, per dataset, as the script does.
-std::map<std::string, double> our_sums(const ActivationStoreReader& reader) {
-  std::map<std::string, double> sums;
+// The script's checksums of one dataset: its float64 sum, and the sum with
+// position weights weight(i) = ((i * 2654435761) mod 2^32 + 1) / 2^32, i the
+// row-major index, which values moved to another sample, head, token or
+// channel change. `magnitude` (the weighted sum of |x|) scales the
+// tolerance: both sides round each product once and sum in other orders.
+struct Checksum {
+  double sum = 0, weighted = 0, magnitude = 0;
+  uint64_t next_index = 0;
+  void add(double value) {
+    const double weight = static_cast<double>(((next_index++ * 2654435761ull) & 0xFFFFFFFFull) + 1) / 4294967296.0;
+    sum += value;
+    weighted += weight * value;
+    magnitude += weight * std::abs(value);
+  }
+  template <class Values>
+  void add_all(const Values& values) {
+    for (const auto value : values) add(static_cast<double>(value));
+  }
+};
+
+std::map<std::string, Checksum> our_checksums(const ActivationStoreReader& reader) {
+  std::map<std::string, Checksum> checksums;
   for (int64_t sample = 0; sample < reader.samples_complete(); ++sample) {
-    for (const int32_t token : reader.read_tokens(sample)) sums["tokens"] += token;
-    sums["stream_start"] += static_cast<double>(reader.stream_start(sample));
+    checksums["tokens"].add_all(reader.read_tokens(sample));
+    checksums["stream_start"].add(static_cast<double>(reader.stream_start(sample)));
     for (int64_t layer = 0; layer < reader.layout().model.num_layers; ++layer) {
       for (const auto field : reader.layout().fields) {
-        double& sum = sums["layers/" + std::to_string(layer) + "/" + std::string(field_name(field))];
-        for (const float value : reader.read(field, layer, sample)) sum += value;
+        checksums["layers/" + std::to_string(layer) + "/" + std::string(field_name(field))].add_all(
+            reader.read(field, layer, sample));
       }
     }
   }
-  return sums;
+  return checksums;
+}
+
+// layers/0/<first field> with each sample's values moved by one token (a
+// permutation): the plain sum cannot tell, the weighted one must.
+Checksum checksum_moved_by_one_token(const ActivationStoreReader& reader) {
+  Checksum checksum;
+  for (int64_t sample = 0; sample < reader.samples_complete(); ++sample) {
+    std::vector<float> values = reader.read(reader.layout().fields.front(), 0, sample);
+    std::rotate(values.begin(), values.begin() + reader.layout().model.head_dim, values.end());
+    checksum.add_all(values);
+  }
+  return checksum;
 }
 
 void expect_python_agrees(const fs::path& path) {
@@ -638,17 +668,30 @@ void expect_python_agrees(const fs::path& path) {
   const ActivationStoreReader reader(path);
   EXPECT_EQ(report.at("samples_complete").get<int64_t>(), reader.samples_complete());
   EXPECT_EQ(report.at("sources").get<size_t>(), reader.sources().size());
-  const auto sums = our_sums(reader);
-  ASSERT_EQ(report.at("sums").size(), sums.size()) << report.dump();
-  for (const auto& [name, sum] : sums) {
-    const double theirs = report.at("sums").at(name).get<double>();
-    EXPECT_NEAR(theirs, sum, 1e-9 * std::max(1.0, std::abs(sum))) << name;
-    if (name.find("fisher") != std::string::npos) EXPECT_GT(theirs, 0.0) << name;  // tiny, not flushed to 0
+  const auto checksums = our_checksums(reader);
+  ASSERT_EQ(report.at("sums").size(), checksums.size()) << report.dump();
+  ASSERT_EQ(report.at("weighted_sums").size(), checksums.size()) << report.dump();
+  // float64 products and sums of at most ~10^6 terms: within 1e-12 of the
+  // magnitude; 1e-9 leaves room and still sees one value out of place.
+  auto tolerance = [](const Checksum& c) { return 1e-9 * std::max(1.0, c.magnitude); };
+  for (const auto& [name, ours] : checksums) {
+    const double sum = report.at("sums").at(name).get<double>();
+    const double weighted = report.at("weighted_sums").at(name).get<double>();
+    EXPECT_NEAR(sum, ours.sum, tolerance(ours)) << name;
+    EXPECT_NEAR(weighted, ours.weighted, tolerance(ours)) << name;
+    if (name.find("fisher") != std::string::npos) EXPECT_GT(sum, 0.0) << name;  // tiny, not flushed to 0
+  }
+  if (reader.samples_complete() > 0) {
+    const std::string first = "layers/0/" + std::string(field_name(reader.layout().fields.front()));
+    const Checksum moved = checksum_moved_by_one_token(reader);
+    const double weighted = report.at("weighted_sums").at(first).get<double>();
+    EXPECT_NEAR(report.at("sums").at(first).get<double>(), moved.sum, tolerance(moved)) << first;
+    EXPECT_GT(std::abs(weighted - moved.weighted), tolerance(moved)) << first << ": a permutation passes";
   }
 }
 
 TEST(ActivationStore, IndependentH5pyReaderAgrees) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("store-h5py");
   write_store(dir / "a.h5", small_layout(1), 1);
   write_store(dir / "b.h5", small_layout(0, 2), 2);

@@ -1031,8 +1031,6 @@ TEST(Artifact, CheckMatchesNamesTheDifferingFingerprintField) {
 
 // --- the independent h5py reader ---------------------------------------------------
 
-bool python_has_h5py() { return std::system("python3 -c 'import h5py, numpy' >/dev/null 2>&1") == 0; }
-
 struct Output {
   int exit_code = -1;
   std::string text;  // stdout, then stderr
@@ -1214,7 +1212,7 @@ std::string joined(const std::vector<std::string>& lines) {
 }
 
 TEST(Artifact, IndependentH5pyReaderAgrees) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py");
   const auto path = dir / "a.h5";
   write_artifact(path, make_artifact());
@@ -1235,7 +1233,7 @@ void swap_heads(hid_t file, const std::string& tensor) {
 }
 
 TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedHeads) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py-swapped");
   const auto path = dir / "a.h5";
   const Artifact written = make_artifact();
@@ -1264,7 +1262,7 @@ TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedHeads) {
 }
 
 TEST(Artifact, IndependentH5pyReaderMapsVersion1AsWeDo) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py-version-1");
   const auto path = dir / "v1.h5";
   const Artifact artifact = version_1_artifact();
@@ -1278,7 +1276,7 @@ TEST(Artifact, IndependentH5pyReaderMapsVersion1AsWeDo) {
 }
 
 TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
-  if (!python_has_h5py()) GTEST_SKIP() << "python3 with h5py and numpy is not installed";
+  KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py-refuses");
   struct Case {
     const char* name;

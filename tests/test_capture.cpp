@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iostream>
 #include <map>
 
 #include "calib/activation_recorder.h"
 #include "calib/capture.h"
 #include "formats/activation_store.h"
+#include "tests/cpu_kernel_family.h"
+#include "tests/low_precision.h"
 #include "tests/reference_tensors.h"
 #include "tests/test_paths.h"
 
@@ -82,32 +85,37 @@ TEST_P(CudaRecorderAgainstTransformers, ActivationsAndFisherEqualHooksAndAutogra
 INSTANTIATE_TEST_SUITE_P(Models, CudaRecorderAgainstTransformers,
                          ::testing::Values("llama3", "mistral", "qwen2", "qwen3", "pyllama"));
 
-TEST(CudaRecorder, Bf16CaptureEqualsTransformersToBf16Precision) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+// bf16 q, k_pre and v against transformers' fp32 ones, layer by layer,
+// within the bf16 error bound accumulated up to that tensor
+// (tests/low_precision.cpp derives it; pyllama-16m is a bf16 checkpoint).
+// transformers' own bf16 capture depends on the CPU's kernels, so it is no
+// reference.
+void expect_bf16_capture_within_bounds(const ComputeTarget& target) {
   const auto ref = load_reference(fixtures_dir() / "reference" / "capture_pyllama.safetensors");
-  const Transformer model = Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kBFloat16,
-                                                                       AttentionBackend::kFused});
+  const Transformer model = Transformer::load(testing::pyllama_dir(), target);
   const Recorded recorded = record(model, ref.at("input_ids").to(at::kLong));
+  const testing::RoundingCount roundings{model.config(), /*fp32_weights=*/false};
+  const double u = testing::unit_roundoff(c10::kBFloat16);
   for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
     for (const char* field : {"q", "k_pre", "v"}) {
       const std::string key = "layers." + std::to_string(layer) + "." + field;
-      // Other kernels than HF's CPU run: rounding differs, within a few bf16 ulps.
-      EXPECT_LT(max_relative_error(recorded.at(key), ref.at("bf16." + key)), 1.0 / 64) << key;
+      const int64_t count = std::string(field) == "q" ? roundings.to_query(layer) : roundings.to_key_or_value(layer);
+      const double bound = testing::accumulated_error_bound(count, u);
+      const double error = max_relative_error(recorded.at(key), ref.at(key));
+      std::cout << key << ": " << error / u << " u, bound " << bound / u << " u\n";
+      EXPECT_LT(error, bound) << key;
     }
   }
 }
 
-TEST(Recorder, Bf16CaptureEqualsTransformersToBf16Precision) {
-  const auto ref = load_reference(fixtures_dir() / "reference" / "capture_pyllama.safetensors");
-  const Transformer model = Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCPU), c10::kBFloat16});
-  const Recorded recorded = record(model, ref.at("input_ids").to(at::kLong));
-  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
-    for (const char* field : {"q", "k_pre", "v"}) {
-      const std::string key = "layers." + std::to_string(layer) + "." + field;
-      // bf16 keeps 8 significant bits: 2^-8 relative per rounding.
-      EXPECT_LT(max_relative_error(recorded.at(key), ref.at("bf16." + key)), 1.0 / 128) << key;
-    }
-  }
+TEST(CudaRecorder, Bf16CaptureEqualsTransformersFp32WithinTheBf16Bound) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  expect_bf16_capture_within_bounds({c10::Device(c10::kCUDA), c10::kBFloat16, AttentionBackend::kFused});
+}
+
+TEST(Recorder, Bf16CaptureEqualsTransformersFp32WithinTheBf16Bound) {
+  KVFORGE_SKIP_IF_FORCED_CPU_FAMILY_UNAVAILABLE();
+  expect_bf16_capture_within_bounds({c10::Device(c10::kCPU), c10::kBFloat16});
 }
 
 TEST(Recorder, LossChunkingDoesNotChangeFisher) {

@@ -25,6 +25,15 @@ std::filesystem::path fixtures_dir() { return env_path("KVFORGE_FIXTURES", KVFOR
 std::filesystem::path kvforge_binary() { return env_path("KVFORGE_BIN", KVFORGE_BIN_DEFAULT); }
 std::filesystem::path pyllama_dir() { return shared_dir() / "models" / "pyllama-16m"; }
 
+bool running_under_ci() {
+  const char* value = std::getenv("CI");
+  if (value == nullptr) return false;
+  const std::string text = value;
+  return !text.empty() && text != "false" && text != "0";
+}
+
+bool python_has_h5py() { return std::system("python3 -c 'import h5py, numpy' >/dev/null 2>&1") == 0; }
+
 std::filesystem::path scratch_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("kvforge-test-" + name + "-" + std::to_string(::getpid()));

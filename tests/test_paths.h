@@ -1,6 +1,8 @@
 #pragma once
 // Where tests find their inputs: ../shared (KVFORGE_SHARED), the committed
 // fixtures (KVFORGE_FIXTURES) and the kvforge binary (KVFORGE_BIN).
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <string>
 
@@ -14,6 +16,14 @@ std::filesystem::path scratch_dir(const std::string& name);  // fresh, under the
 std::string read_file(const std::filesystem::path& path);
 void write_file(const std::filesystem::path& path, const std::string& bytes);
 
+// Whether a continuous-integration run is going on: the CI variable is set
+// and not "false" or "0" (CI systems set CI=true). Under CI, tools that a
+// test would otherwise skip without (h5py) are required.
+bool running_under_ci();
+
+// python3 can import h5py and numpy (the independent HDF5 readers).
+bool python_has_h5py();
+
 struct CommandResult {
   int exit_code;
   std::string stdout_text;
@@ -25,3 +35,13 @@ struct CommandResult {
 CommandResult run_kvforge(const std::string& args, const std::string& environment = "");
 
 }  // namespace kvforge::testing
+
+// In a test body: skip without python3's h5py and numpy, or fail under CI,
+// where a missing reader must not pass unnoticed.
+#define KVFORGE_REQUIRE_H5PY()                                                                  \
+  do {                                                                                          \
+    if (!::kvforge::testing::python_has_h5py()) {                                               \
+      if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks h5py or numpy"; \
+      GTEST_SKIP() << "python3 with h5py and numpy is not installed";                           \
+    }                                                                                           \
+  } while (false)

@@ -12,6 +12,8 @@
 
 #include "model/generation.h"
 #include "model/transformer.h"
+#include "tests/cpu_kernel_family.h"
+#include "tests/low_precision.h"
 #include "tests/reference_tensors.h"
 #include "tests/test_paths.h"
 
@@ -21,6 +23,12 @@ namespace {
 using testing::fixtures_dir;
 using testing::load_reference;
 using testing::max_relative_error;
+using testing::accumulated_error_bound;
+using testing::argmax_check;
+using testing::argmax_disagreements;
+using testing::ArgmaxCheck;
+using testing::RoundingCount;
+using testing::unit_roundoff;
 
 const ComputeTarget kCpuFp32{c10::Device(c10::kCPU), c10::kFloat};
 const ComputeTarget kCpuBf16{c10::Device(c10::kCPU), c10::kBFloat16};
@@ -43,6 +51,23 @@ std::vector<int32_t> greedy_without_cache(const Transformer& model, std::vector<
     ids.push_back(next);
   }
   return generated;
+}
+
+// The low-precision argmax equals the fp32 one at every position whose fp32
+// top-2 margin exceeds 2 * relative_error * max |logit| (tests/low_precision.cpp),
+// and those positions are at least a quarter of all: the check cannot pass by
+// checking nothing.
+void expect_argmax_agrees_where_checked(const at::Tensor& fp32_logits, const at::Tensor& logits,
+                                        double relative_error) {
+  const ArgmaxCheck check = argmax_check(fp32_logits, relative_error);
+  const int64_t disagreements = argmax_disagreements(check, fp32_logits, logits);
+  const double all_agree = fp32_logits.argmax(-1).eq(logits.argmax(-1)).to(at::kDouble).mean().item<double>();
+  std::cout << "logit error bound " << relative_error << " * max|logit|; positions checked "
+            << check.checked.sum().item<int64_t>() << "/" << check.checked.numel() << " (" << check.share()
+            << "), bound on their margin: median " << check.bound.median().item<double>()
+            << "; argmax agreement over all positions " << all_agree << "\n";
+  EXPECT_GE(check.share(), 1.0 / 4) << "too few positions with a margin above the bound";
+  EXPECT_EQ(disagreements, 0) << "argmax differs where the margin exceeds the bound";
 }
 
 class TinyModel : public ::testing::TestWithParam<std::string> {
@@ -75,13 +100,20 @@ TEST_P(TinyModel, Fp32FusedAttentionEqualsTransformers) {
   EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4);
 }
 
-TEST_P(TinyModel, Bf16ArgmaxAgreesWithTransformers) {
+// bf16 against transformers' fp32 logits, at the positions where the fp32
+// top-2 margin exceeds the bf16 error bound (tests/low_precision.cpp derives
+// it); transformers' own bf16 argmax depends on the CPU's kernels, so it is
+// no reference.
+TEST_P(TinyModel, Bf16ArgmaxEqualsFp32WhereTheMarginExceedsTheBound) {
+  KVFORGE_SKIP_IF_FORCED_CPU_FAMILY_UNAVAILABLE();
   c10::InferenceMode guard;
   const auto ref = reference();
   const Transformer model = Transformer::load(model_dir(), kCpuBf16);
-  const at::Tensor argmax = model.forward(ref.at("input_ids").to(at::kLong)).argmax(-1);
-  const double agreement = argmax.eq(ref.at("logits_bf16_argmax").to(at::kLong)).to(at::kDouble).mean().item<double>();
-  EXPECT_GE(agreement, 0.995);
+  const at::Tensor fp32 = ref.at("logits").flatten(0, 1);
+  const at::Tensor bf16 = model.forward(ref.at("input_ids").to(at::kLong)).flatten(0, 1);
+  const RoundingCount roundings{model.config(), /*fp32_weights=*/true};
+  const double bound = accumulated_error_bound(roundings.to_logits(), unit_roundoff(c10::kBFloat16));
+  expect_argmax_agrees_where_checked(fp32, bf16, bound);
 }
 
 TEST_P(TinyModel, GreedyDecodingEqualsTransformersGenerate) {
@@ -136,22 +168,54 @@ TEST_F(PyLlama, Fp32LogitsEqualTransformers) {
   EXPECT_TRUE(logits.argmax(-1).equal(ref.at("argmax").to(at::kLong)));
 }
 
-TEST_F(PyLlama, Bf16ArgmaxAgreesOnAWholeWindow) {
-  c10::InferenceMode guard;
-  const auto ref = load_reference(fixtures_dir() / "reference" / "pyllama_bf16.safetensors");
-  const Transformer model = Transformer::load(model_dir(), kCpuBf16);
-  const at::Tensor argmax = model.forward(ref.at("input_ids").to(at::kLong)).argmax(-1);
-  const double agreement = argmax.eq(ref.at("argmax").to(at::kLong)).to(at::kDouble).mean().item<double>();
-  EXPECT_GE(agreement, 0.995) << "positions: " << argmax.numel();
+// A whole 2048-token window of heldout.txt in bf16 and fp16 against
+// kvforge's own fp32 forward of it (PyLlama.Fp32LogitsEqualTransformers
+// checks that against transformers to 1e-4; here its argmax and top-2
+// margins are checked against transformers' fp32 ones over the whole
+// window). Bounds: tests/low_precision.cpp.
+class PyLlamaLowPrecision : public PyLlama {
+ protected:
+  void SetUp() override { KVFORGE_SKIP_IF_FORCED_CPU_FAMILY_UNAVAILABLE(); }
+
+  static void expect_within_bounds(c10::ScalarType dtype) {
+    c10::InferenceMode guard;
+    const auto ref = load_reference(fixtures_dir() / "reference" / "pyllama_bf16.safetensors");
+    const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+    const Transformer fp32 = Transformer::load(model_dir(), kCpuFp32);
+    const Transformer low = Transformer::load(model_dir(), {c10::Device(c10::kCPU), dtype});
+    // The fp32 forward once per process: the bf16 and fp16 tests share it.
+    static const at::Tensor hidden = fp32.hidden_states(ids)[0];
+    static const at::Tensor logits = fp32.logits(hidden);
+    const at::Tensor low_hidden = low.hidden_states(ids)[0].to(at::kFloat);
+    // The fp32 reference against transformers': margins to the suite's fp32
+    // tolerance 1e-4, and the argmax wherever the margin exceeds twice that
+    // tolerance of the largest logit (elsewhere the kernels may break a tie).
+    const auto top = std::get<0>(logits.topk(2, -1));
+    const at::Tensor hf_margin = ref.at("top2_margin_fp32")[0];
+    EXPECT_LT(max_relative_error(top.select(-1, 0) - top.select(-1, 1), hf_margin), 1e-4);
+    const at::Tensor decided = hf_margin > 2 * 1e-4 * logits.abs().amax(-1);
+    EXPECT_EQ(logits.argmax(-1).ne(ref.at("argmax_fp32")[0].to(at::kLong)).logical_and(decided).sum().item<int64_t>(), 0);
+    EXPECT_GT(decided.to(at::kDouble).mean().item<double>(), 0.99);
+
+    const RoundingCount roundings{fp32.config(), /*fp32_weights=*/false};  // a bf16 checkpoint
+    const double u = unit_roundoff(dtype);
+    // The final hidden state, position by position, relative to its norm.
+    const at::Tensor hidden_error = (low_hidden - hidden).norm(2, -1) / hidden.norm(2, -1);
+    const double hidden_bound = accumulated_error_bound(roundings.to_final_hidden(), u);
+    std::cout << c10::toString(dtype) << ": final hidden state error " << hidden_error.max().item<double>() / u
+              << " u, bound " << hidden_bound / u << " u\n";
+    EXPECT_LT(hidden_error.max().item<double>(), hidden_bound);
+    expect_argmax_agrees_where_checked(logits, low.logits(low_hidden.to(dtype)),
+                                       accumulated_error_bound(roundings.to_logits(), u));
+  }
+};
+
+TEST_F(PyLlamaLowPrecision, Bf16ArgmaxEqualsFp32OnAWholeWindowWhereTheMarginExceedsTheBound) {
+  expect_within_bounds(c10::kBFloat16);
 }
 
-TEST_F(PyLlama, Fp16ArgmaxAgreesOnAWholeWindow) {
-  c10::InferenceMode guard;
-  const auto ref = load_reference(fixtures_dir() / "reference" / "pyllama_fp16.safetensors");
-  const Transformer model = Transformer::load(model_dir(), {c10::Device(c10::kCPU), c10::kHalf});
-  const at::Tensor argmax = model.forward(ref.at("input_ids").to(at::kLong)).argmax(-1);
-  const double agreement = argmax.eq(ref.at("argmax").to(at::kLong)).to(at::kDouble).mean().item<double>();
-  EXPECT_GE(agreement, 0.995) << "positions: " << argmax.numel();
+TEST_F(PyLlamaLowPrecision, Fp16ArgmaxEqualsFp32OnAWholeWindowWhereTheMarginExceedsTheBound) {
+  expect_within_bounds(c10::kHalf);
 }
 
 TEST_F(PyLlama, GreedyGenerationEqualsTransformers) {
