@@ -129,24 +129,31 @@ TEST_P(TinyModel, GreedyDecodingEqualsTransformersGenerate) {
 TEST_P(TinyModel, CachedDecodingEqualsFullForward) {
   c10::InferenceMode guard;
   const auto ref = reference();
-  const Transformer model = Transformer::load(model_dir(), kCpuFp32);
   // Longer than the Mistral fixture's sliding window, so the window is
-  // exercised both in the prompt and while decoding.
+  // exercised both in the prompt and while decoding. With kFused, steps
+  // over the cache take grouped_attention, whole windows SDPA.
   const auto prompt = to_ids(ref.at("input_ids")[0].narrow(0, 0, 11));
-  GenerationOptions options;
-  options.max_new_tokens = 14;
-  EXPECT_EQ(greedy_generate(model, prompt, options).tokens, greedy_without_cache(model, prompt, 14));
+  for (const ComputeTarget& target : {kCpuFp32, kCpuFp32Fused}) {
+    const Transformer model = Transformer::load(model_dir(), target);
+    GenerationOptions options;
+    options.max_new_tokens = 14;
+    EXPECT_EQ(greedy_generate(model, prompt, options).tokens, greedy_without_cache(model, prompt, 14))
+        << attention_label(target.attention);
+  }
 }
 
 TEST_P(TinyModel, ChunkedPrefillThroughCacheEqualsOnePass) {
   c10::InferenceMode guard;
   const auto ref = reference();
-  const Transformer model = Transformer::load(model_dir(), kCpuFp32);
   const at::Tensor ids = ref.at("input_ids").to(at::kLong);
-  KVCache cache = model.make_cache(ids.size(0), ids.size(1));
-  const at::Tensor first = model.forward(ids.narrow(1, 0, 10), {.cache = &cache});
-  const at::Tensor rest = model.forward(ids.narrow(1, 10, ids.size(1) - 10), {.cache = &cache});
-  EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4);
+  for (const ComputeTarget& target : {kCpuFp32, kCpuFp32Fused}) {
+    const Transformer model = Transformer::load(model_dir(), target);
+    KVCache cache = model.make_cache(ids.size(0), ids.size(1));
+    const at::Tensor first = model.forward(ids.narrow(1, 0, 10), {.cache = &cache});
+    const at::Tensor rest = model.forward(ids.narrow(1, 10, ids.size(1) - 10), {.cache = &cache});
+    EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4)
+        << attention_label(target.attention);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, TinyModel,
