@@ -6,6 +6,7 @@
 # the KVQuant ablations (uniform grid, no Fisher weighting, no outliers),
 # fitted on captures of calib.txt and measured on captures of heldout.txt,
 # with effective bits at the nominal and at the held-out outlier fractions.
+# Also draws results/error-vs-bits-pyllama-16m.png (plot_error_vs_bits.py; needs matplotlib, installed if missing).
 # Writes bench/results/calibration-pyllama-16m.{md,json}.
 # Usage: bench/calibration_table.sh
 #   env: SAMPLES, SEQ, HELDOUT_SAMPLES, BITS (default 2,3,4), DEVICE, KV, KVFORGE_SHARED, WORK, RESULTS
@@ -53,3 +54,8 @@ python3 bench/format_calibration_table.py "$WORK/inspect.json" \
   --heldout-data "$(basename "$HELDOUT_DATA")" --heldout-windows "$HELDOUT_SAMPLES" --seq-len "$SEQ" \
   --json-out "$RESULTS/calibration-pyllama-16m.json" > "$RESULTS/calibration-pyllama-16m.md"
 echo "wrote $RESULTS/calibration-pyllama-16m.md"
+
+# The error-versus-effective-bits plot: methods compared at equal bits.
+python3 -c 'import matplotlib' 2>/dev/null || python3 -m pip install -q matplotlib
+python3 bench/plot_error_vs_bits.py "$RESULTS/calibration-pyllama-16m.json" --out "$RESULTS/error-vs-bits-pyllama-16m.png"
+echo "wrote $RESULTS/error-vs-bits-pyllama-16m.png"
