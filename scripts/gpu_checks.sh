@@ -22,7 +22,9 @@ step() { echo; echo "=== $*"; }
 check() { if "$@"; then echo "ok: $*"; else echo "FAILED: $*"; status=1; fi; }
 
 step machine
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; git rev-parse HEAD 2>/dev/null; } | tee "$LOGS/machine.txt"
+# The device tool's copy of the tree may carry a stale .git: the caller can
+# name the commit (KVFORGE_COMMIT).
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; echo "${KVFORGE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } | tee "$LOGS/machine.txt"
 
 step dependencies
 for pc in libpcre2-8 openssl; do
@@ -111,7 +113,7 @@ tail -60 "$LOGS/capture_bench.log"
 fi
 
 cp "$LOGS/ctest.log" "$OUT/"
-tar -czf "$OUT/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" --exclude='*.safetensors'
+tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 echo
 echo "gpu_checks: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
