@@ -47,7 +47,9 @@ check python3 scripts/make_cuda_reference.py --model "$MODEL" --text "$HELDOUT" 
 
 step ctest
 export KVFORGE_HF_CUDA_REFERENCE=$LOGS/hf_cuda_reference.safetensors
-ctest --test-dir build-gpu -j 8 --output-on-failure > "$LOGS/ctest.log" 2>&1 || status=1
+# The forced CPU kernel families are CI's portability check, not the GPU's;
+# with them the suite outlasts the device tool's 10-minute call.
+ctest --test-dir build-gpu -j 8 -E '^cpu_family' --output-on-failure > "$LOGS/ctest.log" 2>&1 || status=1
 tail -5 "$LOGS/ctest.log"
 grep -E "agreement with transformers|Failed|FAILED" "$LOGS/ctest.log" | head -20
 ./build-gpu/tests/test_transformer --gtest_filter='CudaPyLlama*' 2>&1 | grep agreement
