@@ -21,6 +21,7 @@
 #include <iostream>
 #include <vector>
 
+#include "bench/llama3_shapes.h"
 #include "model/device.h"
 #include "model/generation.h"
 #include "model/grouped_attention.h"
@@ -28,24 +29,6 @@
 
 namespace kvforge {
 namespace {
-
-ModelConfig llama3_8b_shapes(int64_t layers) {
-  ModelConfig config;
-  config.architecture = Architecture::kLlama;
-  config.model_type = "llama";
-  config.vocab_size = 128256;
-  config.hidden_size = 4096;
-  config.intermediate_size = 14336;
-  config.num_layers = layers;
-  config.num_heads = 32;
-  config.num_kv_heads = 8;
-  config.head_dim = 128;
-  config.max_position_embeddings = 131072;
-  config.rms_norm_eps = 1e-5;
-  config.rope = {RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
-  config.layer_window.assign(static_cast<size_t>(layers), 0);
-  return config;
-}
 
 double seconds_of(const c10::Device& device, const std::function<void()>& work) {
   if (device.is_cuda()) c10::cuda::device_synchronize();
