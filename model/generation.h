@@ -16,6 +16,9 @@ struct GenerationOptions {
   std::optional<int32_t> stop_token;  // generation ends after emitting it
   // Called with each new token as soon as it is chosen (streaming output).
   std::function<void(int32_t)> on_token;
+  // The KV cache policy decoding goes through (cleared first); by default a
+  // full-precision KVCache of the prompt plus max_new_tokens positions.
+  KVCachePolicy* cache = nullptr;
 };
 
 struct GenerationResult {

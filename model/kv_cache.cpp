@@ -17,18 +17,21 @@ KVCache::KVCache(const ModelConfig& config, int64_t batch, int64_t capacity, c10
   }
 }
 
-std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& keys,
-                                                  const at::Tensor& values) {
-  const int64_t tokens = keys.size(2);
+CachedKeysValues KVCache::append(const NewKeysValues& block) {
+  const int64_t tokens = block.keys.size(2);
+  if (block.position_start != length_) {
+    throw std::invalid_argument("KV cache: a block at position " + std::to_string(block.position_start) +
+                                " appended to a cache of length " + std::to_string(length_));
+  }
   if (length_ + tokens > capacity_) {
     throw std::length_error("KV cache full: " + std::to_string(length_) + " + " +
                             std::to_string(tokens) + " tokens exceed capacity " +
                             std::to_string(capacity_));
   }
-  auto& layer_keys = keys_.at(static_cast<std::size_t>(layer));
-  auto& layer_values = values_.at(static_cast<std::size_t>(layer));
-  layer_keys.narrow(2, length_, tokens).copy_(keys);
-  layer_values.narrow(2, length_, tokens).copy_(values);
+  auto& layer_keys = keys_.at(static_cast<std::size_t>(block.layer));
+  auto& layer_values = values_.at(static_cast<std::size_t>(block.layer));
+  layer_keys.narrow(2, length_, tokens).copy_(block.keys);
+  layer_values.narrow(2, length_, tokens).copy_(block.values);
   return {layer_keys.narrow(2, 0, length_ + tokens), layer_values.narrow(2, 0, length_ + tokens)};
 }
 

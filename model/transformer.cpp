@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "formats/safetensors.h"
 #include "model/grouped_attention.h"
@@ -29,6 +31,23 @@ at::Tensor mapped_tensor(const Checkpoint& checkpoint, const std::string& name, 
 }
 
 std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
+
+// What a KV cache policy returned must be what attention can read: keys and
+// values for positions [0, expected_length), shaped and typed as `keys`.
+void check_cached(const CachedKeysValues& cached, const at::Tensor& keys, int64_t layer,
+                  int64_t expected_length) {
+  auto shape_of = [](const at::Tensor& t) { return t.defined() ? c10::str(t.sizes()) : std::string("undefined"); };
+  std::vector<int64_t> expected(keys.sizes().begin(), keys.sizes().end());
+  expected[2] = expected_length;
+  for (const at::Tensor* t : {&cached.keys, &cached.values}) {
+    if (!t->defined() || t->sizes() != at::IntArrayRef(expected) || t->scalar_type() != keys.scalar_type() ||
+        t->device() != keys.device()) {
+      throw std::logic_error("KV cache policy at layer " + std::to_string(layer) + " returned " + shape_of(*t) +
+                             " where attention reads " + c10::str(at::IntArrayRef(expected)) + " of " +
+                             c10::toString(keys.scalar_type()) + " on " + keys.device().str());
+    }
+  }
+}
 
 }  // namespace
 
@@ -181,7 +200,7 @@ at::Tensor Transformer::mlp(const LayerWeights& w, const at::Tensor& x) const {
   return at::linear(at::silu(at::linear(x, w.gate_proj)) * at::linear(x, w.up_proj), w.down_proj);
 }
 
-at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t start, KVCache* cache,
+at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t start, KVCachePolicy* cache,
                                   AttentionObserver* observer) const {
   const LayerWeights& w = layers_[static_cast<size_t>(layer)];
   const int64_t batch = x.size(0);
@@ -203,7 +222,13 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
   if (observer != nullptr) {
     observer->on_attention({layer, start, q, k_pre, k, v});
   }
-  if (cache != nullptr) std::tie(k, v) = cache->append(layer, k, v);
+  if (cache != nullptr) {
+    // From here on attention reads only what the policy returns.
+    CachedKeysValues cached = cache->append({layer, start, k_pre, k, v});
+    check_cached(cached, k, layer, start + tokens);
+    k = std::move(cached.keys);
+    v = std::move(cached.values);
+  }
 
   const int64_t window = config_.layer_window.empty() ? 0 : config_.layer_window[static_cast<size_t>(layer)];
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -218,7 +243,7 @@ at::Tensor Transformer::embed(const at::Tensor& input_ids) const {
 }
 
 at::Tensor Transformer::decoder_layer(int64_t layer, const at::Tensor& hidden, int64_t position_start,
-                                      KVCache* cache, AttentionObserver* observer) const {
+                                      KVCachePolicy* cache, AttentionObserver* observer) const {
   const LayerWeights& w = layers_.at(static_cast<size_t>(layer));
   const at::Tensor h = hidden + attention(layer, rms_norm(hidden, w.input_norm), position_start, cache, observer);
   return h + mlp(w, rms_norm(h, w.post_attention_norm));

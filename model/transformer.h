@@ -15,6 +15,7 @@
 #include "formats/hf_config.h"
 #include "model/device.h"
 #include "model/kv_cache.h"
+#include "model/kv_cache_policy.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -40,7 +41,11 @@ class AttentionObserver {
 };
 
 struct ForwardOptions {
-  KVCache* cache = nullptr;  // positions continue from cache->length(); committed on return
+  // Attention stores the new keys and values in it and attends over what it
+  // returns (model/kv_cache_policy.h); positions continue from
+  // cache->length(); committed on return. Without one, attention reads the
+  // pass's own keys and values.
+  KVCachePolicy* cache = nullptr;
   AttentionObserver* observer = nullptr;
   // Positions of the first token when no cache is given.
   int64_t position_start = 0;
@@ -76,21 +81,25 @@ class Transformer {
   at::Tensor logits(const at::Tensor& hidden) const;  // float32
 
   // The pieces of hidden_states(), for layer-by-layer work (capture's
-  // recomputation): embed, one decoder layer at a time, final norm.
+  // recomputation): embed, one decoder layer at a time, final norm. With a
+  // cache, position_start must be cache->length() and the caller commits.
   at::Tensor embed(const at::Tensor& input_ids) const;  // [B, T, hidden], model dtype
   at::Tensor decoder_layer(int64_t layer, const at::Tensor& hidden, int64_t position_start,
-                           KVCache* cache = nullptr, AttentionObserver* observer = nullptr) const;
+                           KVCachePolicy* cache = nullptr, AttentionObserver* observer = nullptr) const;
   at::Tensor final_norm(const at::Tensor& hidden) const;
 
+  // The full-precision cache (model dtype, target device).
   KVCache make_cache(int64_t batch, int64_t capacity) const;
 
   const ModelConfig& config() const { return config_; }
   const ComputeTarget& target() const { return target_; }
+  // The model's RoPE, for policies that rotate stored pre-RoPE keys.
+  const RotaryEmbedding& rope() const { return rope_; }
   const LayerWeights& layer(int64_t index) const { return layers_.at(static_cast<size_t>(index)); }
   int64_t parameter_count() const;
 
  private:
-  at::Tensor attention(int64_t layer, const at::Tensor& x, int64_t start, KVCache* cache,
+  at::Tensor attention(int64_t layer, const at::Tensor& x, int64_t start, KVCachePolicy* cache,
                        AttentionObserver* observer) const;
   // q: [B, heads, T, D]; k, v: [B, kv_heads, S, D] holding positions [0, S).
   at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,

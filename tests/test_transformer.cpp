@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "formats/hf_config.h"
 #include "model/generation.h"
+#include "model/kv_cache_policy.h"
 #include "model/transformer.h"
 #include "tests/cpu_kernel_family.h"
 #include "tests/low_precision.h"
@@ -154,6 +158,230 @@ TEST_P(TinyModel, ChunkedPrefillThroughCacheEqualsOnePass) {
     EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4)
         << attention_label(target.attention);
   }
+}
+
+// Stores through a full-precision KVCache, records every block it is given,
+// and returns the cache altered: keys zeroed at `zero_keys` and values
+// scaled by `value_scale` at `scaled_values` (absolute positions, every
+// layer), the stored cache left as it was.
+class AlteringPolicy final : public KVCachePolicy {
+ public:
+  AlteringPolicy(KVCache inner, std::vector<int64_t> zero_keys, std::vector<int64_t> scaled_values,
+                 double value_scale)
+      : inner_(std::move(inner)),
+        zero_keys_(std::move(zero_keys)),
+        scaled_values_(std::move(scaled_values)),
+        value_scale_(value_scale) {}
+
+  int64_t length() const override { return inner_.length(); }
+  CachedKeysValues append(const NewKeysValues& block) override {
+    blocks.push_back({block.layer, block.position_start, block.keys_pre_rope.clone(), block.keys.clone(),
+                      block.values.clone()});
+    const CachedKeysValues stored = inner_.append(block);
+    CachedKeysValues altered{stored.keys.clone(), stored.values.clone()};
+    for (const int64_t p : zero_keys_) {
+      if (p < altered.length()) altered.keys.select(2, p).zero_();
+    }
+    for (const int64_t p : scaled_values_) {
+      if (p < altered.length()) altered.values.select(2, p).mul_(value_scale_);
+    }
+    return altered;
+  }
+  void commit(int64_t tokens) override {
+    commits.push_back(tokens);
+    inner_.commit(tokens);
+  }
+  void clear() override { inner_.clear(); }
+
+  std::vector<NewKeysValues> blocks;
+  std::vector<int64_t> commits;
+
+ private:
+  KVCache inner_;
+  std::vector<int64_t> zero_keys_, scaled_values_;
+  double value_scale_;
+};
+
+// Keeps keys before RoPE only (a KVCache handed the pre-RoPE keys) and
+// rotates them on read-back with the model's RoPE at their absolute
+// positions, as a policy quantizing pre-RoPE keys (KVQuant) must.
+class PreRopePolicy final : public KVCachePolicy {
+ public:
+  PreRopePolicy(const Transformer& model, int64_t batch, int64_t capacity)
+      : rope_(model.rope()), inner_(model.make_cache(batch, capacity)) {}
+
+  int64_t length() const override { return inner_.length(); }
+  CachedKeysValues append(const NewKeysValues& block) override {
+    const CachedKeysValues stored =
+        inner_.append({block.layer, block.position_start, block.keys_pre_rope, block.keys_pre_rope, block.values});
+    const RopeTables tables = rope_.tables(0, stored.length(), stored.keys.scalar_type());
+    return {RotaryEmbedding::apply(stored.keys, tables), stored.values};
+  }
+  void commit(int64_t tokens) override { inner_.commit(tokens); }
+  void clear() override { inner_.clear(); }
+
+ private:
+  const RotaryEmbedding& rope_;
+  KVCache inner_;
+};
+
+// Alters one layer's keys after RoPE and values [B, kv_heads, T, head_dim]
+// over a whole sequence, in place.
+using AlterKeysValues = std::function<void(at::Tensor& keys, at::Tensor& values)>;
+
+// The logits of a tiny checkpoint in float64, written from the definitions
+// (transformers' modeling code) and sharing nothing with Transformer but the
+// RoPE inverse frequencies (Rope.InverseFrequenciesMatchFloat64Formulas):
+// one pass over the whole sequence whose attention reads the keys and values
+// `alter` made of the computed ones.
+at::Tensor reference_logits_f64(const std::filesystem::path& model_dir, const at::Tensor& ids,
+                                const AlterKeysValues& alter) {
+  const ModelConfig c = load_model_config(model_dir);
+  const auto weights = load_reference(model_dir / "model.safetensors");
+  const auto get = [&weights](const std::string& name) { return weights.at(name).to(at::kDouble); };
+  const auto norm = [&c](const at::Tensor& x, const at::Tensor& weight) {
+    return weight * x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + c.rms_norm_eps);
+  };
+  const int64_t batch = ids.size(0), tokens = ids.size(1), d = c.head_dim;
+  const at::Tensor angles = at::arange(tokens, at::kDouble).unsqueeze(1) *
+                            rope_inverse_frequencies(c.rope, d).to(at::kDouble).unsqueeze(0);
+  const at::Tensor cos = at::cat({angles.cos(), angles.cos()}, -1);
+  const at::Tensor sin = at::cat({angles.sin(), angles.sin()}, -1);
+  const auto rotate = [&](const at::Tensor& x) {
+    return x * cos + at::cat({-x.narrow(-1, d / 2, d / 2), x.narrow(-1, 0, d / 2)}, -1) * sin;
+  };
+  const at::Tensor position = at::arange(tokens, at::kLong);
+  const at::Tensor query_pos = position.unsqueeze(1), key_pos = position.unsqueeze(0);
+
+  at::Tensor h = get("model.embed_tokens.weight").index_select(0, ids.flatten()).view({batch, tokens, -1});
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    const at::Tensor x = norm(h, get(p + "input_layernorm.weight"));
+    const auto project = [&](const std::string& name, int64_t heads) {
+      std::optional<at::Tensor> bias;
+      if (c.attention_bias) bias = get(p + "self_attn." + name + "_proj.bias");
+      at::Tensor y = at::linear(x, get(p + "self_attn." + name + "_proj.weight"), bias).view({batch, tokens, heads, d});
+      if (c.qk_norm && name != "v") y = norm(y, get(p + "self_attn." + name + "_norm.weight"));
+      return y.transpose(1, 2);
+    };
+    const at::Tensor q = rotate(project("q", c.num_heads));
+    at::Tensor k = rotate(project("k", c.num_kv_heads));
+    at::Tensor v = project("v", c.num_kv_heads);
+    if (alter) alter(k, v);
+    const int64_t group = c.num_heads / c.num_kv_heads;
+    k = k.repeat_interleave(group, 1);
+    v = v.repeat_interleave(group, 1);
+    const int64_t window = c.layer_window.empty() ? 0 : c.layer_window[static_cast<size_t>(layer)];
+    at::Tensor allowed = key_pos <= query_pos;
+    if (window > 0) allowed = allowed.logical_and(query_pos - key_pos < window);
+    const at::Tensor scores = (q.matmul(k.transpose(2, 3)) / std::sqrt(static_cast<double>(d)))
+                                  .masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    const at::Tensor out = scores.softmax(-1).matmul(v).transpose(1, 2).reshape({batch, tokens, -1});
+    h = h + at::linear(out, get(p + "self_attn.o_proj.weight"));
+    const at::Tensor y = norm(h, get(p + "post_attention_layernorm.weight"));
+    const at::Tensor gate = at::silu(at::linear(y, get(p + "mlp.gate_proj.weight")));
+    h = h + at::linear(gate * at::linear(y, get(p + "mlp.up_proj.weight")), get(p + "mlp.down_proj.weight"));
+  }
+  h = norm(h, get("model.norm.weight"));
+  return at::linear(h, get(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"));
+}
+
+// The model attends over what the cache policy returns: a policy returning
+// an altered cache changes the logits exactly as attention over that altered
+// cache, computed independently in float64, does.
+TEST_P(TinyModel, AttentionReadsWhatTheCachePolicyReturns) {
+  c10::InferenceMode guard;
+  const auto ref = reference();
+  const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+  const int64_t batch = ids.size(0), tokens = ids.size(1), prefill = 10;
+  ASSERT_GT(tokens, 14);
+  // Positions in the prefill and among the decoded tokens.
+  const std::vector<int64_t> zero_keys{1, 6, 12}, scaled_values{0, 4, 11, 14};
+  const double value_scale = -3.0;
+  const AlterKeysValues alter = [&](at::Tensor& keys, at::Tensor& values) {
+    for (const int64_t p : zero_keys) keys.select(2, p).zero_();
+    for (const int64_t p : scaled_values) values.select(2, p).mul_(value_scale);
+  };
+  const at::Tensor plain = reference_logits_f64(model_dir(), ids, {}).to(at::kFloat);
+  const at::Tensor expected = reference_logits_f64(model_dir(), ids, alter).to(at::kFloat);
+  // The reference is transformers' model, and the alteration matters.
+  EXPECT_LT(max_relative_error(plain, ref.at("logits")), 1e-4);
+  const double change = max_relative_error(expected, plain);
+  EXPECT_GT(change, 1e-2);
+
+  for (const ComputeTarget& target : {kCpuFp32, kCpuFp32Fused}) {
+    const Transformer model = Transformer::load(model_dir(), target);
+    const int64_t layers = model.config().num_layers;
+    AlteringPolicy policy(model.make_cache(batch, tokens), zero_keys, scaled_values, value_scale);
+    // A prefill, then one token at a time (the decoding path).
+    std::vector<at::Tensor> logits{model.forward(ids.narrow(1, 0, prefill), {.cache = &policy})};
+    for (int64_t t = prefill; t < tokens; ++t) logits.push_back(model.forward(ids.narrow(1, t, 1), {.cache = &policy}));
+    const at::Tensor altered = at::cat(logits, 1);
+    EXPECT_LT(max_relative_error(altered, expected), 1e-4)
+        << attention_label(target.attention) << " (the alteration moved the logits by " << change << ")";
+
+    // What the policy was given: each pass's layers in order, at the
+    // positions the pass continues from, keys before and after RoPE.
+    const int64_t passes = 1 + tokens - prefill;
+    ASSERT_EQ(static_cast<int64_t>(policy.blocks.size()), passes * layers);
+    for (size_t i = 0; i < policy.blocks.size(); ++i) {
+      const NewKeysValues& block = policy.blocks[i];
+      const int64_t pass = static_cast<int64_t>(i) / layers;
+      const int64_t start = pass == 0 ? 0 : prefill + pass - 1;
+      const int64_t count = pass == 0 ? prefill : 1;
+      EXPECT_EQ(block.layer, static_cast<int64_t>(i) % layers);
+      EXPECT_EQ(block.position_start, start);
+      const std::vector<int64_t> shape{batch, model.config().num_kv_heads, count, model.config().head_dim};
+      EXPECT_EQ(block.keys_pre_rope.sizes(), at::IntArrayRef(shape));
+      EXPECT_EQ(block.values.sizes(), at::IntArrayRef(shape));
+      EXPECT_TRUE(block.keys.equal(
+          RotaryEmbedding::apply(block.keys_pre_rope, model.rope().tables(start, count, at::kFloat))));
+    }
+    std::vector<int64_t> commits(static_cast<size_t>(passes), 1);
+    commits[0] = prefill;
+    EXPECT_EQ(policy.commits, commits);
+  }
+}
+
+// Keys handed over before RoPE with their positions are enough to rebuild
+// the cache: a policy rotating them on read-back decodes as the 16-bit one.
+TEST_P(TinyModel, PolicyRotatingPreRopeKeysEqualsTheFullPrecisionCache) {
+  c10::InferenceMode guard;
+  const auto ref = reference();
+  const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+  const auto prompt = to_ids(ref.at("input_ids")[0].narrow(0, 0, 11));
+  for (const ComputeTarget& target : {kCpuFp32, kCpuFp32Fused}) {
+    const Transformer model = Transformer::load(model_dir(), target);
+    PreRopePolicy policy(model, ids.size(0), ids.size(1));
+    const at::Tensor first = model.forward(ids.narrow(1, 0, 10), {.cache = &policy});
+    const at::Tensor rest = model.forward(ids.narrow(1, 10, ids.size(1) - 10), {.cache = &policy});
+    EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4)
+        << attention_label(target.attention);
+
+    PreRopePolicy decoding(model, 1, 11 + 14);
+    GenerationOptions options;
+    options.max_new_tokens = 14;
+    const auto expected = greedy_generate(model, prompt, options).tokens;
+    options.cache = &decoding;
+    EXPECT_EQ(greedy_generate(model, prompt, options).tokens, expected) << attention_label(target.attention);
+  }
+}
+
+// A policy must return what attention can read.
+TEST(KVCachePolicy, AWrongShapeIsAClearError) {
+  class Short final : public KVCachePolicy {
+   public:
+    int64_t length() const override { return 0; }
+    CachedKeysValues append(const NewKeysValues& block) override {
+      return {block.keys.narrow(2, 0, 1), block.values.narrow(2, 0, 1)};
+    }
+    void commit(int64_t) override {}
+    void clear() override {}
+  } policy;
+  c10::InferenceMode guard;
+  const Transformer model = Transformer::load(fixtures_dir() / "models" / "llama3", kCpuFp32);
+  const at::Tensor ids = at::zeros({1, 3}, at::kLong);
+  EXPECT_THROW(model.forward(ids, {.cache = &policy}), std::logic_error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, TinyModel,
