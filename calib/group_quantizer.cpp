@@ -38,6 +38,8 @@ at::Tensor exact_elements(const at::Tensor& x, const GroupBounds& bounds, const 
   return exact;
 }
 
+}  // namespace
+
 // Views x (and inliers) so that every slice along the returned dim is a group.
 std::vector<int64_t> group_shape(const at::Tensor& x, Grouping grouping, int64_t group, int64_t& dim) {
   if (x.dim() < 2) throw std::invalid_argument("group quantizer: x must be [..., T, D]");
@@ -69,17 +71,23 @@ std::vector<int64_t> group_shape(const at::Tensor& x, Grouping grouping, int64_t
   throw std::invalid_argument("group quantizer: per_channel_offline is not a runtime grouping");
 }
 
-}  // namespace
+static at::Tensor grid_levels(const std::vector<float>& grid, const at::Tensor& like) {
+  return at::tensor(at::ArrayRef<float>(grid)).to(like.device(), at::kDouble);
+}
 
-at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>& grid) {
-  if (grid.empty()) throw std::invalid_argument("nearest_level: empty grid");
-  const at::Tensor levels = at::tensor(at::ArrayRef<float>(grid)).to(at::kDouble);
-  if (grid.size() == 1) return at::full_like(normalized, levels[0].item<double>());
+at::Tensor nearest_level_index(const at::Tensor& normalized, const std::vector<float>& grid) {
+  if (grid.empty()) throw std::invalid_argument("nearest_level_index: empty grid");
+  if (grid.size() == 1) return at::zeros(normalized.sizes(), normalized.options().dtype(at::kLong));
+  const at::Tensor levels = grid_levels(grid, normalized);
   // Midpoints between neighbouring levels; bucketize (right=false) counts the
   // midpoints strictly below x, so x on a midpoint goes to the lower level.
   const at::Tensor midpoints = (levels.slice(0, 0, -1) + levels.slice(0, 1)) / 2;
-  const at::Tensor index = at::bucketize(normalized.contiguous(), midpoints);
-  return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
+  return at::bucketize(normalized.contiguous(), midpoints);
+}
+
+at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>& grid) {
+  const at::Tensor index = nearest_level_index(normalized, grid);
+  return grid_levels(grid, normalized).index_select(0, index.reshape({-1})).view(normalized.sizes());
 }
 
 at::Tensor to_all_head_rows(const at::Tensor& x) {
@@ -97,36 +105,55 @@ at::Tensor from_all_head_rows(const at::Tensor& rows, const at::Tensor& like) {
 
 at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<float>& grid,
                              const std::vector<float>& encode_grid) {
-  if (encode_grid.empty()) return nearest_level(normalized, grid);
-  if (encode_grid.size() != grid.size()) throw std::invalid_argument("dequantize_levels: grid sizes differ");
-  const at::Tensor levels = at::tensor(at::ArrayRef<float>(grid)).to(at::kDouble);
-  if (grid.size() == 1) return at::full_like(normalized, levels[0].item<double>());
-  // The codes by the encode grid's midpoints (ties to the lower level, as
-  // nearest_level), the values from `grid`.
-  const at::Tensor encode = at::tensor(at::ArrayRef<float>(encode_grid)).to(at::kDouble);
-  const at::Tensor midpoints = (encode.slice(0, 0, -1) + encode.slice(0, 1)) / 2;
-  const at::Tensor index = at::bucketize(normalized.contiguous(), midpoints);
-  return levels.index_select(0, index.reshape({-1})).view(normalized.sizes());
+  // The codes by the encode grid (ties to the lower level), the values from `grid`.
+  const at::Tensor index = level_codes(normalized, grid, encode_grid);
+  return grid_levels(grid, normalized).index_select(0, index.reshape({-1})).view(normalized.sizes());
 }
 
-at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
-                                      const at::Tensor& inliers) {
+at::Tensor level_codes(const at::Tensor& normalized, const std::vector<float>& grid,
+                       const std::vector<float>& encode_grid) {
+  if (encode_grid.empty()) return nearest_level_index(normalized, grid);
+  if (encode_grid.size() != grid.size()) throw std::invalid_argument("dequantize_levels: grid sizes differ");
+  return nearest_level_index(normalized, encode_grid);
+}
+
+GroupCodes group_codes(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer, const at::Tensor& inliers) {
   if (quantizer.bits < 1 || quantizer.bits > 16) {
     throw std::invalid_argument("group quantizer: bits must be in 1..16, got " + std::to_string(quantizer.bits));
   }
   const GroupBounds bounds = group_bounds(x, dim, quantizer.clip_ratio, inliers);
-  at::Tensor quantized;
+  GroupCodes result;
+  result.lo = bounds.lo;
+  result.hi = bounds.hi;
+  result.kept = bounds.keep;
+  result.exact = exact_elements(x, bounds, inliers);
   if (quantizer.grid.empty()) {
     const double top = static_cast<double>((int64_t{1} << quantizer.bits) - 1);
     const at::Tensor scale = (bounds.hi - bounds.lo) / top;
-    const at::Tensor code = at::round((x - bounds.lo) / scale).clamp(0.0, top);
-    quantized = bounds.lo + code * scale;
+    result.codes = at::round((x - bounds.lo) / scale).clamp(0.0, top).to(at::kLong);
   } else {
     const at::Tensor center = (bounds.lo + bounds.hi) / 2;
     const at::Tensor half = (bounds.hi - bounds.lo) / 2;
-    quantized = center + half * dequantize_levels((x - center) / half, quantizer.grid, quantizer.encode_grid);
+    result.codes = level_codes((x - center) / half, quantizer.grid, quantizer.encode_grid);
   }
-  return at::where(exact_elements(x, bounds, inliers), x, quantized);
+  return result;
+}
+
+at::Tensor quantize_dequantize_groups(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
+                                      const at::Tensor& inliers) {
+  const GroupCodes codes = group_codes(x, dim, quantizer, inliers);
+  at::Tensor quantized;
+  if (quantizer.grid.empty()) {
+    const double top = static_cast<double>((int64_t{1} << quantizer.bits) - 1);
+    const at::Tensor scale = (codes.hi - codes.lo) / top;
+    quantized = codes.lo + codes.codes.to(at::kDouble) * scale;
+  } else {
+    const at::Tensor center = (codes.lo + codes.hi) / 2;
+    const at::Tensor half = (codes.hi - codes.lo) / 2;
+    const at::Tensor level = grid_levels(quantizer.grid, x).index_select(0, codes.codes.reshape({-1}));
+    quantized = center + half * level.view(x.sizes());
+  }
+  return at::where(codes.exact, x, quantized);
 }
 
 at::Tensor quantize_dequantize_grouped(const at::Tensor& x, Grouping grouping, int64_t group,

@@ -1,7 +1,7 @@
 #pragma once
 // Quantize-dequantize of min/max groups, the arithmetic every runtime
 // grouping shares (KIVI, INT2 per-token, RTN, KVQuant's per-token values).
-// All in float64 on the CPU; callers convert.
+// All in float64, on x's device; callers convert.
 //
 // For one group g with (inlier) minimum m and maximum M and clip ratio r:
 //   lo = r * m, hi = r * M
@@ -40,6 +40,30 @@ at::Tensor nearest_level(const at::Tensor& normalized, const std::vector<float>&
 // ascending, of one size.
 at::Tensor dequantize_levels(const at::Tensor& normalized, const std::vector<float>& grid,
                              const std::vector<float>& encode_grid);
+
+// The index into `grid` of each element's level: the nearest level of
+// encode_grid (of grid when encode_grid is empty), ties to the lower; int64,
+// the input's shape and device. dequantize_levels is grid[level_codes(...)].
+at::Tensor level_codes(const at::Tensor& normalized, const std::vector<float>& grid,
+                       const std::vector<float>& encode_grid);
+
+// A group quantizer's decisions, which quantize_dequantize_groups turns into
+// values (and calib/differentiable_quantizer.h into a differentiable path):
+// codes (int64, x's shape; uniform: the integer level, grid: the index into
+// grid; meaningless where `exact`), each group's clipped bounds lo and hi
+// (float64, keepdim along `dim`; (0, 1) for kept groups), the kept groups
+// (bool, keepdim: hi <= lo, constant or without inliers) and the elements
+// returned as they are (kept groups and non-inliers).
+struct GroupCodes {
+  at::Tensor codes, lo, hi, kept, exact;
+};
+GroupCodes group_codes(const at::Tensor& x, int64_t dim, const GroupQuantizer& quantizer,
+                       const at::Tensor& inliers = {});
+
+// The shape x of a runtime grouping is viewed in (kPerToken,
+// kPerChannelTokens; std::invalid_argument otherwise) so that every slice
+// along `dim` (set here) is one group.
+std::vector<int64_t> group_shape(const at::Tensor& x, Grouping grouping, int64_t group, int64_t& dim);
 
 // x: float64; every slice along `dim` is one group. `inliers`: undefined (all
 // elements are inliers) or a bool tensor of x's shape; elements outside it

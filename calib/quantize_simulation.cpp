@@ -10,22 +10,23 @@
 #include "calib/group_quantizer.h"
 
 namespace kvforge {
-namespace {
 
-// [heads, head_dim] parameters as a float64 [heads, 1, head_dim] tensor.
-at::Tensor channel_tensor(const Float32Array& array, int64_t heads, int64_t head_dim, const char* what) {
+at::Tensor channel_tensor(const Float32Array& array, int64_t heads, int64_t head_dim, const char* what,
+                          const at::Device& device) {
   if (array.shape != std::vector<int64_t>{heads, head_dim} ||
       static_cast<int64_t>(array.values.size()) != heads * head_dim) {
     throw std::invalid_argument(std::string("quantizer ") + what + ": expected shape [" + std::to_string(heads) +
                                 ", " + std::to_string(head_dim) + "]");
   }
-  return at::tensor(at::ArrayRef<float>(array.values)).to(at::kDouble).view({heads, 1, head_dim});
+  return at::tensor(at::ArrayRef<float>(array.values)).to(device, at::kDouble).view({heads, 1, head_dim});
 }
+
+namespace {
 
 at::Tensor offline_normalized(const TensorQuantizer& quantizer, const at::Tensor& span) {
   const int64_t heads = span.size(-3), head_dim = span.size(-1);
-  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset");
-  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale");
+  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset", span.device());
+  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale", span.device());
   return (span - offset) / scale;
 }
 
@@ -69,8 +70,8 @@ at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuant
   if (tensor.outlier_fraction <= 0) return at::zeros(span.sizes(), span.options().dtype(at::kBool));
   const int64_t heads = span.size(-3), head_dim = span.size(-1);
   if (tensor.grouping == Grouping::kPerChannelOffline) {
-    const at::Tensor low = channel_tensor(quantizer.outlier_low, heads, head_dim, "outlier_low");
-    const at::Tensor high = channel_tensor(quantizer.outlier_high, heads, head_dim, "outlier_high");
+    const at::Tensor low = channel_tensor(quantizer.outlier_low, heads, head_dim, "outlier_low", span.device());
+    const at::Tensor high = channel_tensor(quantizer.outlier_high, heads, head_dim, "outlier_high", span.device());
     return (span < low).logical_or(span > high);
   }
   switch (tensor.outlier_rule) {
@@ -99,20 +100,30 @@ namespace {
 at::Tensor quantize_offline_channels(const QuantizerSettings& settings, const TensorQuantizer& quantizer,
                                      const at::Tensor& span) {
   const int64_t heads = span.size(-3), head_dim = span.size(-1);
-  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset");
-  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale");
-  const at::Tensor normalized = offline_normalized(quantizer, span);
+  const at::Tensor offset = channel_tensor(quantizer.channel_offset, heads, head_dim, "channel_offset", span.device());
+  const at::Tensor scale = channel_tensor(quantizer.channel_scale, heads, head_dim, "channel_scale", span.device());
+  const at::Tensor codes = offline_codes(settings, quantizer, span);
   at::Tensor level;
   if (!quantizer.grid.empty()) {
-    level = dequantize_levels(normalized, quantizer.grid, quantizer.encode_grid);
+    level = at::tensor(at::ArrayRef<float>(quantizer.grid))
+                .to(span.device(), at::kDouble)
+                .index_select(0, codes.reshape({-1}))
+                .view(span.sizes());
   } else {
     const double top = static_cast<double>((int64_t{1} << settings.bits) - 1);
-    level = at::round((normalized + 1) * top / 2).clamp(0.0, top) * 2 / top - 1;
+    level = codes.to(at::kDouble) * 2 / top - 1;
   }
   return offset + scale * level;
 }
 
 }  // namespace
+
+at::Tensor offline_codes(const QuantizerSettings& settings, const TensorQuantizer& quantizer, const at::Tensor& span) {
+  const at::Tensor normalized = offline_normalized(quantizer, span);
+  if (!quantizer.grid.empty()) return level_codes(normalized, quantizer.grid, quantizer.encode_grid);
+  const double top = static_cast<double>((int64_t{1} << settings.bits) - 1);
+  return at::round((normalized + 1) * top / 2).clamp(0.0, top).to(at::kLong);
+}
 
 TokenSpan quantized_tokens(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor, int64_t tokens) {
   TokenSpan span;

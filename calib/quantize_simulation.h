@@ -72,6 +72,17 @@ SimulatedTensor simulate_quantization(const QuantizerSettings& settings, const T
 // outliers, all false when outlier_fraction is 0.
 at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuantizer& quantizer, const at::Tensor& x);
 
+// Rule 3's kPerChannelOffline codes of the quantized span x [..., kv_heads,
+// S, D] (float64): int64, x's shape and device; the uniform integer level, or
+// the index into quantizer.grid. Outliers get codes too (ignored).
+at::Tensor offline_codes(const QuantizerSettings& settings, const TensorQuantizer& quantizer, const at::Tensor& x);
+
+// A [kv_heads, head_dim] parameter (channel_scale, ...) as float64
+// [kv_heads, 1, head_dim] on `device`; std::invalid_argument naming `what`
+// when its shape is not that.
+at::Tensor channel_tensor(const Float32Array& array, int64_t heads, int64_t head_dim, const char* what,
+                          const at::Device& device);
+
 // Rule 3's normalized domain, where grids live: n for every inlier of the
 // quantized span that is rounded (not for outliers or constant groups),
 // flattened to float32, with the same elements of `weights` (x's shape;
