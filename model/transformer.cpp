@@ -91,10 +91,11 @@ at::Tensor Transformer::fused_attention(const at::Tensor& q, const at::Tensor& k
     if (tokens > 1 || window > 0) mask = attention_mask(start, tokens, keys, window, q.device());
     return grouped_attention(q, k, v, mask, scale);
   }
+  // A whole window (no cache, or the first pass into an empty one).
   std::optional<at::Tensor> mask;
   bool is_causal = false;
   const bool window_bites = window > 0 && start + tokens > window;
-  if (!window_bites && keys == tokens && start == 0 && tokens > 1) {
+  if (!window_bites && start == 0 && tokens > 1) {
     is_causal = true;  // the fused kernels' own causal mask
   } else if (window_bites || tokens > 1) {
     mask = attention_mask(start, tokens, keys, window, q.device());
@@ -219,12 +220,13 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
   const RopeTables tables = rope_.tables(start, tokens, x.scalar_type());
   q = RotaryEmbedding::apply(q, tables);
   at::Tensor k = RotaryEmbedding::apply(k_pre, tables);
+  const NewKeysValues block{layer, start, k_pre, k, v};
   if (observer != nullptr) {
-    observer->on_attention({layer, start, q, k_pre, k, v});
+    observer->on_attention({block, q});
   }
   if (cache != nullptr) {
     // From here on attention reads only what the policy returns.
-    CachedKeysValues cached = cache->append({layer, start, k_pre, k, v});
+    CachedKeysValues cached = cache->append(block);
     check_cached(cached, k, layer, start + tokens);
     k = std::move(cached.keys);
     v = std::move(cached.values);

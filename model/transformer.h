@@ -23,13 +23,10 @@ namespace kvforge {
 class Checkpoint;
 
 // What one attention layer computed for a block of T new tokens.
-struct AttentionTensors {
-  int64_t layer = 0;
-  int64_t position_start = 0;  // position of the first of the T tokens
-  at::Tensor queries;          // [B, heads, T, head_dim], after q_norm and RoPE
-  at::Tensor keys_pre_rope;    // [B, kv_heads, T, head_dim], after k_norm
-  at::Tensor keys;             // [B, kv_heads, T, head_dim], after RoPE
-  at::Tensor values;           // [B, kv_heads, T, head_dim]
+// The new keys and values the cache policy is handed (layer, positions,
+// keys before and after RoPE, values), and the queries that attend.
+struct AttentionTensors : NewKeysValues {
+  at::Tensor queries;  // [B, heads, T, head_dim], after q_norm and RoPE
 };
 
 // Sees every attention layer's tensors during a forward pass (capture,
