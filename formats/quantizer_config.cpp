@@ -1,31 +1,12 @@
 #include "formats/quantizer_config.h"
 
-#include <array>
+#include "formats/name_table.h"
 
 namespace kvforge {
 namespace {
 
 // One table of names per enum: the name functions and the parsers read the
 // same rows, so the artifact's writer, reader and printer cannot disagree.
-template <typename Enum, size_t N>
-using NameTable = std::array<std::pair<Enum, std::string_view>, N>;
-
-template <typename Enum, size_t N>
-std::string_view name_in(const NameTable<Enum, N>& table, Enum value) {
-  for (const auto& [e, name] : table) {
-    if (e == value) return name;
-  }
-  return "?";
-}
-
-template <typename Enum, size_t N>
-std::optional<Enum> parse_in(const NameTable<Enum, N>& table, std::string_view text) {
-  for (const auto& [e, name] : table) {
-    if (name == text) return e;
-  }
-  return std::nullopt;
-}
-
 constexpr NameTable<QuantMethod, 4> kMethodNames{{{QuantMethod::kKvquant, "kvquant"},
                                                   {QuantMethod::kKivi, "kivi"},
                                                   {QuantMethod::kInt2Rot, "int2-rot"},

@@ -1,6 +1,5 @@
 // kvforge calibrate: fit KV-cache quantizers on an activation store and
 // write them, as named configurations, into one versioned artifact.
-#include <array>
 #include <filesystem>
 #include <optional>
 #include <string_view>
@@ -10,6 +9,7 @@
 #include "calib/quantizer_fit.h"
 #include "formats/artifact.h"
 #include "formats/input_error.h"
+#include "formats/name_table.h"
 #include "kvforge/version.h"
 #include "log/log.h"
 #include "log/progress.h"
@@ -42,38 +42,16 @@ struct CalibrateFlags {
   bool append = false;
 };
 
-// The flags' names for the variant values, one table each.
-constexpr std::array<std::pair<std::string_view, ResidualRule>, 2> kKeyWindows = {{
-    {"sliding", ResidualRule::kSliding}, {"block_flush", ResidualRule::kBlockFlush}}};
-constexpr std::array<std::pair<std::string_view, OutlierRule>, 2> kValueOutliers = {{
-    {"top_bottom", OutlierRule::kTokenTopBottom}, {"tau", OutlierRule::kTokenTau}}};
-constexpr std::array<std::pair<std::string_view, Grouping>, 2> kValueScalings = {{
-    {"all_heads", Grouping::kPerTokenAllHeads}, {"head", Grouping::kPerToken}}};
-constexpr std::array<std::pair<std::string_view, QNorm>, 3> kQNorms = {{
-    {"affine", QNorm::kAffine}, {"iterated", QNorm::kIterated}, {"none", QNorm::kNone}}};
-
-template <typename T, size_t N>
-std::optional<T> flag_value(const std::array<std::pair<std::string_view, T>, N>& table, const std::string& text) {
-  for (const auto& [name, value] : table) {
-    if (name == text) return value;
-  }
-  return std::nullopt;  // "" or "auto": the method's default
-}
-
-template <typename T, size_t N>
-std::string_view flag_name(const std::array<std::pair<std::string_view, T>, N>& table, T value) {
-  for (const auto& [name, v] : table) {
-    if (v == value) return name;
-  }
-  return "?";
-}
-
-template <typename T, size_t N>
-std::vector<std::string> flag_names(const std::array<std::pair<std::string_view, T>, N>& table) {
-  std::vector<std::string> names;
-  for (const auto& entry : table) names.emplace_back(entry.first);
-  return names;
-}
+// The flags' names for the variant values, one table each (they are not the
+// artifact's names: `tau`, not `token_tau`).
+constexpr NameTable<ResidualRule, 2> kKeyWindows{{{ResidualRule::kSliding, "sliding"},
+                                                  {ResidualRule::kBlockFlush, "block_flush"}}};
+constexpr NameTable<OutlierRule, 2> kValueOutliers{{{OutlierRule::kTokenTopBottom, "top_bottom"},
+                                                    {OutlierRule::kTokenTau, "tau"}}};
+constexpr NameTable<Grouping, 2> kValueScalings{{{Grouping::kPerTokenAllHeads, "all_heads"},
+                                                 {Grouping::kPerToken, "head"}}};
+constexpr NameTable<QNorm, 3> kQNorms{{{QNorm::kAffine, "affine"}, {QNorm::kIterated, "iterated"},
+                                       {QNorm::kNone, "none"}}};
 
 FitOptions fit_options(const CalibrateFlags& flags, QuantMethod method, int bits, std::string name);
 
@@ -91,15 +69,15 @@ std::string variant_suffix(const CalibrateFlags& flags, QuantMethod method, int 
   const QuantizerSettings a = resolve_settings(with, head_dim), b = resolve_settings(without, head_dim);
   std::string suffix;
   if (a.keys.residual_rule != b.keys.residual_rule) {
-    suffix += "-keys-" + std::string(flag_name(kKeyWindows, a.keys.residual_rule));
+    suffix += "-keys-" + std::string(name_in(kKeyWindows, a.keys.residual_rule));
   }
   if (a.values.grouping != b.values.grouping) {
-    suffix += "-" + std::string(flag_name(kValueScalings, a.values.grouping)) + "-scaling";
+    suffix += "-" + std::string(name_in(kValueScalings, a.values.grouping)) + "-scaling";
   }
   if (a.values.outlier_rule != b.values.outlier_rule || a.keys.outlier_rule != b.keys.outlier_rule) {
-    suffix += "-" + std::string(flag_name(kValueOutliers, a.values.outlier_rule));
+    suffix += "-" + std::string(name_in(kValueOutliers, a.values.outlier_rule));
   }
-  if (a.values.q_norm != b.values.q_norm) suffix += "-qnorm-" + std::string(flag_name(kQNorms, a.values.q_norm));
+  if (a.values.q_norm != b.values.q_norm) suffix += "-qnorm-" + std::string(name_in(kQNorms, a.values.q_norm));
   return suffix;
 }
 
@@ -122,10 +100,10 @@ FitOptions fit_options(const CalibrateFlags& flags, QuantMethod method, int bits
   options.value_group = flags.value_group ? flags.value_group : flags.group;
   if (flags.no_fisher) options.fisher = false;
   if (flags.no_qnorm) options.q_norm = QNorm::kNone;
-  if (const auto q_norm = flag_value(kQNorms, flags.q_norm)) options.q_norm = q_norm;
-  options.key_residual_rule = flag_value(kKeyWindows, flags.key_window);
-  options.value_outlier_rule = flag_value(kValueOutliers, flags.value_outliers);
-  options.value_grouping = flag_value(kValueScalings, flags.value_scaling);
+  if (const auto q_norm = parse_in(kQNorms, flags.q_norm)) options.q_norm = q_norm;
+  options.key_residual_rule = parse_in(kKeyWindows, flags.key_window);
+  options.value_outlier_rule = parse_in(kValueOutliers, flags.value_outliers);
+  options.value_grouping = parse_in(kValueScalings, flags.value_scaling);
   if (flags.uniform) options.non_uniform = false;
   options.max_calibration_tokens = flags.max_tokens;
   return options;
@@ -208,20 +186,24 @@ Command add_calibrate_command(CLI::App& app) {
   command->add_option("--q-norm", flags->q_norm,
                       "kvquant grids: auto (default: the paper's affine Q-Norm at 2 bits, none at 3 and 4), "
                       "affine, iterated (kvforge variant: levels moved, iterated), none; name suffix -qnorm-X")
-      ->check(CLI::IsMember({"auto", "affine", "iterated", "none"}));
+      ->check(CLI::IsMember([] {
+        std::vector<std::string> choices = names_in(kQNorms);
+        choices.insert(choices.begin(), "auto");  // the method's default
+        return choices;
+      }()));
   command->add_option("--key-window", flags->key_window,
                       "kivi keys' 16-bit window: block_flush (default, KIVI: keys quantized in blocks of --residual, "
                       "T mod R stay exact) or sliding (kvforge variant: the newest R and an incomplete group stay exact); suffix -keys-X")
-      ->check(CLI::IsMember(flag_names(kKeyWindows)));
+      ->check(CLI::IsMember(names_in(kKeyWindows)));
   command->add_option("--value-outliers", flags->value_outliers,
                       "Outliers of runtime groupings (kvquant values): top_bottom (default, KVQuant: the f/2 largest "
                       "and f/2 smallest of each token) or tau (kvforge variant: |x - mean| > tau std per token and "
                       "head, tau fitted; implies --value-scaling head); suffix -X")
-      ->check(CLI::IsMember(flag_names(kValueOutliers)));
+      ->check(CLI::IsMember(names_in(kValueOutliers)));
   command->add_option("--value-scaling", flags->value_scaling,
                       "kvquant values' per-token scaling span: all_heads (default, KVQuant: the token's row over all "
                       "KV heads) or head (kvforge variant: per head); suffix -X-scaling")
-      ->check(CLI::IsMember(flag_names(kValueScalings)));
+      ->check(CLI::IsMember(names_in(kValueScalings)));
   command->add_flag("--uniform", flags->uniform, "kvquant: uniform levels instead of fitted grids (ablation)");
   command->add_option("--max-tokens", flags->max_tokens,
                       "Fit on at most this many calibration tokens (leading whole windows; the artifact records "
