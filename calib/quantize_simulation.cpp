@@ -8,6 +8,7 @@
 #include <string>
 
 #include "calib/group_quantizer.h"
+#include "calib/kv_rotation.h"
 
 namespace kvforge {
 
@@ -210,12 +211,38 @@ const LayerQuantizers& layer_of(const QuantizerConfig& config, int64_t layer) {
 }
 }  // namespace
 
+namespace {
+// Rotation (formats/kv_rotation.h): quantize x' = (x - c) R, return
+// x^ = x'^ R^T + c in x's own domain, outlier flags of the rotated elements.
+SimulatedTensor simulate_rotated(const QuantizerConfig& config, const TensorQuantizerSettings& tensor,
+                                 const TensorQuantizer& quantizer, const TensorRotation& rotation, RotationForm form,
+                                 const at::Tensor& x) {
+  if (!config.rotation || form == RotationForm::kNone) {
+    return simulate_quantization(config.settings, tensor, quantizer, x);
+  }
+  const int64_t heads = x.size(-3), head_dim = x.size(-1);
+  const at::TensorOptions options = x.options().dtype(at::kDouble);
+  const at::Tensor matrices = rotation_matrices(rotation, form, heads, head_dim, options);
+  const at::Tensor centre = rotation_centre(rotation, heads, head_dim, options);
+  at::Tensor shifted = x.to(at::kDouble);
+  if (centre.defined()) shifted = shifted - centre;
+  SimulatedTensor rotated = simulate_quantization(config.settings, tensor, quantizer, rotate(shifted, matrices));
+  at::Tensor back = unrotate(rotated.dequantized.to(at::kDouble), matrices);
+  if (centre.defined()) back = back + centre;
+  return {back.to(x.scalar_type()), rotated.outliers};
+}
+}  // namespace
+
 SimulatedTensor quantize_dequantize_keys(const QuantizerConfig& config, int64_t layer, const at::Tensor& keys) {
-  return simulate_quantization(config.settings, config.settings.keys, layer_of(config, layer).keys, keys);
+  const LayerQuantizers& quantizers = layer_of(config, layer);
+  return simulate_rotated(config, config.settings.keys, quantizers.keys, quantizers.rotation.keys,
+                          config.rotation ? config.rotation->keys : RotationForm::kNone, keys);
 }
 
 SimulatedTensor quantize_dequantize_values(const QuantizerConfig& config, int64_t layer, const at::Tensor& values) {
-  return simulate_quantization(config.settings, config.settings.values, layer_of(config, layer).values, values);
+  const LayerQuantizers& quantizers = layer_of(config, layer);
+  return simulate_rotated(config, config.settings.values, quantizers.values, quantizers.rotation.values,
+                          config.rotation ? config.rotation->values : RotationForm::kNone, values);
 }
 
 }  // namespace kvforge

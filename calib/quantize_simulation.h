@@ -95,6 +95,9 @@ NormalizedInliers normalized_inliers(const QuantizerSettings& settings, const Te
                                      const TensorQuantizer& quantizer, const at::Tensor& x,
                                      const at::Tensor& weights = {});
 
+// With config.rotation, x is rotated first and rotated back after (see
+// formats/kv_rotation.h): the result is in x's own domain, the outlier flags
+// those of the rotated elements.
 // keys: [..., kv_heads, T, D], pre-RoPE when config.settings.keys_pre_rope,
 // else post-RoPE; returned in the same domain.
 SimulatedTensor quantize_dequantize_keys(const QuantizerConfig& config, int64_t layer, const at::Tensor& keys);

@@ -23,6 +23,13 @@ constexpr NameTable<OutlierRule, 4> kOutlierRuleNames{{{OutlierRule::kNone, "non
                                                        {OutlierRule::kTokenTau, "token_tau"}}};
 constexpr NameTable<QNorm, 3> kQNormNames{{{QNorm::kNone, "none"}, {QNorm::kAffine, "affine"},
                                            {QNorm::kIterated, "iterated"}}};
+constexpr NameTable<RotationBasis, 4> kBasisNames{{{RotationBasis::kIdentity, "identity"},
+                                                  {RotationBasis::kHadamard, "hadamard"},
+                                                  {RotationBasis::kEigen, "eigen"},
+                                                  {RotationBasis::kRandom, "random"}}};
+constexpr NameTable<RotationForm, 3> kRotationFormNames{{{RotationForm::kNone, "none"},
+                                                         {RotationForm::kMatrix, "matrix"},
+                                                         {RotationForm::kPairAngles, "pair_angles"}}};
 
 }  // namespace
 
@@ -37,5 +44,9 @@ std::string_view outlier_rule_name(OutlierRule rule) { return name_in(kOutlierRu
 std::optional<OutlierRule> parse_outlier_rule(std::string_view name) { return parse_in(kOutlierRuleNames, name); }
 std::string_view q_norm_name(QNorm q_norm) { return name_in(kQNormNames, q_norm); }
 std::optional<QNorm> parse_q_norm(std::string_view name) { return parse_in(kQNormNames, name); }
+std::string_view basis_name(RotationBasis basis) { return name_in(kBasisNames, basis); }
+std::optional<RotationBasis> parse_basis(std::string_view name) { return parse_in(kBasisNames, name); }
+std::string_view rotation_form_name(RotationForm form) { return name_in(kRotationFormNames, form); }
+std::optional<RotationForm> parse_rotation_form(std::string_view name) { return parse_in(kRotationFormNames, name); }
 
 }  // namespace kvforge

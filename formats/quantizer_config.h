@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "formats/kv_rotation.h"
+
 namespace kvforge {
 
 enum class QuantMethod {
@@ -156,10 +158,30 @@ struct LayerCalibrationStats {
   bool operator==(const LayerCalibrationStats&) const = default;
 };
 
+// One layer's rotation of keys or of values (formats/kv_rotation.h states
+// the arithmetic). Empty arrays where the configuration's RotationForm does
+// not use them.
+struct TensorRotation {
+  Float32Array matrix;  // kMatrix: [kv_heads, D, D], x' = x R (row vectors)
+  Float32Array angles;  // kPairAngles: [kv_heads, D / 2], radians
+  Float32Array centre;  // keys, kMatrix with key_centred: [kv_heads, D], k' = (k - c) R
+  std::vector<RotationBasis> basis;  // per KV head: the base its rotation started from
+  std::vector<bool> learned;         // per KV head: the learned correction was kept (else the base alone)
+  bool empty() const { return matrix.empty() && angles.empty(); }
+  bool operator==(const TensorRotation&) const = default;
+};
+
+struct LayerRotation {
+  TensorRotation keys, values;
+  std::vector<HeadRotationLoss> loss;  // per KV head, on the validation windows; empty if not measured
+  bool operator==(const LayerRotation&) const = default;
+};
+
 struct LayerQuantizers {
   TensorQuantizer keys;
   TensorQuantizer values;
   LayerCalibrationStats stats;
+  LayerRotation rotation;  // empty unless the configuration has rotation settings
   bool operator==(const LayerQuantizers&) const = default;
 };
 
@@ -169,6 +191,9 @@ struct QuantizerConfig {
   std::string name;
   QuantizerSettings settings;
   std::vector<LayerQuantizers> layers;
+  // Learned or fixed rotations of keys and values (kvforge rotate); every
+  // layer's `rotation` then holds its matrices or angles. Unset: none.
+  std::optional<RotationSettings> rotation;
   // Effective bits per cached element (keys and values averaged), counting
   // codes, scales, outliers and 16-bit windows, at these context lengths.
   std::vector<std::pair<int64_t, double>> effective_bits;
