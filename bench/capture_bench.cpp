@@ -27,9 +27,9 @@
 #include <iostream>
 
 #include "bench/llama3_shapes.h"
-#include "calib/activation_recorder.h"
-#include "calib/capture.h"
-#include "calib/host_stager.h"
+#include "capture/activation_recorder.h"
+#include "capture/capture.h"
+#include "capture/host_stager.h"
 #include "formats/activation_store.h"
 #include "model/transformer.h"
 

@@ -8,8 +8,8 @@
 #include <iostream>
 #include <map>
 
-#include "calib/activation_recorder.h"
-#include "calib/capture.h"
+#include "capture/activation_recorder.h"
+#include "capture/capture.h"
 #include "formats/activation_store.h"
 #include "tests/cpu_kernel_family.h"
 #include "tests/low_precision.h"

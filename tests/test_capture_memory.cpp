@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "calib/capture_memory.h"
-#include "calib/device_memory.h"
+#include "capture/capture_memory.h"
+#include "capture/device_memory.h"
 #include "tests/test_paths.h"
 
 namespace kvforge {

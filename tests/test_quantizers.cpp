@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "calib/activation_recorder.h"
+#include "capture/activation_recorder.h"
 #include "calib/calibration_stats.h"
 #include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"

@@ -5,9 +5,9 @@
 #include <filesystem>
 #include <iostream>
 
-#include "calib/capture.h"
-#include "calib/capture_memory.h"
-#include "calib/device_memory.h"
+#include "capture/capture.h"
+#include "capture/capture_memory.h"
+#include "capture/device_memory.h"
 #include "formats/input_error.h"
 #include "formats/model_fingerprint.h"
 #include "formats/sha256.h"

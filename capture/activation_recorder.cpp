@@ -1,4 +1,4 @@
-#include "calib/activation_recorder.h"
+#include "capture/activation_recorder.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>

@@ -1,4 +1,4 @@
-#include "calib/capture_memory.h"
+#include "capture/capture_memory.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "calib/capture.h"
+#include "capture/capture.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "calib/host_stager.h"
+#include "capture/host_stager.h"
 #include "log/log.h"
 #include "log/progress.h"
 

@@ -1,4 +1,4 @@
-#include "calib/host_stager.h"
+#include "capture/host_stager.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>

@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-#include "calib/activation_recorder.h"
+#include "capture/activation_recorder.h"
 #include "formats/activation_store.h"
 #include "model/transformer.h"
 

@@ -1,4 +1,4 @@
-#include "calib/device_memory.h"
+#include "capture/device_memory.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
