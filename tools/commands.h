@@ -22,5 +22,6 @@ Command add_generate_command(CLI::App& app);
 Command add_capture_command(CLI::App& app);
 Command add_calibrate_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
+Command add_rotate_command(CLI::App& app);
 
 }  // namespace kvforge::cli

@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   add(kvforge::cli::add_generate_command);
   add(kvforge::cli::add_capture_command);
   add(kvforge::cli::add_calibrate_command);
+  add(kvforge::cli::add_rotate_command);
   add(kvforge::cli::add_inspect_command);
 
   const auto configure_log = [&] {
