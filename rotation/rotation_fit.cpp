@@ -332,7 +332,12 @@ LayerFit::Learned LayerFit::learn(bool keys, const at::Tensor& base, RotationTen
   a.mutable_grad() = at::Tensor();
 
   c10::NoGradGuard no_grad;
-  const at::Tensor learned = parameter_of(best_a);
+  // The kept matrices once in float64 (exp and the product with the base),
+  // so that the stored float32 matrices are orthogonal to their own rounding.
+  const at::Tensor learned =
+      angles ? parameter_of(best_a)
+             : at::matmul(base.to(at::kDouble), at::linalg_matrix_exp((best_a - best_a.transpose(-1, -2)).to(at::kDouble)))
+                   .to(base.scalar_type());
   // Keep a head's learned rotation only when, with the quantizer refitted to
   // it on every fit token, its validation loss beats its base's.
   const LayerQuantizers learned_quantizers = refit(with(learned), 0, false);
