@@ -288,7 +288,7 @@ QuantizerConfig rotated_pair_angles_config(std::mt19937& rng) {
   for (auto& layer : config.layers) {
     layer.rotation.keys.angles.shape = {kKvHeads, kHeadDim / 2};
     for (int64_t i = 0; i < kKvHeads * kHeadDim / 2; ++i) layer.rotation.keys.angles.values.push_back(angle(rng));
-    layer.rotation.keys.basis = {RotationBasis::kIdentity, RotationBasis::kIdentity};
+    layer.rotation.keys.basis = {RotationBasis::kIdentity, RotationBasis::kRandom};
     layer.rotation.keys.learned = {true, false};
   }
   return config;
@@ -438,6 +438,28 @@ TEST(Artifact, RotationsAreStoredWhereTheDocsSay) {
   EXPECT_FALSE(exists("/configs/rtn/rotation"));
   EXPECT_FALSE(exists("/configs/rtn/layers/0/rotation"));
   H5Fclose(file);
+}
+
+// ... and every rotation form and basis version 3 stores.
+TEST(Artifact, TestArtifactUsesEveryRotationFormAndBasis) {
+  std::set<std::string> seen;
+  for (const auto& config : make_artifact().configs) {
+    if (!config.rotation) continue;
+    seen.insert("form " + std::string(rotation_form_name(config.rotation->keys)));
+    seen.insert("form " + std::string(rotation_form_name(config.rotation->values)));
+    for (const auto& layer : config.layers) {
+      for (const TensorRotation* t : {&layer.rotation.keys, &layer.rotation.values}) {
+        for (const RotationBasis b : t->basis) seen.insert("basis " + std::string(basis_name(b)));
+      }
+    }
+  }
+  for (const RotationForm f : {RotationForm::kNone, RotationForm::kMatrix, RotationForm::kPairAngles}) {
+    EXPECT_TRUE(seen.contains("form " + std::string(rotation_form_name(f)))) << rotation_form_name(f);
+  }
+  for (const RotationBasis b :
+       {RotationBasis::kIdentity, RotationBasis::kHadamard, RotationBasis::kEigen, RotationBasis::kRandom}) {
+    EXPECT_TRUE(seen.contains("basis " + std::string(basis_name(b)))) << basis_name(b);
+  }
 }
 
 TEST(Artifact, TimestampHasTheStoredFormat) {
