@@ -77,6 +77,19 @@ constexpr const char* kChannelScale = "channel_scale";
 constexpr const char* kChannelOffset = "channel_offset";
 constexpr const char* kOutlierLow = "outlier_low";
 constexpr const char* kOutlierHigh = "outlier_high";
+// Version 3: /configs/<name>/rotation, how the rotations were made; per-kind
+// attributes stored as "<keys|values>_<name>" (form, basis).
+constexpr const char* kRotation = "rotation";  // also the group /configs/<name>/layers/<i>/rotation
+constexpr const char* kForm = "form";
+constexpr const char* kBasis = "basis";        // also the per-head names of a tensor's rotation group
+constexpr const char* kKeyCentred = "key_centred";
+constexpr const char* kFolded = "folded";
+constexpr const char* kGradient = "gradient";
+// Version 3: /configs/<name>/layers/<i>/rotation/<keys|values>.
+constexpr const char* kMatrix = "matrix";
+constexpr const char* kAngles = "angles";
+constexpr const char* kCentre = "centre";
+constexpr const char* kLearned = "learned";
 }  // namespace name
 
 // /configs/<name>/layers/<i>: the calibration statistics, all float64.
@@ -105,6 +118,43 @@ constexpr std::array<HeadArrayField, 4> kHeadArrayFields = {{
     {name::kOutlierHigh, &TensorQuantizer::outlier_high},
 }};
 
+// /configs/<name>/rotation: the fit's provenance, float64 (finite, >= 0) and int64 (>= least).
+struct RotationRealField {
+  const char* name;
+  double RotationSettings::*member;
+};
+constexpr std::array<RotationRealField, 4> kRotationRealFields = {{
+    {"key_kl_weight", &RotationSettings::key_kl_weight},
+    {"key_output_weight", &RotationSettings::key_output_weight},
+    {"value_output_weight", &RotationSettings::value_output_weight},
+    {"learning_rate", &RotationSettings::learning_rate},
+}};
+struct RotationCountField {
+  const char* name;
+  int64_t RotationSettings::*member;
+  int64_t least;
+};
+constexpr std::array<RotationCountField, 4> kRotationCountFields = {{
+    {"steps", &RotationSettings::steps, 0},
+    {"last_queries", &RotationSettings::last_queries, 1},
+    {"fit_samples", &RotationSettings::fit_samples, 0},
+    {"validation_samples", &RotationSettings::validation_samples, 0},
+}};
+// The gradients formats/kv_rotation.h names for RotationSettings::gradient.
+constexpr std::array<std::string_view, 2> kGradients = {"straight_through", "smoothed"};
+
+// /configs/<name>/layers/<i>/rotation: the per-head validation losses, float64 [Hkv] each.
+struct LossField {
+  const char* name;
+  double HeadRotationLoss::*member;
+};
+constexpr std::array<LossField, 4> kLossFields = {{
+    {"loss_key_base", &HeadRotationLoss::key_base},
+    {"loss_key_learned", &HeadRotationLoss::key_learned},
+    {"loss_value_base", &HeadRotationLoss::value_base},
+    {"loss_value_learned", &HeadRotationLoss::value_learned},
+}};
+
 // Every value of each enum, to list the alternatives in messages (the names
 // themselves come from formats/quantizer_config.cpp's tables).
 constexpr std::array<QuantMethod, 4> kMethods = {QuantMethod::kKvquant, QuantMethod::kKivi, QuantMethod::kInt2Rot,
@@ -117,6 +167,12 @@ constexpr std::array<OutlierRule, 4> kOutlierRules = {OutlierRule::kNone, Outlie
                                                       OutlierRule::kTokenTopBottom, OutlierRule::kTokenTau};
 constexpr std::array<ResidualRule, 2> kResidualRules = {ResidualRule::kSliding, ResidualRule::kBlockFlush};
 constexpr std::array<QNorm, 3> kQNorms = {QNorm::kNone, QNorm::kAffine, QNorm::kIterated};
+constexpr std::array<RotationForm, 3> kRotationForms = {RotationForm::kNone, RotationForm::kMatrix,
+                                                        RotationForm::kPairAngles};
+constexpr std::array<RotationBasis, 4> kBases = {RotationBasis::kIdentity, RotationBasis::kHadamard,
+                                                 RotationBasis::kEigen, RotationBasis::kRandom};
+// The first version that stores rotations.
+constexpr int64_t kFirstRotationVersion = 3;
 
 // Inlier thresholds of per-channel-offline keys may map this far outside
 // [-1, 1] through (x - offset) / scale: float32 rounding of fitted values.
@@ -140,6 +196,22 @@ const TensorQuantizer& quantizer_of(const LayerQuantizers& layer, Kind kind) {
 TensorQuantizer& quantizer_of(LayerQuantizers& layer, Kind kind) {
   return kind == Kind::kKeys ? layer.keys : layer.values;
 }
+RotationForm form_of(const RotationSettings& rotation, Kind kind) {
+  return kind == Kind::kKeys ? rotation.keys : rotation.values;
+}
+RotationForm& form_of(RotationSettings& rotation, Kind kind) {
+  return kind == Kind::kKeys ? rotation.keys : rotation.values;
+}
+RotationBasis& basis_of(RotationSettings& rotation, Kind kind) {
+  return kind == Kind::kKeys ? rotation.key_basis : rotation.value_basis;
+}
+RotationBasis basis_of(const RotationSettings& rotation, Kind kind) {
+  return kind == Kind::kKeys ? rotation.key_basis : rotation.value_basis;
+}
+const TensorRotation& rotation_of(const LayerRotation& layer, Kind kind) {
+  return kind == Kind::kKeys ? layer.keys : layer.values;
+}
+TensorRotation& rotation_of(LayerRotation& layer, Kind kind) { return kind == Kind::kKeys ? layer.keys : layer.values; }
 
 // --- object paths, as error messages and docs/artifact.md name them -----------
 
@@ -150,6 +222,13 @@ std::string layer_object(const std::string& config, size_t layer) {
 }
 std::string tensor_object(const std::string& config, size_t layer, Kind kind) {
   return layer_object(config, layer) + "/" + kind_name(kind);
+}
+std::string rotation_object(const std::string& config) { return config_object(config) + "/" + name::kRotation; }
+std::string layer_rotation_object(const std::string& config, size_t layer) {
+  return layer_object(config, layer) + "/" + name::kRotation;
+}
+std::string tensor_rotation_object(const std::string& config, size_t layer, Kind kind) {
+  return layer_rotation_object(config, layer) + "/" + kind_name(kind);
 }
 // "/configs/x" + "bits" -> "/configs/x@bits"; "/" + "schema" -> "/@schema".
 std::string attribute_object(const std::string& object, const std::string& attribute) {
@@ -585,12 +664,227 @@ void check_groups_fit_heads(const Rules& rules, const std::string& object, const
   }
 }
 
+// --- the rules of rotations (version 3) -----------------------------------------
+
+// A stored matrix is the float32 rounding R~ = R + E of an orthogonal R, with
+// |E_ij| <= u |R_ij| (u = 2^-24, round to nearest). Then
+// (R~^T R~ - I)_ij = (R^T E + E^T R + E^T E)_ij, and
+// |(R^T E)_ij| <= u sum_k |R_ki| |R_kj| <= u (Cauchy-Schwarz over unit
+// columns), so every entry is within 2u + u^2 and the Frobenius norm within
+// (2u + u^2) D. Allowed: twice that bound, leaving as much again for the
+// float32 arithmetic the fit may have computed R in. At D = 128: 3.05e-5;
+// what rounding alone typically gives is ~sqrt(D) u = 7e-7.
+double orthogonality_tolerance(int64_t head_dim) {
+  const double u = std::ldexp(1.0, -24);
+  return 2 * (2 * u + u * u) * static_cast<double>(head_dim);
+}
+
+// ||R^T R - I||_F in float64 of the D x D row-major matrix at r.
+double distance_from_orthogonal(const float* r, int64_t d) {
+  const auto n = static_cast<size_t>(d);
+  double sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = i; j < n; ++j) {
+      double dot = 0;
+      for (size_t k = 0; k < n; ++k) dot += static_cast<double>(r[k * n + i]) * static_cast<double>(r[k * n + j]);
+      const double e = dot - (i == j ? 1.0 : 0.0);
+      sum += (i == j ? 1 : 2) * e * e;  // the matrix is symmetric: off-diagonal entries twice
+    }
+  }
+  return std::sqrt(sum);
+}
+
+std::string form_text(RotationForm form) { return std::string(rotation_form_name(form)); }
+
+void check_rotation_settings(const Rules& rules, const std::string& config_name, const RotationSettings& r,
+                             const QuantizerSettings& settings, const ModelFingerprint& model) {
+  const std::string object = rotation_object(config_name);
+  auto at = [&](const std::string& attribute) { return attribute_object(object, attribute); };
+  const std::string keys_form = setting_attribute(Kind::kKeys, name::kForm);
+  const std::string values_form = setting_attribute(Kind::kValues, name::kForm);
+  for (const Kind kind : kKinds) {
+    if (!parse_rotation_form(rotation_form_name(form_of(r, kind)))) {
+      rules.fail(at(setting_attribute(kind, name::kForm)), "expected a rotation form");
+    }
+    if (!parse_basis(basis_name(basis_of(r, kind)))) {
+      rules.fail(at(setting_attribute(kind, name::kBasis)), "expected a basis");
+    }
+  }
+  if (r.keys == RotationForm::kNone && r.values == RotationForm::kNone) {
+    rules.fail(at(keys_form), "expected " + keys_form + " or " + values_form +
+                                  " other than none (a rotation group that rotates nothing)");
+  }
+  if (r.values == RotationForm::kPairAngles) {
+    rules.fail(at(values_form), "expected none or matrix (pair angles are a key form: they commute with RoPE), got " +
+                                    form_text(r.values));
+  }
+  if (r.keys == RotationForm::kMatrix && settings.keys_pre_rope) {
+    rules.fail(at(keys_form), "expected none or pair_angles when " + attribute_object(config_object(config_name),
+                                                                                       name::kKeysPreRope) +
+                                  " is 1 (a full matrix does not commute with RoPE), got matrix");
+  }
+  if (r.keys == RotationForm::kPairAngles && model.head_dim % 2 != 0) {
+    rules.fail(at(keys_form), "expected an even head_dim (/model@head_dim) for pair_angles, got " +
+                                  std::to_string(model.head_dim));
+  }
+  if (r.key_centred && r.keys != RotationForm::kMatrix) {
+    rules.fail(at(name::kKeyCentred), "expected 0 when " + keys_form + " is " + form_text(r.keys) +
+                                          " (a centre belongs to matrix keys), got 1");
+  }
+  if (r.folded && r.keys == RotationForm::kMatrix) {
+    rules.fail(at(name::kFolded), "expected 0 when " + keys_form +
+                                      " is matrix (RoPE lies between W_K and post-RoPE keys: nothing to fold into), "
+                                      "got 1");
+  }
+  for (const RotationRealField& field : kRotationRealFields) {
+    const double value = r.*field.member;
+    if (!std::isfinite(value) || value < 0) rules.fail(at(field.name), "expected a finite value >= 0, got " + number(value));
+  }
+  for (const RotationCountField& field : kRotationCountFields) {
+    const int64_t value = r.*field.member;
+    if (value < field.least) {
+      rules.fail(at(field.name), "expected >= " + std::to_string(field.least) + ", got " + std::to_string(value));
+    }
+  }
+  if (std::find(kGradients.begin(), kGradients.end(), r.gradient) == kGradients.end()) {
+    rules.fail(at(name::kGradient), "expected " + std::string(kGradients[0]) + " or " + std::string(kGradients[1]) +
+                                        ", got \"" + r.gradient + "\"");
+  }
+}
+
+// Shape `expected`, as many values, all finite; `meaning` explains the shape.
+void check_rotation_array(const Rules& rules, const std::string& object, const Float32Array& array,
+                          const std::vector<int64_t>& expected, const std::string& meaning,
+                          const std::string& required_because) {
+  if (!present(array)) rules.fail(object, "missing: required " + required_because);
+  if (array.shape != expected) {
+    rules.fail(object, "expected shape " + shape_text(expected) + " (" + meaning + "), got " + shape_text(array.shape));
+  }
+  size_t count = 1;
+  for (const int64_t dim : expected) count *= static_cast<size_t>(dim);
+  if (array.values.size() != count) {
+    rules.fail(object, "expected " + std::to_string(count) + " values for shape " + shape_text(expected) + ", got " +
+                           std::to_string(array.values.size()));
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (!std::isfinite(array.values[i])) {
+      size_t rest = i;
+      std::vector<size_t> digits(expected.size());
+      for (size_t a = expected.size(); a-- > 0;) {
+        digits[a] = rest % static_cast<size_t>(expected[a]);
+        rest /= static_cast<size_t>(expected[a]);
+      }
+      rules.fail(object, "expected finite values, element " + shape_text(digits) + " is " + number(array.values[i]));
+    }
+  }
+}
+
+void check_tensor_rotation(const Rules& rules, const std::string& config_name, size_t layer, Kind kind,
+                           const RotationSettings& r, const TensorRotation& t, const ModelFingerprint& model) {
+  const std::string object = tensor_rotation_object(config_name, layer, kind);
+  const RotationForm form = form_of(r, kind);
+  const std::string form_attribute =
+      attribute_object(rotation_object(config_name), setting_attribute(kind, name::kForm));
+  const std::string when = "when " + form_attribute + " is " + form_text(form);
+  auto child = [&](const char* dataset) { return object + "/" + dataset; };
+  if (form == RotationForm::kNone) {
+    check_absent(rules, object, t != TensorRotation{}, form_attribute + " is none");
+    return;
+  }
+  if (t == TensorRotation{}) rules.fail(object, "missing: required " + when);
+  const int64_t heads = model.num_kv_heads, d = model.head_dim;
+
+  if (form == RotationForm::kMatrix) {
+    check_rotation_array(rules, child(name::kMatrix), t.matrix, {heads, d, d},
+                         "[num_kv_heads, head_dim, head_dim] of /model", when);
+    const double tolerance = orthogonality_tolerance(d);
+    for (int64_t h = 0; h < heads; ++h) {
+      const double distance = distance_from_orthogonal(t.matrix.values.data() + h * d * d, d);
+      if (!(distance <= tolerance)) {
+        rules.fail(child(name::kMatrix), "expected orthogonal matrices (||R^T R - I||_F <= " + number(tolerance) +
+                                             ", float32 storage at head_dim " + std::to_string(d) + "), head " +
+                                             std::to_string(h) + " has " + number(distance));
+      }
+    }
+  } else {
+    check_absent(rules, child(name::kMatrix), present(t.matrix), form_attribute + " is " + form_text(form));
+  }
+  if (form == RotationForm::kPairAngles) {
+    check_rotation_array(rules, child(name::kAngles), t.angles, {heads, d / 2}, "[num_kv_heads, head_dim / 2] of /model",
+                         when);
+  } else {
+    check_absent(rules, child(name::kAngles), present(t.angles), form_attribute + " is " + form_text(form));
+  }
+  const bool centred = kind == Kind::kKeys && r.key_centred;
+  if (centred) {
+    check_head_array(rules, child(name::kCentre), t.centre, model,
+                     "when " + attribute_object(rotation_object(config_name), name::kKeyCentred) + " is 1");
+  } else {
+    check_absent(rules, child(name::kCentre), present(t.centre),
+                 kind == Kind::kKeys ? attribute_object(rotation_object(config_name), name::kKeyCentred) + " is 0"
+                                     : std::string("values have no centre"));
+  }
+
+  const std::string basis = attribute_object(object, name::kBasis);
+  if (t.basis.size() != static_cast<size_t>(heads)) {
+    rules.fail(basis, "expected one name per KV head (" + std::to_string(heads) + ", /model@num_kv_heads), got " +
+                          std::to_string(t.basis.size()));
+  }
+  for (size_t h = 0; h < t.basis.size(); ++h) {
+    if (!parse_basis(basis_name(t.basis[h]))) rules.fail(basis, "expected a basis, element [" + std::to_string(h) + "]");
+  }
+  const std::string learned = child(name::kLearned);
+  if (t.learned.size() != static_cast<size_t>(heads)) {
+    rules.fail(learned, "expected one flag per KV head (" + std::to_string(heads) + ", /model@num_kv_heads), got " +
+                            std::to_string(t.learned.size()));
+  }
+  if (r.steps == 0) {
+    for (size_t h = 0; h < t.learned.size(); ++h) {
+      if (t.learned[h]) {
+        rules.fail(learned, "expected 0 for every head when " + attribute_object(rotation_object(config_name), "steps") +
+                                " is 0 (nothing was learned), element [" + std::to_string(h) + "] is 1");
+      }
+    }
+  }
+}
+
+void check_layer_rotation(const Rules& rules, const QuantizerConfig& config, size_t layer,
+                          const ModelFingerprint& model) {
+  const LayerRotation& rotation = config.layers[layer].rotation;
+  const std::string object = layer_rotation_object(config.name, layer);
+  if (!config.rotation) {
+    check_absent(rules, object, rotation != LayerRotation{},
+                 "the configuration has no " + rotation_object(config.name) + " (unrotated)");
+    return;
+  }
+  for (const Kind kind : kKinds) {
+    check_tensor_rotation(rules, config.name, layer, kind, *config.rotation, rotation_of(rotation, kind), model);
+  }
+  if (rotation.loss.empty()) return;
+  if (rotation.loss.size() != static_cast<size_t>(model.num_kv_heads)) {
+    rules.fail(object + "/" + kLossFields[0].name, "expected one loss per KV head (" +
+                                                       std::to_string(model.num_kv_heads) +
+                                                       ", /model@num_kv_heads), got " +
+                                                       std::to_string(rotation.loss.size()));
+  }
+  for (const LossField& field : kLossFields) {
+    for (size_t h = 0; h < rotation.loss.size(); ++h) {
+      const double value = rotation.loss[h].*field.member;
+      if (!std::isfinite(value) || value < 0) {
+        rules.fail(object + "/" + field.name, "expected finite values >= 0, element [" + std::to_string(h) + "] is " +
+                                                  number(value));
+      }
+    }
+  }
+}
+
 void check_config(const Rules& rules, const QuantizerConfig& config, const ModelFingerprint& model) {
   check_name(rules, config.name);
   const std::string object = config_object(config.name);
   check_settings(rules, object, config.settings);
   check_groups_fit_heads(rules, object, config.settings, model);
   check_effective_bits(rules, object + "/" + name::kEffectiveBits, config.effective_bits);
+  if (config.rotation) check_rotation_settings(rules, config.name, *config.rotation, config.settings, model);
   if (config.layers.size() != static_cast<size_t>(model.num_layers)) {
     rules.fail(object + "/" + name::kLayers, "expected " + std::to_string(model.num_layers) +
                                                  " layers (/model@num_layers), got " +
@@ -602,6 +896,7 @@ void check_config(const Rules& rules, const QuantizerConfig& config, const Model
                    quantizer_of(config.layers[layer], kind), model);
     }
     check_stats(rules, layer_object(config.name, layer), config.layers[layer].stats);
+    check_layer_rotation(rules, config, layer, model);
   }
   // Scales identical across layers were copied, not fitted.
   for (const Kind kind : kKinds) {
@@ -921,6 +1216,159 @@ TensorQuantizer read_tensor(const Group& group, Kind kind, const QuantizerSettin
   return q;
 }
 
+void write_rotation_settings(Group& group, const RotationSettings& r) {
+  for (const Kind kind : kKinds) {
+    group.write_string(setting_attribute(kind, name::kForm), std::string(rotation_form_name(form_of(r, kind))));
+    group.write_string(setting_attribute(kind, name::kBasis), std::string(basis_name(basis_of(r, kind))));
+  }
+  write_bool(group, name::kKeyCentred, r.key_centred);
+  write_bool(group, name::kFolded, r.folded);
+  group.write_string(name::kGradient, r.gradient);
+  for (const RotationRealField& field : kRotationRealFields) write_float(group, field.name, r.*field.member, H5T_IEEE_F64LE);
+  for (const RotationCountField& field : kRotationCountFields) group.write_scalar<int64_t>(field.name, r.*field.member);
+}
+
+RotationSettings read_rotation_settings(const Group& group) {
+  RotationSettings r;
+  for (const Kind kind : kKinds) {
+    form_of(r, kind) = read_name(group, setting_attribute(kind, name::kForm), kRotationForms, rotation_form_name);
+    basis_of(r, kind) = read_name(group, setting_attribute(kind, name::kBasis), kBases, basis_name);
+  }
+  r.key_centred = read_bool(group, name::kKeyCentred);
+  r.folded = read_bool(group, name::kFolded);
+  r.gradient = group.read_string(name::kGradient);
+  for (const RotationRealField& field : kRotationRealFields) r.*field.member = read_float(group, field.name);
+  for (const RotationCountField& field : kRotationCountFields) {
+    r.*field.member = group.read_integer<int64_t>(field.name);
+  }
+  return r;
+}
+
+// A 1-D dataset of T (double or uint8_t).
+template <class T>
+void write_vector(Group& group, const char* name, const std::vector<T>& values) {
+  const std::vector<hsize_t> shape = {values.size()};
+  const std::array<hsize_t, 1> start = {0};
+  group.create_dataset<T>(name, shape, {}).template write<T>(start, shape, values.data());
+}
+
+template <class T>
+std::vector<T> read_vector(const Group& group, const char* name, int64_t length, const char* type,
+                           const std::string& length_meaning) {
+  const Dataset dataset = group.open_dataset(name);
+  if (!dataset.holds<T>()) dataset.where().fail(std::string("expected ") + type + ", got " + dataset.type_name());
+  const std::vector<int64_t> shape = dataset.shape();
+  if (shape != std::vector<int64_t>{length}) {
+    dataset.where().fail("expected shape [" + std::to_string(length) + "] (" + length_meaning + "), got " +
+                         shape_text(shape));
+  }
+  std::vector<T> values(static_cast<size_t>(length));
+  const std::array<hsize_t, 1> start = {0}, count = {static_cast<hsize_t>(length)};
+  if (length > 0) dataset.read<T>(start, count, values.data());
+  return values;
+}
+
+void write_tensor_rotation(Group& group, const TensorRotation& t) {
+  for (const auto& [dataset, array] : {std::pair<const char*, const Float32Array*>{name::kMatrix, &t.matrix},
+                                       {name::kAngles, &t.angles},
+                                       {name::kCentre, &t.centre}}) {
+    if (!array->empty()) write_array(group, dataset, array->shape, array->values.data());
+  }
+  std::vector<std::string> bases;
+  for (const RotationBasis basis : t.basis) bases.emplace_back(basis_name(basis));
+  group.write_strings(name::kBasis, bases);
+  std::vector<uint8_t> learned;
+  for (const bool flag : t.learned) learned.push_back(flag ? 1 : 0);
+  write_vector(group, name::kLearned, learned);
+}
+
+void refuse_child(const Group& group, const char* name, const std::string& why) {
+  if (group.has_child(name)) Location(group.where().file(), group.where().child(name)).fail("expected none: " + why);
+}
+
+TensorRotation read_tensor_rotation(const Group& group, const std::string& form_attribute, RotationForm form,
+                                    bool centred, const ModelFingerprint& model) {
+  TensorRotation t;
+  const int64_t heads = model.num_kv_heads, d = model.head_dim;
+  const std::string not_this_form = form_attribute + " is " + std::string(rotation_form_name(form));
+  if (form == RotationForm::kMatrix) {
+    t.matrix = read_array(group, name::kMatrix, {heads, d, d}, "[num_kv_heads, head_dim, head_dim] of /model");
+  } else {
+    refuse_child(group, name::kMatrix, not_this_form);
+  }
+  if (form == RotationForm::kPairAngles) {
+    t.angles = read_array(group, name::kAngles, {heads, d / 2}, "[num_kv_heads, head_dim / 2] of /model");
+  } else {
+    refuse_child(group, name::kAngles, not_this_form);
+  }
+  if (centred) {
+    t.centre = read_array(group, name::kCentre, {heads, d}, "[num_kv_heads, head_dim] of /model");
+  } else {
+    refuse_child(group, name::kCentre, "no centre (key_centred is 0, or values)");
+  }
+  const Location basis(group.where().file(), attribute_object(group.where().name(), name::kBasis));
+  const std::vector<std::string> names = group.read_strings(name::kBasis);
+  for (size_t h = 0; h < names.size(); ++h) {
+    const std::optional<RotationBasis> parsed = parse_basis(names[h]);
+    if (!parsed) {
+      basis.fail("expected " + alternatives(kBases, basis_name) + ", element [" + std::to_string(h) + "] is \"" +
+                 names[h] + "\"");
+    }
+    t.basis.push_back(*parsed);
+  }
+  const std::vector<uint8_t> learned = read_vector<uint8_t>(group, name::kLearned, heads, "uint8", "num_kv_heads of /model");
+  for (size_t h = 0; h < learned.size(); ++h) {
+    if (learned[h] > 1) {
+      Location(group.where().file(), group.where().child(name::kLearned))
+          .fail("expected 0 or 1, element [" + std::to_string(h) + "] is " + std::to_string(learned[h]));
+    }
+    t.learned.push_back(learned[h] == 1);
+  }
+  return t;
+}
+
+void write_layer_rotation(Group& layer, const RotationSettings& r, const LayerRotation& rotation) {
+  Group group = layer.create_group(name::kRotation);
+  for (const Kind kind : kKinds) {
+    if (form_of(r, kind) == RotationForm::kNone) continue;
+    Group tensor = group.create_group(kind_name(kind));
+    write_tensor_rotation(tensor, rotation_of(rotation, kind));
+  }
+  if (rotation.loss.empty()) return;
+  for (const LossField& field : kLossFields) {
+    std::vector<double> values;
+    for (const HeadRotationLoss& loss : rotation.loss) values.push_back(loss.*field.member);
+    write_vector(group, field.name, values);
+  }
+}
+
+LayerRotation read_layer_rotation(const Group& group, const std::string& config_name, const RotationSettings& r,
+                                  const ModelFingerprint& model) {
+  LayerRotation rotation;
+  for (const Kind kind : kKinds) {
+    const std::string form_attribute =
+        attribute_object(rotation_object(config_name), setting_attribute(kind, name::kForm));
+    const RotationForm form = form_of(r, kind);
+    if (form == RotationForm::kNone) {
+      refuse_child(group, kind_name(kind).c_str(), form_attribute + " is none");
+      continue;
+    }
+    rotation_of(rotation, kind) = read_tensor_rotation(group.open_group(kind_name(kind)), form_attribute, form,
+                                                       kind == Kind::kKeys && r.key_centred, model);
+  }
+  // The losses are optional, all four or none.
+  const bool any = std::any_of(kLossFields.begin(), kLossFields.end(),
+                               [&](const LossField& field) { return group.has_child(field.name); });
+  if (!any) return rotation;
+  rotation.loss.resize(static_cast<size_t>(model.num_kv_heads));
+  for (const LossField& field : kLossFields) {
+    const std::vector<double> values =
+        read_vector<double>(group, field.name, model.num_kv_heads, "float64", "num_kv_heads of /model");
+    for (size_t h = 0; h < values.size(); ++h) rotation.loss[h].*field.member = values[h];
+  }
+  return rotation;
+}
+
 void write_config(Group& group, const QuantizerConfig& config) {
   write_settings(group, config.settings);
   write_effective_bits(group, config.effective_bits);
@@ -932,6 +1380,11 @@ void write_config(Group& group, const QuantizerConfig& config) {
       Group tensor = layer.create_group(kind_name(kind));
       write_tensor(tensor, quantizer_of(config.layers[i], kind));
     }
+    if (config.rotation) write_layer_rotation(layer, *config.rotation, config.layers[i].rotation);
+  }
+  if (config.rotation) {
+    Group rotation = group.create_group(name::kRotation);
+    write_rotation_settings(rotation, *config.rotation);
   }
 }
 
@@ -944,6 +1397,11 @@ QuantizerConfig read_config(const Rules& rules, const Group& group, const std::s
   check_settings(rules, group.where().name(), config.settings);
   check_groups_fit_heads(rules, group.where().name(), config.settings, model);
   config.effective_bits = read_effective_bits(group);
+  // Version 3's rotation; a group of that name in an older file is unknown there and ignored.
+  if (version >= kFirstRotationVersion && group.has_child(name::kRotation)) {
+    config.rotation = read_rotation_settings(group.open_group(name::kRotation));
+    check_rotation_settings(rules, config_name, *config.rotation, config.settings, model);
+  }
   const Group layers = group.open_group(name::kLayers);
   if (layers.child_count() != model.num_layers) {
     layers.where().fail("expected " + std::to_string(model.num_layers) + " layers (/model@num_layers), got " +
@@ -956,6 +1414,12 @@ QuantizerConfig read_config(const Rules& rules, const Group& group, const std::s
     for (const Kind kind : kKinds) {
       quantizer_of(quantizers, kind) =
           read_tensor(layer.open_group(kind_name(kind)), kind, config.settings, model, version);
+    }
+    if (config.rotation) {
+      quantizers.rotation = read_layer_rotation(layer.open_group(name::kRotation), config_name, *config.rotation, model);
+    } else if (version >= kFirstRotationVersion) {
+      refuse_child(layer, name::kRotation,
+                   "the configuration has no " + rotation_object(config_name) + " (unrotated)");
     }
     config.layers.push_back(std::move(quantizers));
   }

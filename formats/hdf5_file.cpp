@@ -171,12 +171,18 @@ void Dataset::read(std::span<const hsize_t> start, std::span<const hsize_t> coun
 template bool Dataset::holds<float>() const;
 template bool Dataset::holds<int32_t>() const;
 template bool Dataset::holds<int64_t>() const;
+template bool Dataset::holds<double>() const;
+template bool Dataset::holds<uint8_t>() const;
 template void Dataset::write<float>(std::span<const hsize_t>, std::span<const hsize_t>, const float*);
 template void Dataset::write<int32_t>(std::span<const hsize_t>, std::span<const hsize_t>, const int32_t*);
 template void Dataset::write<int64_t>(std::span<const hsize_t>, std::span<const hsize_t>, const int64_t*);
+template void Dataset::write<double>(std::span<const hsize_t>, std::span<const hsize_t>, const double*);
+template void Dataset::write<uint8_t>(std::span<const hsize_t>, std::span<const hsize_t>, const uint8_t*);
 template void Dataset::read<float>(std::span<const hsize_t>, std::span<const hsize_t>, float*) const;
 template void Dataset::read<int32_t>(std::span<const hsize_t>, std::span<const hsize_t>, int32_t*) const;
 template void Dataset::read<int64_t>(std::span<const hsize_t>, std::span<const hsize_t>, int64_t*) const;
+template void Dataset::read<double>(std::span<const hsize_t>, std::span<const hsize_t>, double*) const;
+template void Dataset::read<uint8_t>(std::span<const hsize_t>, std::span<const hsize_t>, uint8_t*) const;
 
 // --- Group --------------------------------------------------------------
 
@@ -227,6 +233,8 @@ Dataset Group::create_dataset(const std::string& name, const std::vector<hsize_t
 template Dataset Group::create_dataset<float>(const std::string&, const std::vector<hsize_t>&, const StorageSpec&);
 template Dataset Group::create_dataset<int32_t>(const std::string&, const std::vector<hsize_t>&, const StorageSpec&);
 template Dataset Group::create_dataset<int64_t>(const std::string&, const std::vector<hsize_t>&, const StorageSpec&);
+template Dataset Group::create_dataset<double>(const std::string&, const std::vector<hsize_t>&, const StorageSpec&);
+template Dataset Group::create_dataset<uint8_t>(const std::string&, const std::vector<hsize_t>&, const StorageSpec&);
 
 Dataset Group::open_dataset(const std::string& name) const {
   Location where(where_.file(), where_.child(name));

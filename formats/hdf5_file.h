@@ -70,14 +70,19 @@ class QuietErrors {
   void* data_ = nullptr;
 };
 
-// Element types the helpers read and write: float, int32_t, int64_t, uint64_t
-// and uint8_t, stored little-endian in the file.
+// Element types the helpers read and write: float, double, int32_t, int64_t,
+// uint64_t and uint8_t, stored little-endian in the file.
 template <class T>
 struct TypeOf;
 template <>
 struct TypeOf<float> {
   static hid_t file() { return H5T_IEEE_F32LE; }
   static hid_t memory() { return H5T_NATIVE_FLOAT; }
+};
+template <>
+struct TypeOf<double> {
+  static hid_t file() { return H5T_IEEE_F64LE; }
+  static hid_t memory() { return H5T_NATIVE_DOUBLE; }
 };
 template <>
 struct TypeOf<int32_t> {

@@ -4,11 +4,12 @@ docs/artifact.md alone (it shares no code with formats/).
 
 usage: check_artifact.py FILE
 
-Reads schema versions 2 and 1 (a version 1 file's settings are mapped onto
-version 2 values as the page's "Reading version 1 files" says). Checks every
-required attribute, group and dataset (names, types, shapes, conditional
-presence) and every validation rule of the page, then prints one JSON object:
-  {"schema_version": 1 | 2, "num_layers": L, "sources": K, "calibration_tokens": T,
+Reads schema versions 3, 2 and 1 (a version 1 file's settings are mapped onto
+version 2 values as the page's "Reading version 1 files" says; versions 1 and
+2 have no rotations). Checks every required attribute, group and dataset
+(names, types, shapes, conditional presence) and every validation rule of the
+page, then prints one JSON object:
+  {"schema_version": 1 | 2 | 3, "num_layers": L, "sources": K, "calibration_tokens": T,
    "configs": [name, ...],                       # in /configs@names order
    "settings": {name: {"method", "bits", "keys_pre_rope", "fisher_weighted", "sink_tokens",
                        "residual_tokens",
@@ -18,8 +19,17 @@ presence) and every validation rule of the page, then prints one JSON object:
    "layers": {name: [{"keys": {"clip_ratio", "outlier_tau",
                                "datasets": {dataset: null | {"checksum": c, "elements": [[i, v], ...]}}},
                       "values": {...}}, ...]},   # one per layer
-   "effective_bits": {name: [[context, bits], ...]}}
-For every dataset of a tensor group (grid, encode_grid, channel_scale,
+   "effective_bits": {name: [[context, bits], ...]},
+   "rotation": {name: null | {"settings": {"keys_form", "values_form", "keys_basis", "values_basis",
+                                           "key_centred", "folded", "gradient", "key_kl_weight",
+                                           "key_output_weight", "value_output_weight", "learning_rate",
+                                           "steps", "last_queries", "fit_samples", "validation_samples"},
+                              "layers": [{"keys": null | {"matrix", "angles", "centre": null | fingerprint,
+                                                          "basis": [name per head], "learned": [0 | 1 per head],
+                                                          "orthogonality": max over heads of ||R^T R - I||_F},
+                                          "values": ..., "loss": null | {loss dataset: fingerprint}}, ...]}}}
+(rotation: null for an unrotated configuration, "orthogonality" null for pair
+angles.) For every float dataset of a tensor group or a rotation group (grid, encode_grid, channel_scale,
 channel_offset, outlier_low, outlier_high; null when absent), "checksum" is
 the position-weighted float64 sum of v[i] * (1 + i) over the flat row-major
 index i, and "elements" are [i, v[i]] at i = 0, 1, n // 2 and n - 1 (each
@@ -35,11 +45,14 @@ import h5py
 import numpy as np
 
 SCHEMA = "kvforge.artifact"
-VERSIONS = [1, 2]
+VERSIONS = [1, 2, 3]
+FIRST_ROTATION_VERSION = 3
+FLOAT32_UNIT_ROUNDOFF = 2.0 ** -24
 TOLERANCE = 1e-4
 METHODS = ["kvquant", "kivi", "int2-rot", "rtn"]
 GROUPINGS = {1: ["per_token", "per_channel_tokens", "per_channel_offline"],
-             2: ["per_token", "per_channel_tokens", "per_channel_offline", "per_token_all_heads"]}
+             2: ["per_token", "per_channel_tokens", "per_channel_offline", "per_token_all_heads"],
+             3: ["per_token", "per_channel_tokens", "per_channel_offline", "per_token_all_heads"]}
 OUTLIER_RULES = ["none", "channel_thresholds", "token_top_bottom", "token_tau"]
 RESIDUAL_RULES = ["sliding", "block_flush"]
 Q_NORMS = ["none", "affine", "iterated"]
@@ -52,6 +65,13 @@ SOURCE_INT64 = ["data_tokens", "samples", "seq_len"]
 STATS = ["key_relative_mse", "value_relative_mse", "key_outlier_fraction", "value_outlier_fraction",
          "logit_relative_mse"]
 TENSOR_DATASETS = ["grid", "encode_grid", "channel_scale", "channel_offset", "outlier_low", "outlier_high"]
+ROTATION_FORMS = ["none", "matrix", "pair_angles"]
+BASES = ["identity", "hadamard", "eigen", "random"]
+GRADIENTS = ["straight_through", "smoothed"]
+ROTATION_FLOATS = ["key_kl_weight", "key_output_weight", "value_output_weight", "learning_rate"]
+ROTATION_COUNTS = {"steps": 0, "last_queries": 1, "fit_samples": 0, "validation_samples": 0}  # name: least value
+LOSSES = ["loss_key_base", "loss_key_learned", "loss_value_base", "loss_value_learned"]
+ROTATION_DATASETS = ["matrix", "angles", "centre"]
 
 
 class Violation(Exception):
@@ -342,12 +362,132 @@ def fingerprint(array):
             "elements": [[i, float(flat[i])] for i in indices]}
 
 
+def orthogonality_tolerance(head_dim):
+    """The page's bound for float32-stored orthogonal matrices: twice (2u + u^2) D."""
+    u = FLOAT32_UNIT_ROUNDOFF
+    return 2 * (2 * u + u * u) * head_dim
+
+
+def check_rotation_settings(r, where, settings, model):
+    s = {}
+    for kind in KINDS:
+        s[f"{kind}_form"] = choice_attr(r, f"{kind}_form", where, ROTATION_FORMS)
+        s[f"{kind}_basis"] = choice_attr(r, f"{kind}_basis", where, BASES)
+    s["key_centred"] = bool_attr(r, "key_centred", where)
+    s["folded"] = bool_attr(r, "folded", where)
+    s["gradient"] = choice_attr(r, "gradient", where, GRADIENTS)
+    for name in ROTATION_FLOATS:
+        s[name] = float_attr(r, name, where, "<f8")
+        if s[name] < 0:
+            fail(f"{where}@{name}", f"expected >= 0, got {s[name]}")
+    for name, least in ROTATION_COUNTS.items():
+        s[name] = int_attr(r, name, where)
+        if s[name] < least:
+            fail(f"{where}@{name}", f"expected >= {least}, got {s[name]}")
+    if s["keys_form"] == "none" and s["values_form"] == "none":
+        fail(f"{where}@keys_form", "expected keys_form or values_form other than none")
+    if s["values_form"] == "pair_angles":
+        fail(f"{where}@values_form", "expected none or matrix for values")
+    if s["keys_form"] == "matrix" and settings["keys_pre_rope"]:
+        fail(f"{where}@keys_form", "a matrix does not commute with RoPE: not for pre-RoPE keys")
+    if s["keys_form"] == "pair_angles" and model["head_dim"] % 2:
+        fail(f"{where}@keys_form", "pair_angles needs an even head_dim")
+    if s["key_centred"] and s["keys_form"] != "matrix":
+        fail(f"{where}@key_centred", "a centre belongs to matrix keys")
+    if s["folded"] and s["keys_form"] == "matrix":
+        fail(f"{where}@folded", "post-RoPE matrix keys cannot be folded")
+    return s
+
+
+def float64_vector(grp, name, where, length):
+    if name not in grp or not isinstance(grp[name], h5py.Dataset):
+        fail(where, "missing dataset")
+    ds = grp[name]
+    if ds.dtype != np.dtype("<f8"):
+        fail(where, f"expected float64, got {ds.dtype}")
+    if ds.shape != (length,):
+        fail(where, f"expected shape ({length},), got {ds.shape}")
+    values = ds[()]
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        fail(where, f"expected finite values >= 0, got {values.tolist()}")
+    return values
+
+
+def check_tensor_rotation(t, where, kind, form, rotation, model):
+    heads, d = model["num_kv_heads"], model["head_dim"]
+    centred = kind == "keys" and rotation["key_centred"]
+    present = {"matrix": form == "matrix", "angles": form == "pair_angles", "centre": centred}
+    for name in ROTATION_DATASETS:
+        if not present[name] and name in t:
+            fail(f"{where}/{name}", "expected none under these settings")
+    arrays = {name: None for name in ROTATION_DATASETS}
+    orthogonality = None
+    if form == "matrix":
+        matrix = float32_dataset(t, "matrix", f"{where}/matrix", (heads, d, d)).astype(np.float64)
+        errors = [float(np.linalg.norm(m.T @ m - np.eye(d))) for m in matrix]
+        orthogonality = max(errors)
+        if orthogonality > orthogonality_tolerance(d):
+            fail(f"{where}/matrix", f"expected orthogonal matrices, ||R^T R - I||_F = {orthogonality}")
+        arrays["matrix"] = matrix
+    if form == "pair_angles":
+        arrays["angles"] = float32_dataset(t, "angles", f"{where}/angles", (heads, d // 2))
+    if centred:
+        arrays["centre"] = float32_dataset(t, "centre", f"{where}/centre", (heads, d))
+    dtype, basis = attribute(t, "basis", where)
+    if h5py.check_string_dtype(dtype) is None or np.ndim(basis) != 1 or len(basis) != heads:
+        fail(f"{where}@basis", f"expected {heads} names (one per KV head), got {basis!r}")
+    basis = [b.decode() if isinstance(b, bytes) else str(b) for b in basis]
+    for b in basis:
+        if b not in BASES:
+            fail(f"{where}@basis", f"expected one of {BASES}, got {b!r}")
+    if "learned" not in t or not isinstance(t["learned"], h5py.Dataset):
+        fail(f"{where}/learned", "missing dataset")
+    learned = t["learned"]
+    if learned.dtype != np.dtype("u1") or learned.shape != (heads,):
+        fail(f"{where}/learned", f"expected uint8 [{heads}], got {learned.dtype} {learned.shape}")
+    learned = [int(v) for v in learned[()]]
+    if any(v not in (0, 1) for v in learned):
+        fail(f"{where}/learned", f"expected 0 or 1, got {learned}")
+    if rotation["steps"] == 0 and any(learned):
+        fail(f"{where}/learned", "expected 0 for every head when steps is 0")
+    report = {name: fingerprint(arrays[name]) for name in ROTATION_DATASETS}
+    report.update({"basis": basis, "learned": learned, "orthogonality": orthogonality})
+    return report
+
+
+def check_layer_rotation(layer, where, rotation, model):
+    if "rotation" not in layer:
+        fail(f"{where}/rotation", "missing group")
+    r = group(layer, "rotation", f"{where}/rotation")
+    report = {}
+    for kind in KINDS:
+        tw = f"{where}/rotation/{kind}"
+        form = rotation[f"{kind}_form"]
+        if form == "none":
+            if kind in r:
+                fail(tw, "expected none when the form is none")
+            report[kind] = None
+        else:
+            report[kind] = check_tensor_rotation(group(r, kind, tw), tw, kind, form, rotation, model)
+    if any(name in r for name in LOSSES):
+        report["loss"] = {name: fingerprint(float64_vector(r, name, f"{where}/rotation/{name}",
+                                                           model["num_kv_heads"])) for name in LOSSES}
+    else:
+        report["loss"] = None
+    return report
+
+
 def check_config(c, where, model, version):
     settings = check_settings(c, where, model["head_dim"], version)
     effective_bits = check_effective_bits(c, f"{where}/effective_bits")
+    rotation = None  # a "rotation" group in a version 1 or 2 file is unknown there: ignored
+    if version >= FIRST_ROTATION_VERSION and "rotation" in c:
+        rotation = check_rotation_settings(group(c, "rotation", f"{where}/rotation"), f"{where}/rotation", settings,
+                                           model)
     layers = group(c, "layers", f"{where}/layers")
     exact_children(layers, model["num_layers"], f"{where}/layers")
     tensors = []
+    rotation_layers = []
     for i in range(model["num_layers"]):
         lw = f"{where}/layers/{i}"
         layer = group(layers, str(i), lw)
@@ -357,6 +497,10 @@ def check_config(c, where, model, version):
                 fail(f"{lw}@{name}", f"out of range: {value}")
         tensors.append({kind: check_tensor(group(layer, kind, f"{lw}/{kind}"), f"{lw}/{kind}", kind, settings,
                                            model, version) for kind in KINDS})
+        if rotation is not None:
+            rotation_layers.append(check_layer_rotation(layer, lw, rotation, model))
+        elif version >= FIRST_ROTATION_VERSION and "rotation" in layer:
+            fail(f"{lw}/rotation", "expected none: the configuration has no rotation")
     for kind in KINDS:
         layer_scales = [tensor[kind]["arrays"]["channel_scale"] for tensor in tensors]
         if layer_scales[0] is None:
@@ -368,7 +512,8 @@ def check_config(c, where, model, version):
     report = [{kind: {"clip_ratio": tensor[kind]["clip_ratio"], "outlier_tau": tensor[kind]["outlier_tau"],
                       "datasets": {name: fingerprint(tensor[kind]["arrays"][name]) for name in TENSOR_DATASETS}}
                for kind in KINDS} for tensor in tensors]
-    return settings, effective_bits, report
+    rotation_report = None if rotation is None else {"settings": rotation, "layers": rotation_layers}
+    return settings, effective_bits, report, rotation_report
 
 
 def check(path):
@@ -401,9 +546,11 @@ def check(path):
 
         report = {"schema_version": version, "num_layers": model["num_layers"], "sources": sources,
                   "calibration_tokens": calibration_tokens, "configs": names, "settings": {}, "layers": {},
-                  "effective_bits": {}}
+                  "effective_bits": {}, "rotation": {}}
         for name in names:
-            settings, effective_bits, layers = check_config(configs[name], f"/configs/{name}", model, version)
+            settings, effective_bits, layers, rotation = check_config(configs[name], f"/configs/{name}", model,
+                                                                      version)
+            report["rotation"][name] = rotation
             report["settings"][name] = settings
             report["layers"][name] = layers
             report["effective_bits"][name] = effective_bits

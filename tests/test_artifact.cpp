@@ -1,5 +1,6 @@
 // The calibration artifact: a round trip of configurations of all four
-// methods, refusal to write degenerate parameters (leaving no file behind),
+// methods and of rotated ones (matrix keys with a centre and matrix values;
+// pair-angle keys), refusal to write degenerate parameters (leaving no file behind),
 // refusal of corrupt files crafted with the HDF5 C API (each naming the
 // object), the model check, and an independent h5py reader
 // (tests/check_artifact.py) that must agree with ours.
@@ -16,6 +17,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "formats/artifact.h"
@@ -200,6 +202,98 @@ QuantizerConfig runtime_config(const std::string& name, QuantMethod method, Tens
   return config;
 }
 
+// A random orthogonal D x D matrix (row-major): Gram-Schmidt of a Gaussian
+// matrix in float64, then rounded to float32 as the file stores it.
+std::vector<float> random_orthogonal(int64_t d, std::mt19937& rng) {
+  std::normal_distribution<double> gauss;
+  const auto n = static_cast<size_t>(d);
+  std::vector<double> q(n * n);
+  for (double& x : q) x = gauss(rng);
+  for (size_t j = 0; j < n; ++j) {  // column j against the columns before it (modified Gram-Schmidt, twice)
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t i = 0; i < j; ++i) {
+        double dot = 0;
+        for (size_t k = 0; k < n; ++k) dot += q[k * n + i] * q[k * n + j];
+        for (size_t k = 0; k < n; ++k) q[k * n + j] -= dot * q[k * n + i];
+      }
+    }
+    double norm = 0;
+    for (size_t k = 0; k < n; ++k) norm += q[k * n + j] * q[k * n + j];
+    for (size_t k = 0; k < n; ++k) q[k * n + j] /= std::sqrt(norm);
+  }
+  return {q.begin(), q.end()};
+}
+
+Float32Array random_rotations(std::mt19937& rng) {
+  Float32Array matrices{.shape = {kKvHeads, kHeadDim, kHeadDim}};
+  for (int64_t h = 0; h < kKvHeads; ++h) {
+    const std::vector<float> r = random_orthogonal(kHeadDim, rng);
+    matrices.values.insert(matrices.values.end(), r.begin(), r.end());
+  }
+  return matrices;
+}
+
+// int2-rot with learned rotations: post-RoPE keys by a matrix with a centre,
+// values by a matrix, validation losses per head.
+QuantizerConfig rotated_matrix_config(std::mt19937& rng) {
+  const TensorQuantizerSettings g8 = {.grouping = Grouping::kPerToken, .group = kHeadDim};
+  QuantizerConfig config = runtime_config("int2-rot-learned", QuantMethod::kInt2Rot, g8, g8, 64, 256, 0.95f, 0.9f,
+                                          {{4096, 6.78125}, {131072, 6.0244140625}}, rng);
+  config.rotation = RotationSettings{.keys = RotationForm::kMatrix,
+                                     .values = RotationForm::kMatrix,
+                                     .key_centred = true,
+                                     .key_basis = RotationBasis::kHadamard,
+                                     .value_basis = RotationBasis::kEigen,
+                                     .key_output_weight = 0.5,
+                                     .steps = 80,
+                                     .learning_rate = 0.01,
+                                     .gradient = "smoothed",
+                                     .last_queries = 64,
+                                     .fit_samples = 12,
+                                     .validation_samples = 4};
+  std::uniform_real_distribution<float> centre(-2.0f, 2.0f);
+  std::uniform_real_distribution<double> loss(0.01, 0.5);
+  for (auto& layer : config.layers) {
+    LayerRotation& r = layer.rotation;
+    r.keys.matrix = random_rotations(rng);
+    std::vector<float> c;
+    for (int64_t i = 0; i < kKvHeads * kHeadDim; ++i) c.push_back(centre(rng));
+    r.keys.centre = head_array(c);
+    r.keys.basis = {RotationBasis::kHadamard, RotationBasis::kHadamard};
+    r.keys.learned = {true, false};
+    r.values.matrix = random_rotations(rng);
+    r.values.basis = {RotationBasis::kEigen, RotationBasis::kHadamard};  // head 1 fell back to the Hadamard base
+    r.values.learned = {true, true};
+    for (int64_t h = 0; h < kKvHeads; ++h) {
+      const double key_base = loss(rng), value_base = loss(rng);
+      r.loss.push_back({.key_base = key_base, .key_learned = key_base * 0.7, .value_base = value_base,
+                        .value_learned = value_base * 0.8});
+    }
+  }
+  return config;
+}
+
+// KVQuant's pre-RoPE keys rotated within their RoPE pairs (folded into the
+// weights), values unrotated, no losses measured.
+QuantizerConfig rotated_pair_angles_config(std::mt19937& rng) {
+  QuantizerConfig config = kvquant_config(rng);
+  config.name = "kvquant-pair-angles";
+  config.rotation = RotationSettings{.keys = RotationForm::kPairAngles,
+                                     .values = RotationForm::kNone,
+                                     .folded = true,
+                                     .key_basis = RotationBasis::kIdentity,
+                                     .steps = 40,
+                                     .fit_samples = 8};
+  std::uniform_real_distribution<float> angle(-3.14f, 3.14f);
+  for (auto& layer : config.layers) {
+    layer.rotation.keys.angles.shape = {kKvHeads, kHeadDim / 2};
+    for (int64_t i = 0; i < kKvHeads * kHeadDim / 2; ++i) layer.rotation.keys.angles.values.push_back(angle(rng));
+    layer.rotation.keys.basis = {RotationBasis::kIdentity, RotationBasis::kRandom};
+    layer.rotation.keys.learned = {true, false};
+  }
+  return config;
+}
+
 Artifact make_artifact() {
   std::mt19937 rng(7);
   Artifact artifact;
@@ -223,6 +317,14 @@ Artifact make_artifact() {
                                             {{4096, 6.78125}, {32768, 6.09765625}, {131072, 6.0244140625}}, rng));
   artifact.configs.push_back(
       runtime_config("rtn", QuantMethod::kRtn, g8, g8, 0, 0, 1.0f, 1.0f, {{4096, 6.0}, {131072, 6.0}}, rng));
+  artifact.configs.push_back(rotated_matrix_config(rng));
+  artifact.configs.push_back(rotated_pair_angles_config(rng));
+  return artifact;
+}
+
+// What version 2 could store: the configurations without rotations.
+Artifact unrotated(Artifact artifact) {
+  std::erase_if(artifact.configs, [](const QuantizerConfig& c) { return c.rotation.has_value(); });
   return artifact;
 }
 
@@ -259,13 +361,14 @@ TEST(Artifact, RoundTripsEveryMethod) {
   // Pieces too, so a failure says which.
   EXPECT_EQ(read.model, artifact.model);
   EXPECT_EQ(read.calibration, artifact.calibration);
-  ASSERT_EQ(read.configs.size(), 5u);
+  ASSERT_EQ(read.configs.size(), 7u);
   for (size_t i = 0; i < read.configs.size(); ++i) {
     SCOPED_TRACE(artifact.configs[i].name);
     EXPECT_EQ(read.configs[i].name, artifact.configs[i].name);  // order kept, not alphabetical
     EXPECT_EQ(read.configs[i].settings, artifact.configs[i].settings);
     EXPECT_EQ(read.configs[i].layers, artifact.configs[i].layers);
     EXPECT_EQ(read.configs[i].effective_bits, artifact.configs[i].effective_bits);
+    EXPECT_EQ(read.configs[i].rotation, artifact.configs[i].rotation);
   }
   // Rewriting replaces the file whole.
   Artifact changed = artifact;
@@ -298,6 +401,64 @@ TEST(Artifact, TestArtifactUsesEveryValueOfVersion2) {
   }
   for (const QNorm q : {QNorm::kNone, QNorm::kAffine, QNorm::kIterated}) {
     EXPECT_TRUE(seen.contains("q_norm " + std::string(q_norm_name(q)))) << q_norm_name(q);
+  }
+}
+
+// The rotated configurations land where docs/artifact.md says, as version 3.
+TEST(Artifact, RotationsAreStoredWhereTheDocsSay) {
+  const auto dir = scratch_dir("artifact-rotation-layout");
+  const auto path = dir / "a.h5";
+  const Artifact artifact = make_artifact();
+  write_artifact(path, artifact);
+  const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(file, 0);
+  int64_t version = 0;
+  const hid_t attribute = H5Aopen(file, "schema_version", H5P_DEFAULT);
+  EXPECT_GE(H5Aread(attribute, H5T_NATIVE_INT64, &version), 0);
+  H5Aclose(attribute);
+  EXPECT_EQ(version, 3);
+  auto exists = [&](const std::string& object) { return H5Lexists(file, object.c_str(), H5P_DEFAULT) > 0; };
+  const std::string learned = "/configs/int2-rot-learned";
+  EXPECT_TRUE(exists(learned + "/rotation"));
+  for (const char* layer : {"/layers/0", "/layers/1"}) {
+    for (const char* child : {"/rotation/keys/matrix", "/rotation/keys/centre", "/rotation/keys/learned",
+                              "/rotation/values/matrix", "/rotation/values/learned", "/rotation/loss_key_base",
+                              "/rotation/loss_key_learned", "/rotation/loss_value_base", "/rotation/loss_value_learned"}) {
+      EXPECT_TRUE(exists(learned + layer + child)) << learned + layer + child;
+    }
+    EXPECT_FALSE(exists(learned + layer + "/rotation/values/centre"));
+    EXPECT_FALSE(exists(learned + layer + "/rotation/keys/angles"));
+    EXPECT_GT(H5Aexists_by_name(file, (learned + layer + "/rotation/keys").c_str(), "basis", H5P_DEFAULT), 0);
+  }
+  const std::string pair = "/configs/kvquant-pair-angles/layers/1/rotation";
+  EXPECT_TRUE(exists(pair + "/keys/angles"));
+  EXPECT_FALSE(exists(pair + "/keys/matrix"));
+  EXPECT_FALSE(exists(pair + "/values"));
+  EXPECT_FALSE(exists(pair + "/loss_key_base"));
+  EXPECT_FALSE(exists("/configs/rtn/rotation"));
+  EXPECT_FALSE(exists("/configs/rtn/layers/0/rotation"));
+  H5Fclose(file);
+}
+
+// ... and every rotation form and basis version 3 stores.
+TEST(Artifact, TestArtifactUsesEveryRotationFormAndBasis) {
+  std::set<std::string> seen;
+  for (const auto& config : make_artifact().configs) {
+    if (!config.rotation) continue;
+    seen.insert("form " + std::string(rotation_form_name(config.rotation->keys)));
+    seen.insert("form " + std::string(rotation_form_name(config.rotation->values)));
+    for (const auto& layer : config.layers) {
+      for (const TensorRotation* t : {&layer.rotation.keys, &layer.rotation.values}) {
+        for (const RotationBasis b : t->basis) seen.insert("basis " + std::string(basis_name(b)));
+      }
+    }
+  }
+  for (const RotationForm f : {RotationForm::kNone, RotationForm::kMatrix, RotationForm::kPairAngles}) {
+    EXPECT_TRUE(seen.contains("form " + std::string(rotation_form_name(f)))) << rotation_form_name(f);
+  }
+  for (const RotationBasis b :
+       {RotationBasis::kIdentity, RotationBasis::kHadamard, RotationBasis::kEigen, RotationBasis::kRandom}) {
+    EXPECT_TRUE(seen.contains("basis " + std::string(basis_name(b)))) << basis_name(b);
   }
 }
 
@@ -342,6 +503,8 @@ TEST_P(WriteRefuses, NamingTheObjectAndLeavingNoFile) {
 const std::string kKvquantKeys0 = "/configs/kvquant/layers/0/keys";
 const std::string kKvquantKeys1 = "/configs/kvquant/layers/1/keys";
 const std::string kKvquantValues0 = "/configs/kvquant/layers/0/values";
+const std::string kLearnedRotation0 = "/configs/int2-rot-learned/layers/0/rotation";
+const std::string kLearnedRotation1 = "/configs/int2-rot-learned/layers/1/rotation";
 
 INSTANTIATE_TEST_SUITE_P(
     Degenerate, WriteRefuses,
@@ -538,7 +701,123 @@ INSTANTIATE_TEST_SUITE_P(
         Degenerate{"no_calibration_tokens", [](Artifact& a) { a.calibration.calibration_tokens = 0; },
                    "/calibration@calibration_tokens", "expected a positive integer, got 0"},
         Degenerate{"bad_timestamp", [](Artifact& a) { a.created_utc = "yesterday"; }, "/@created_utc",
-                   "expected YYYY-MM-DDTHH:MM:SSZ"}),
+                   "expected YYYY-MM-DDTHH:MM:SSZ"},
+        // --- version 3's rotations -----------------------------------------------------
+        Degenerate{"matrix_not_orthogonal",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[0].rotation.keys.matrix.values[3] += 1e-3f; },
+                   kLearnedRotation0 + "/keys/matrix", "expected orthogonal matrices (||R^T R - I||_F <= 1.9073"},
+        // Just outside the tolerance (4 u D = 1.9e-6 at D = 8): R (1 + 1e-6) is off by 2e-6 sqrt(8) = 5.7e-6.
+        Degenerate{"matrix_scaled_past_tolerance",
+                   [](Artifact& a) {
+                     auto& m = config_named(a, "int2-rot-learned").layers[1].rotation.values.matrix.values;
+                     for (size_t i = kHeadDim * kHeadDim; i < m.size(); ++i) m[i] *= 1.000001f;
+                   },
+                   kLearnedRotation1 + "/values/matrix", "head 1 has 5."},
+        Degenerate{"matrix_wrong_shape",
+                   [](Artifact& a) {
+                     auto& m = config_named(a, "int2-rot-learned").layers[0].rotation.keys.matrix;
+                     m.shape = {kKvHeads, kHeadDim, kHeadDim / 2};
+                     m.values.resize(kKvHeads * kHeadDim * kHeadDim / 2);
+                   },
+                   kLearnedRotation0 + "/keys/matrix",
+                   "expected shape [2, 8, 8] ([num_kv_heads, head_dim, head_dim] of /model), got [2, 8, 4]"},
+        Degenerate{"matrix_keys_pre_rope",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").settings.keys_pre_rope = true; },
+                   "/configs/int2-rot-learned/rotation@keys_form",
+                   "expected none or pair_angles when /configs/int2-rot-learned@keys_pre_rope is 1 (a full matrix "
+                   "does not commute with RoPE), got matrix"},
+        Degenerate{"pair_angles_values",
+                   [](Artifact& a) { config_named(a, "kvquant-pair-angles").rotation->values = RotationForm::kPairAngles; },
+                   "/configs/kvquant-pair-angles/rotation@values_form", "expected none or matrix"},
+        Degenerate{"nothing_rotated",
+                   [](Artifact& a) {
+                     auto& r = *config_named(a, "kvquant-pair-angles").rotation;
+                     r.keys = RotationForm::kNone;
+                   },
+                   "/configs/kvquant-pair-angles/rotation@keys_form", "other than none"},
+        Degenerate{"missing_layer_rotation",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[1].rotation = {}; },
+                   kLearnedRotation1 + "/keys",
+                   "missing: required when /configs/int2-rot-learned/rotation@keys_form is matrix"},
+        Degenerate{"rotation_in_unrotated_config",
+                   [](Artifact& a) {
+                     config_named(a, "rtn").layers[0].rotation = config_named(a, "int2-rot-learned").layers[0].rotation;
+                   },
+                   "/configs/rtn/layers/0/rotation", "expected none: the configuration has no /configs/rtn/rotation"},
+        Degenerate{"tensor_rotation_for_form_none",
+                   [](Artifact& a) {
+                     auto& config = config_named(a, "kvquant-pair-angles");
+                     config.layers[0].rotation.values = config_named(a, "int2-rot-learned").layers[0].rotation.values;
+                   },
+                   "/configs/kvquant-pair-angles/layers/0/rotation/values",
+                   "expected none: /configs/kvquant-pair-angles/rotation@values_form is none"},
+        Degenerate{"centre_without_key_centred",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").rotation->key_centred = false; },
+                   kLearnedRotation0 + "/keys/centre", "expected none: /configs/int2-rot-learned/rotation@key_centred is 0"},
+        Degenerate{"centre_missing",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[1].rotation.keys.centre = {}; },
+                   kLearnedRotation1 + "/keys/centre", "missing: required when"},
+        Degenerate{"centre_for_values",
+                   [](Artifact& a) {
+                     auto& r = config_named(a, "int2-rot-learned").layers[0].rotation;
+                     r.values.centre = r.keys.centre;
+                   },
+                   kLearnedRotation0 + "/values/centre", "expected none: values have no centre"},
+        Degenerate{"centre_for_pair_angles",
+                   [](Artifact& a) { config_named(a, "kvquant-pair-angles").rotation->key_centred = true; },
+                   "/configs/kvquant-pair-angles/rotation@key_centred", "(a centre belongs to matrix keys)"},
+        Degenerate{"folded_matrix_keys",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").rotation->folded = true; },
+                   "/configs/int2-rot-learned/rotation@folded", "nothing to fold into"},
+        Degenerate{"angles_nan",
+                   [](Artifact& a) {
+                     config_named(a, "kvquant-pair-angles").layers[1].rotation.keys.angles.values[6] =
+                         std::numeric_limits<float>::quiet_NaN();
+                   },
+                   "/configs/kvquant-pair-angles/layers/1/rotation/keys/angles", "expected finite values, element [1, 2] is nan"},
+        Degenerate{"angles_wrong_shape",
+                   [](Artifact& a) {
+                     auto& angles = config_named(a, "kvquant-pair-angles").layers[0].rotation.keys.angles;
+                     angles.shape = {kKvHeads, kHeadDim};
+                     angles.values.resize(kKvHeads * kHeadDim);
+                   },
+                   "/configs/kvquant-pair-angles/layers/0/rotation/keys/angles",
+                   "expected shape [2, 4] ([num_kv_heads, head_dim / 2] of /model), got [2, 8]"},
+        Degenerate{"angles_for_matrix_form",
+                   [](Artifact& a) {
+                     config_named(a, "int2-rot-learned").layers[0].rotation.values.angles =
+                         config_named(a, "kvquant-pair-angles").layers[0].rotation.keys.angles;
+                   },
+                   kLearnedRotation0 + "/values/angles", "expected none: /configs/int2-rot-learned/rotation@values_form is matrix"},
+        Degenerate{"basis_per_head",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[0].rotation.values.basis.pop_back(); },
+                   kLearnedRotation0 + "/values@basis", "expected one name per KV head (2, /model@num_kv_heads), got 1"},
+        Degenerate{"learned_per_head",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[1].rotation.keys.learned.push_back(true); },
+                   kLearnedRotation1 + "/keys/learned", "expected one flag per KV head (2, /model@num_kv_heads), got 3"},
+        Degenerate{"learned_without_steps",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").rotation->steps = 0; },
+                   kLearnedRotation0 + "/keys/learned",
+                   "expected 0 for every head when /configs/int2-rot-learned/rotation@steps is 0 (nothing was learned), "
+                   "element [0] is 1"},
+        Degenerate{"loss_negative",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[0].rotation.loss[1].value_learned = -1; },
+                   kLearnedRotation0 + "/loss_value_learned", "expected finite values >= 0, element [1] is -1"},
+        Degenerate{"loss_per_head",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").layers[1].rotation.loss.pop_back(); },
+                   kLearnedRotation1 + "/loss_key_base", "expected one loss per KV head (2"},
+        Degenerate{"unknown_gradient",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").rotation->gradient = "adam"; },
+                   "/configs/int2-rot-learned/rotation@gradient",
+                   "expected straight_through or smoothed, got \"adam\""},
+        Degenerate{"learning_rate_nan",
+                   [](Artifact& a) {
+                     config_named(a, "int2-rot-learned").rotation->learning_rate = std::numeric_limits<double>::quiet_NaN();
+                   },
+                   "/configs/int2-rot-learned/rotation@learning_rate", "expected a finite value >= 0, got nan"},
+        Degenerate{"no_queries",
+                   [](Artifact& a) { config_named(a, "int2-rot-learned").rotation->last_queries = 0; },
+                   "/configs/int2-rot-learned/rotation@last_queries", "expected >= 1, got 0"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --- the reader refuses corrupt files --------------------------------------------
@@ -605,6 +884,22 @@ void replace_dataset(hid_t file, const char* name, hid_t type, std::vector<hsize
   H5Sclose(space);
 }
 
+void set_strings_attribute(hid_t file, const char* object, const char* name, const std::vector<const char*>& values) {
+  const hid_t group = H5Oopen(file, object, H5P_DEFAULT);
+  ASSERT_GE(group, 0);
+  if (H5Aexists(group, name) > 0) H5Adelete(group, name);
+  const hid_t type = H5Tcopy(H5T_C_S1);
+  H5Tset_size(type, H5T_VARIABLE);
+  const hsize_t count = values.size();
+  const hid_t space = H5Screate_simple(1, &count, nullptr);
+  const hid_t attribute = H5Acreate2(group, name, type, space, H5P_DEFAULT, H5P_DEFAULT);
+  EXPECT_GE(H5Awrite(attribute, type, values.data()), 0);
+  H5Aclose(attribute);
+  H5Sclose(space);
+  H5Tclose(type);
+  H5Oclose(group);
+}
+
 struct Corrupt {
   const char* name;
   std::function<void(const fs::path&)> damage;
@@ -643,12 +938,12 @@ INSTANTIATE_TEST_SUITE_P(
                 "/@schema", "expected \"kvforge.artifact\", got \"kvforge.activations\""},
         Corrupt{
             "other_version",
-            [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 3); }); },
-            "/@schema_version", "expected 1 to 2 (the versions this kvforge reads), got 3"},
+            [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 4); }); },
+            "/@schema_version", "expected 1 to 3 (the versions this kvforge reads), got 4"},
         Corrupt{
             "version_zero",
             [](const fs::path& p) { edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 0); }); },
-            "/@schema_version", "expected 1 to 2 (the versions this kvforge reads), got 0"},
+            "/@schema_version", "expected 1 to 3 (the versions this kvforge reads), got 0"},
         Corrupt{"unknown_outlier_rule",
                 [](const fs::path& p) {
                   edit_hdf5(p, [](hid_t f) {
@@ -830,7 +1125,101 @@ INSTANTIATE_TEST_SUITE_P(
                     ASSERT_GE(H5Ocopy(f, "/configs/rtn", f, "/configs/rtn2", H5P_DEFAULT, H5P_DEFAULT), 0);
                   });
                 },
-                "/configs", "expected exactly the 5 groups listed in /configs@names, got 6"},
+                "/configs", "expected exactly the 7 groups listed in /configs@names, got 8"},
+        // --- version 3's rotations -----------------------------------------------------
+        Corrupt{"matrix_not_orthogonal",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    edit_floats(f, (kLearnedRotation0 + "/keys/matrix").c_str(), [](auto& v) { v[70] += 0.01f; });
+                  });
+                },
+                kLearnedRotation0 + "/keys/matrix", "expected orthogonal matrices"},
+        Corrupt{"matrix_heads_of_another_model",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    replace_dataset(f, (kLearnedRotation1 + "/values/matrix").c_str(), H5T_IEEE_F32LE, {4, 8, 8}, 0);
+                  });
+                },
+                kLearnedRotation1 + "/values/matrix",
+                "expected shape [2, 8, 8] ([num_kv_heads, head_dim, head_dim] of /model), got [4, 8, 8]"},
+        Corrupt{"matrix_float64",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    replace_dataset(f, (kLearnedRotation0 + "/keys/matrix").c_str(), H5T_IEEE_F64LE, {2, 8, 8}, 0);
+                  });
+                },
+                kLearnedRotation0 + "/keys/matrix", "expected float32, got float64"},
+        Corrupt{"missing_layer_rotation",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { ASSERT_GE(H5Ldelete(f, kLearnedRotation1.c_str(), H5P_DEFAULT), 0); });
+                },
+                kLearnedRotation1, "missing"},
+        Corrupt{"missing_angles",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Ldelete(f, "/configs/kvquant-pair-angles/layers/0/rotation/keys/angles", H5P_DEFAULT),
+                              0);
+                  });
+                },
+                "/configs/kvquant-pair-angles/layers/0/rotation/keys/angles", "missing"},
+        Corrupt{"rotation_in_unrotated_layer",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Ocopy(f, kLearnedRotation0.c_str(), f, "/configs/rtn/layers/1/rotation", H5P_DEFAULT,
+                                      H5P_DEFAULT),
+                              0);
+                  });
+                },
+                "/configs/rtn/layers/1/rotation", "expected none: the configuration has no /configs/rtn/rotation"},
+        Corrupt{"matrix_keys_made_pre_rope",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/int2-rot-learned", "keys_pre_rope", 1); });
+                },
+                "/configs/int2-rot-learned/rotation@keys_form", "(a full matrix does not commute with RoPE)"},
+        Corrupt{"unknown_form",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    set_string_attribute(f, "/configs/int2-rot-learned/rotation", "values_form", "householder");
+                  });
+                },
+                "/configs/int2-rot-learned/rotation@values_form",
+                "expected none, matrix or pair_angles, got \"householder\""},
+        Corrupt{"unknown_head_basis",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    set_strings_attribute(f, (kLearnedRotation0 + "/values").c_str(), "basis", {"eigen", "walsh"});
+                  });
+                },
+                kLearnedRotation0 + "/values@basis",
+                "expected identity, hadamard, eigen or random, element [1] is \"walsh\""},
+        Corrupt{"learned_out_of_range",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    replace_dataset(f, (kLearnedRotation0 + "/keys/learned").c_str(), H5T_STD_U8LE, {2}, 2);
+                  });
+                },
+                kLearnedRotation0 + "/keys/learned", "expected 0 or 1, element [0] is 2"},
+        Corrupt{"learned_per_head",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    replace_dataset(f, (kLearnedRotation0 + "/keys/learned").c_str(), H5T_STD_U8LE, {3}, 1);
+                  });
+                },
+                kLearnedRotation0 + "/keys/learned", "expected shape [2] (num_kv_heads of /model), got [3]"},
+        Corrupt{"centre_without_key_centred",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    set_int_attribute(f, "/configs/int2-rot-learned/rotation", "key_centred", 0);
+                  });
+                },
+                kLearnedRotation0 + "/keys/centre", "expected none"},
+        Corrupt{"loss_partly_missing",
+                [](const fs::path& p) {
+                  edit_hdf5(p, [](hid_t f) {
+                    ASSERT_GE(H5Ldelete(f, (kLearnedRotation1 + "/loss_value_base").c_str(), H5P_DEFAULT), 0);
+                  });
+                },
+                kLearnedRotation1 + "/loss_value_base", "missing"},
         Corrupt{"bits_changed",
                 [](const fs::path& p) {
                   edit_hdf5(p, [](hid_t f) { set_int_attribute(f, "/configs/kvquant", "bits", 3); });
@@ -867,7 +1256,7 @@ TEST(Artifact, ReaderIgnoresUnknownAttributes) {
 // What version 1 could store: kvforge's old rules (outliers by thresholds or
 // tau, sliding windows, Q-Norm iterated on every fitted grid or on none).
 Artifact version_1_artifact() {
-  Artifact artifact = make_artifact();
+  Artifact artifact = unrotated(make_artifact());
   std::erase_if(artifact.configs, [](const QuantizerConfig& c) { return c.name == "kvquant"; });
   config_named(artifact, "kivi").settings.keys.residual_rule = ResidualRule::kSliding;
   return artifact;
@@ -927,7 +1316,7 @@ TEST(Artifact, ReadsVersion1FilesAsVersion2Values) {
   EXPECT_EQ(config_named(read, "kivi").settings.keys.residual_rule, ResidualRule::kSliding);
   EXPECT_EQ(config_named(read, "rtn").settings.keys.outlier_rule, OutlierRule::kNone);
 
-  // Writing what was read writes version 2, which reads back the same.
+  // Writing what was read writes version 3, which reads back the same.
   write_artifact(dir / "v2.h5", read);
   EXPECT_EQ(read_artifact(dir / "v2.h5"), artifact);
   const hid_t file = H5Fopen((dir / "v2.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
@@ -935,7 +1324,7 @@ TEST(Artifact, ReadsVersion1FilesAsVersion2Values) {
   const hid_t attribute = H5Aopen(file, "schema_version", H5P_DEFAULT);
   int64_t version = 0;
   EXPECT_GE(H5Aread(attribute, H5T_NATIVE_INT64, &version), 0);
-  EXPECT_EQ(version, 2);
+  EXPECT_EQ(version, kArtifactVersion);
   EXPECT_GT(H5Aexists_by_name(file, "/configs/kivi", "keys_residual_rule", H5P_DEFAULT), 0);
   EXPECT_EQ(H5Aexists_by_name(file, "/configs/kivi", "q_norm", H5P_DEFAULT), 0);
   H5Aclose(attribute);
@@ -1005,6 +1394,38 @@ TEST(Artifact, Version1FilesRefuseWhatVersion1Lacks) {
                       "/configs/kvquant-variants/layers/0/keys/encode_grid", H5P_DEFAULT, H5P_DEFAULT),
               0);
   });
+  EXPECT_EQ(read_artifact(path), artifact);
+}
+
+// --- version 2 files ----------------------------------------------------------------
+//
+// A version 2 file is a version 3 file without rotations (docs/artifact.md):
+// made here by writing the configurations version 2 could store and setting
+// schema_version to 2.
+
+TEST(Artifact, ReadsVersion2FilesWithoutRotations) {
+  const auto dir = scratch_dir("artifact-version-2");
+  const auto path = dir / "v2.h5";
+  const Artifact artifact = unrotated(make_artifact());
+  write_artifact(path, artifact);
+  edit_hdf5(path, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 2); });
+  const Artifact read = read_artifact(path);
+  EXPECT_EQ(read, artifact);
+  for (const auto& config : read.configs) EXPECT_FALSE(config.rotation.has_value()) << config.name;
+}
+
+// Rotation groups in a version 2 file are items version 2 does not know:
+// ignored, as the compatibility rules say of unknown groups.
+TEST(Artifact, Version2FilesIgnoreRotationGroups) {
+  const auto dir = scratch_dir("artifact-version-2-rotation");
+  const auto path = dir / "v2.h5";
+  Artifact artifact = make_artifact();
+  write_artifact(path, artifact);
+  edit_hdf5(path, [](hid_t f) { set_int_attribute(f, "/", "schema_version", 2); });
+  for (auto& config : artifact.configs) {
+    config.rotation.reset();
+    for (auto& layer : config.layers) layer.rotation = {};
+  }
   EXPECT_EQ(read_artifact(path), artifact);
 }
 
@@ -1131,6 +1552,107 @@ void compare_value(const nlohmann::json& theirs, const T& ours, const std::strin
   if (theirs.get<T>() != ours) problems.push_back(what + ": reported " + theirs.dump());
 }
 
+// The rotation of `config` against the report's entry for it (null when unrotated).
+void compare_rotation(const nlohmann::json& theirs, const QuantizerConfig& config, std::vector<std::string>& problems) {
+  const std::string& name = config.name;
+  if (!config.rotation) {
+    if (!theirs.is_null()) problems.push_back(name + "/rotation: reported, we wrote none");
+    return;
+  }
+  if (theirs.is_null()) {
+    problems.push_back(name + "/rotation: not reported");
+    return;
+  }
+  const RotationSettings& r = *config.rotation;
+  const auto& settings = theirs.at("settings");
+  const std::string at = name + "/rotation@";
+  compare_value(settings.at("keys_form"), std::string(rotation_form_name(r.keys)), at + "keys_form", problems);
+  compare_value(settings.at("values_form"), std::string(rotation_form_name(r.values)), at + "values_form", problems);
+  compare_value(settings.at("keys_basis"), std::string(basis_name(r.key_basis)), at + "keys_basis", problems);
+  compare_value(settings.at("values_basis"), std::string(basis_name(r.value_basis)), at + "values_basis", problems);
+  compare_value(settings.at("key_centred"), r.key_centred, at + "key_centred", problems);
+  compare_value(settings.at("folded"), r.folded, at + "folded", problems);
+  compare_value(settings.at("gradient"), r.gradient, at + "gradient", problems);
+  // float64 both ways: exact.
+  compare_value(settings.at("key_kl_weight"), r.key_kl_weight, at + "key_kl_weight", problems);
+  compare_value(settings.at("key_output_weight"), r.key_output_weight, at + "key_output_weight", problems);
+  compare_value(settings.at("value_output_weight"), r.value_output_weight, at + "value_output_weight", problems);
+  compare_value(settings.at("learning_rate"), r.learning_rate, at + "learning_rate", problems);
+  compare_value(settings.at("steps"), r.steps, at + "steps", problems);
+  compare_value(settings.at("last_queries"), r.last_queries, at + "last_queries", problems);
+  compare_value(settings.at("fit_samples"), r.fit_samples, at + "fit_samples", problems);
+  compare_value(settings.at("validation_samples"), r.validation_samples, at + "validation_samples", problems);
+  const auto& layers = theirs.at("layers");
+  if (layers.size() != config.layers.size()) {
+    problems.push_back(name + "/rotation: " + std::to_string(layers.size()) + " layers reported");
+    return;
+  }
+  for (size_t i = 0; i < config.layers.size(); ++i) {
+    const LayerRotation& ours = config.layers[i].rotation;
+    const std::string layer = name + "/layers/" + std::to_string(i) + "/rotation";
+    for (const auto& [kind, t, form] :
+         {std::tuple<std::string, const TensorRotation&, RotationForm>{"keys", ours.keys, r.keys},
+          std::tuple<std::string, const TensorRotation&, RotationForm>{"values", ours.values, r.values}}) {
+      const auto& entry = layers[i].at(kind);
+      const std::string what = layer + "/" + kind;
+      if (form == RotationForm::kNone) {
+        if (!entry.is_null()) problems.push_back(what + ": reported, we wrote none");
+        continue;
+      }
+      compare_dataset(entry.at("matrix"), t.matrix.values, what + "/matrix", problems);
+      compare_dataset(entry.at("angles"), t.angles.values, what + "/angles", problems);
+      compare_dataset(entry.at("centre"), t.centre.values, what + "/centre", problems);
+      std::vector<std::string> bases;
+      for (const RotationBasis b : t.basis) bases.emplace_back(basis_name(b));
+      compare_value(entry.at("basis"), bases, what + "@basis", problems);
+      std::vector<int> learned;
+      for (const bool flag : t.learned) learned.push_back(flag ? 1 : 0);
+      compare_value(entry.at("learned"), learned, what + "/learned", problems);
+      // numpy's float64 ||R^T R - I||_F of our float32-rounded orthogonal matrices: within the documented
+      // bound 2 (2u + u^2) D.
+      const double u = std::ldexp(1.0, -24);
+      if (form == RotationForm::kMatrix && !(entry.at("orthogonality").get<double>() <= 2 * (2 * u + u * u) * kHeadDim)) {
+        problems.push_back(what + "/matrix: orthogonality " + entry.at("orthogonality").dump());
+      }
+    }
+    const auto& loss = layers[i].at("loss");
+    if (ours.loss.empty()) {
+      if (!loss.is_null()) problems.push_back(layer + ": losses reported, we wrote none");
+      continue;
+    }
+    if (loss.is_null()) {
+      problems.push_back(layer + ": losses not reported");
+      continue;
+    }
+    for (const auto& [field, member] : {std::pair<const char*, double HeadRotationLoss::*>{"loss_key_base", &HeadRotationLoss::key_base},
+                                        {"loss_key_learned", &HeadRotationLoss::key_learned},
+                                        {"loss_value_base", &HeadRotationLoss::value_base},
+                                        {"loss_value_learned", &HeadRotationLoss::value_learned}}) {
+      // float64 values: the checksum within two summation orders' bound (as position_weighted), the
+      // sampled elements exact through JSON.
+      const auto& entry = loss.at(field);
+      double checksum = 0, magnitude = 0;
+      for (size_t h = 0; h < ours.loss.size(); ++h) {
+        checksum += ours.loss[h].*member * static_cast<double>(h + 1);
+        magnitude += std::abs(ours.loss[h].*member) * static_cast<double>(h + 1);
+      }
+      const double n = static_cast<double>(ours.loss.size());
+      // Products v (h + 1) of float64 values are rounded too: one more u per term.
+      const double tolerance = (2 * (n - 1) + 2) * std::ldexp(1.0, -53) * magnitude;
+      const double reported = entry.at("checksum").get<double>();
+      if (!(std::abs(reported - checksum) <= tolerance)) {
+        problems.push_back(layer + "/" + field + ": checksum " + std::to_string(reported));
+      }
+      for (const auto& element : entry.at("elements")) {
+        const auto h = element.at(0).get<size_t>();
+        if (h >= ours.loss.size() || element.at(1).get<double>() != ours.loss[h].*member) {
+          problems.push_back(layer + "/" + field + ": element " + element.dump());
+        }
+      }
+    }
+  }
+}
+
 // Every difference between the h5py reader's report and `artifact` (empty: they agree).
 // `version`: the file's schema version (the report maps version 1 files onto version 2 settings, as we do).
 std::vector<std::string> report_differences(const nlohmann::json& report, const Artifact& artifact,
@@ -1191,6 +1713,7 @@ std::vector<std::string> report_differences(const nlohmann::json& report, const 
         compare_dataset(datasets.at("outlier_high"), q.outlier_high.values, at + "/outlier_high", problems);
       }
     }
+    compare_rotation(report.at("rotation").at(name), config, problems);
     const auto& rows = report.at("effective_bits").at(name);
     if (rows.size() != config.effective_bits.size()) {
       problems.push_back(name + "/effective_bits: " + std::to_string(rows.size()) + " rows reported");
@@ -1261,6 +1784,28 @@ TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedHeads) {
   EXPECT_TRUE(report_differences(nlohmann::json::parse(output.text), swapped).empty());
 }
 
+// The same for rotations: KV heads of a rotation matrix trading places keep
+// the file valid (each is orthogonal) but change what the report says.
+TEST(Artifact, ComparisonWithTheH5pyReaderSeesSwappedRotationHeads) {
+  KVFORGE_REQUIRE_H5PY();
+  const auto dir = scratch_dir("artifact-h5py-swapped-rotation");
+  const auto path = dir / "a.h5";
+  const Artifact written = make_artifact();
+  write_artifact(path, written);
+  edit_hdf5(path, [](hid_t f) {
+    edit_floats(f, (kLearnedRotation1 + "/values/matrix").c_str(), [](std::vector<float>& v) {
+      std::swap_ranges(v.begin(), v.begin() + kHeadDim * kHeadDim, v.begin() + kHeadDim * kHeadDim);
+    });
+  });
+  const Artifact swapped = read_artifact(path);
+  ASSERT_NE(swapped, written);
+  const Output output = run_checker(path);
+  ASSERT_EQ(output.exit_code, 0) << output.text;
+  const std::string text = joined(report_differences(nlohmann::json::parse(output.text), written));
+  EXPECT_NE(text.find("int2-rot-learned/layers/1/rotation/values/matrix: checksum"), std::string::npos) << text;
+  EXPECT_TRUE(report_differences(nlohmann::json::parse(output.text), swapped).empty());
+}
+
 TEST(Artifact, IndependentH5pyReaderMapsVersion1AsWeDo) {
   KVFORGE_REQUIRE_H5PY();
   const auto dir = scratch_dir("artifact-h5py-version-1");
@@ -1293,7 +1838,48 @@ TEST(Artifact, IndependentH5pyReaderRefusesWhatWeRefuse) {
       {"thresholds",
        [](hid_t f) { edit_floats(f, "/configs/kvquant/layers/0/keys/outlier_high", [](auto& v) { v[2] += 100; }); },
        "/configs/kvquant/layers/0/keys/outlier_high"},
-      {"version", [](hid_t f) { set_int_attribute(f, "/", "schema_version", 3); }, "/@schema_version"},
+      {"version", [](hid_t f) { set_int_attribute(f, "/", "schema_version", 4); }, "/@schema_version"},
+      {"matrix_not_orthogonal",
+       [](hid_t f) { edit_floats(f, (kLearnedRotation1 + "/values/matrix").c_str(), [](auto& v) { v[9] *= 1.01f; }); },
+       kLearnedRotation1 + "/values/matrix"},
+      {"matrix_shape",
+       [](hid_t f) { replace_dataset(f, (kLearnedRotation0 + "/keys/matrix").c_str(), H5T_IEEE_F32LE, {2, 8, 4}, 0); },
+       kLearnedRotation0 + "/keys/matrix"},
+      {"matrix_keys_pre_rope",
+       [](hid_t f) {
+         delete_attribute(f, "/configs/int2-rot-learned", "keys_pre_rope");
+         set_uint8_attribute(f, "/configs/int2-rot-learned", "keys_pre_rope", 1);
+       },
+       "/configs/int2-rot-learned/rotation@keys_form"},
+      {"pair_angles_values",
+       [](hid_t f) { set_string_attribute(f, "/configs/int2-rot-learned/rotation", "values_form", "pair_angles"); },
+       "/configs/int2-rot-learned/rotation@values_form"},
+      {"missing_layer_rotation", [](hid_t f) { ASSERT_GE(H5Ldelete(f, kLearnedRotation1.c_str(), H5P_DEFAULT), 0); },
+       kLearnedRotation1},
+      {"rotation_in_unrotated_layer",
+       [](hid_t f) {
+         ASSERT_GE(H5Ocopy(f, kLearnedRotation0.c_str(), f, "/configs/kivi/layers/0/rotation", H5P_DEFAULT, H5P_DEFAULT),
+                   0);
+       },
+       "/configs/kivi/layers/0/rotation"},
+      {"centre_without_key_centred",
+       [](hid_t f) {
+         delete_attribute(f, "/configs/int2-rot-learned/rotation", "key_centred");
+         set_uint8_attribute(f, "/configs/int2-rot-learned/rotation", "key_centred", 0);
+       },
+       kLearnedRotation0 + "/keys/centre"},
+      {"angles_nan",
+       [](hid_t f) {
+         edit_floats(f, "/configs/kvquant-pair-angles/layers/1/rotation/keys/angles",
+                     [](auto& v) { v[5] = std::numeric_limits<float>::infinity(); });
+       },
+       "/configs/kvquant-pair-angles/layers/1/rotation/keys/angles"},
+      {"learned_out_of_range",
+       [](hid_t f) { replace_dataset(f, (kLearnedRotation0 + "/values/learned").c_str(), H5T_STD_U8LE, {2}, 3); },
+       kLearnedRotation0 + "/values/learned"},
+      {"unknown_head_basis",
+       [](hid_t f) { set_strings_attribute(f, (kLearnedRotation0 + "/keys").c_str(), "basis", {"hadamard", "dct"}); },
+       kLearnedRotation0 + "/keys@basis"},
       {"encode_grid_unsorted",
        [](hid_t f) {
          edit_floats(f, "/configs/kvquant/layers/1/values/encode_grid", [](auto& v) { std::swap(v[0], v[3]); });

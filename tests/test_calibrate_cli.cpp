@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <bit>
+#include <cmath>
 #include <map>
 
 #include "formats/activation_store.h"
@@ -156,6 +158,83 @@ TEST(CalibrateCli, VariantsAreNamedBesideThePaperDefaults) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.stderr_text.find("block_flush"), std::string::npos) << bad.stderr_text;
   EXPECT_FALSE(std::filesystem::exists(dir / "bad.h5"));
+}
+
+// The normalized Sylvester Hadamard matrix of order d (a power of 2) in
+// float32: H[i][j] = (-1)^popcount(i & j) / sqrt(d), heads times.
+Float32Array hadamard_matrices(int64_t heads, int64_t d) {
+  const float entry = static_cast<float>(1 / std::sqrt(static_cast<double>(d)));
+  Float32Array out{.shape = {heads, d, d}};
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i) {
+      for (int64_t j = 0; j < d; ++j) out.values.push_back(std::popcount(static_cast<uint64_t>(i & j)) % 2 ? -entry : entry);
+    }
+  }
+  return out;
+}
+
+TEST(CalibrateCli, InspectPrintsRotations) {
+  const auto dir = testing::scratch_dir("inspect-rotation");
+  const auto artifact_path = dir / "art.h5";
+  ASSERT_EQ(testing::run_kvforge("calibrate --quiet --acts " + quoted(calibration_store()) + " --out " +
+                                 quoted(artifact_path) + " --method rtn")
+                .exit_code,
+            0);
+  Artifact artifact = read_artifact(artifact_path);
+  QuantizerConfig rotated = artifact.configs.at(0);
+  rotated.name = "rtn-hadamard";
+  rotated.rotation = RotationSettings{.keys = RotationForm::kMatrix, .values = RotationForm::kMatrix,
+                                      .key_centred = true, .steps = 10, .fit_samples = 2, .validation_samples = 1};
+  const int64_t heads = artifact.model.num_kv_heads, d = artifact.model.head_dim;
+  for (auto& layer : rotated.layers) {
+    layer.rotation.keys = {.matrix = hadamard_matrices(heads, d),
+                           .centre = {.shape = {heads, d}, .values = std::vector<float>(heads * d, 0.25f)},
+                           .basis = std::vector<RotationBasis>(heads, RotationBasis::kHadamard),
+                           .learned = std::vector<bool>(heads, false)};
+    layer.rotation.keys.learned[0] = true;
+    layer.rotation.values = {.matrix = hadamard_matrices(heads, d),
+                             .basis = std::vector<RotationBasis>(heads, RotationBasis::kEigen),
+                             .learned = std::vector<bool>(heads, true)};
+    layer.rotation.loss.assign(heads, {.key_base = 0.5, .key_learned = 0.25, .value_base = 0.125, .value_learned = 0.0625});
+  }
+  artifact.configs.push_back(rotated);
+  write_artifact(artifact_path, artifact);
+
+  const auto json = testing::run_kvforge("inspect --json " + quoted(artifact_path) + " --acts " + quoted(calibration_store()));
+  ASSERT_EQ(json.exit_code, 0) << json.stderr_text;
+  const auto summary = nlohmann::json::parse(json.stdout_text);
+  EXPECT_TRUE(summary.at("configs").at(0).at("rotation").is_null());
+  const auto& config = summary.at("configs").at(1);
+  const auto& r = config.at("rotation");
+  EXPECT_EQ(r.at("keys_form"), "matrix");
+  EXPECT_EQ(r.at("values_form"), "matrix");
+  EXPECT_EQ(r.at("key_centred"), true);
+  EXPECT_EQ(r.at("steps"), 10);
+  ASSERT_EQ(r.at("layers").size(), static_cast<size_t>(artifact.model.num_layers));
+  const auto& keys = r.at("layers").at(3).at("keys");
+  EXPECT_EQ(keys.at("learned_heads"), 1);
+  EXPECT_EQ(r.at("layers").at(3).at("values").at("learned_heads"), heads);
+  EXPECT_EQ(r.at("layers").at(3).at("values").at("bases").at(0), "eigen");
+  // H^T H = d s^2 I (s = float32(1/sqrt(d))), so ||H^T H - I||_F = |d s^2 - 1| sqrt(d). In float64 each
+  // product s^2 is exact and each entry's d-term sum within d u sum|terms| = d u d s^2 ~ d u of exact: the
+  // Frobenius norm of those errors over d^2 entries is within d^2 u.
+  const double s = static_cast<float>(1 / std::sqrt(static_cast<double>(d)));
+  const double expected = std::abs(static_cast<double>(d) * s * s - 1) * std::sqrt(static_cast<double>(d));
+  EXPECT_NEAR(keys.at("orthogonality_error").get<double>(), expected, static_cast<double>(d * d) * 0x1p-53);
+  const auto& mean = r.at("layers").at(0).at("validation_loss").at("mean");
+  EXPECT_EQ(mean.at("key_base"), 0.5);
+  EXPECT_EQ(mean.at("value_learned"), 0.0625);
+  // Held-out measures would ignore the rotation: left out for the rotated configuration only.
+  EXPECT_TRUE(config.contains("heldout_skipped"));
+  EXPECT_FALSE(config.at("layers").at(0).contains("heldout"));
+  EXPECT_TRUE(summary.at("configs").at(0).at("layers").at(0).contains("heldout"));
+
+  const auto text = testing::run_kvforge("inspect " + quoted(artifact_path));
+  ASSERT_EQ(text.exit_code, 0) << text.stderr_text;
+  for (const char* line : {"rotation: keys matrix (centred), values matrix; 10 steps", "hadamard (1/2)", "eigen (2/2)",
+                           "K 0.5 -> 0.25, V 0.125 -> 0.0625"}) {
+    EXPECT_NE(text.stdout_text.find(line), std::string::npos) << line << "\n" << text.stdout_text;
+  }
 }
 
 TEST(CalibrateCli, InspectSummarizesAStore) {

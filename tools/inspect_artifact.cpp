@@ -2,12 +2,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <optional>
 
 #include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"
+#include "calib/kv_rotation.h"
 #include "calib/quantizer_fit.h"
 #include "formats/artifact.h"
 
@@ -33,6 +35,68 @@ nlohmann::json tensor_json(const TensorQuantizerSettings& settings, const Tensor
   if (!q.grid.empty()) out["grid"] = q.grid;
   if (!q.encode_grid.empty()) out["encode_grid"] = q.encode_grid;
   if (q.outlier_tau > 0) out["outlier_tau"] = q.outlier_tau;
+  return out;
+}
+
+// One layer's rotation of keys or values: its form's per-head origin and how
+// far its matrices are from orthogonal (float64, ||R^T R - I||_F, the largest head).
+nlohmann::json tensor_rotation_json(const TensorRotation& rotation, RotationForm form, const ModelFingerprint& model) {
+  if (form == RotationForm::kNone) return nullptr;
+  std::vector<std::string> bases;
+  for (const RotationBasis basis : rotation.basis) bases.emplace_back(basis_name(basis));
+  const auto learned = std::count(rotation.learned.begin(), rotation.learned.end(), true);
+  const at::Tensor matrices = rotation_matrices(rotation, form, model.num_kv_heads, model.head_dim,
+                                                at::TensorOptions().dtype(at::kDouble));
+  return {{"form", std::string(rotation_form_name(form))},
+          {"bases", bases},
+          {"learned_heads", learned},
+          {"heads", rotation.learned.size()},
+          {"orthogonality_error", orthogonality_error(matrices)},
+          {"centred", !rotation.centre.empty()}};
+}
+
+// Per-head validation losses as four arrays, and their means over heads.
+nlohmann::json loss_json(const std::vector<HeadRotationLoss>& loss) {
+  if (loss.empty()) return nullptr;
+  nlohmann::json out;
+  for (const auto& [name, member] : {std::pair<const char*, double HeadRotationLoss::*>{"key_base", &HeadRotationLoss::key_base},
+                                     {"key_learned", &HeadRotationLoss::key_learned},
+                                     {"value_base", &HeadRotationLoss::value_base},
+                                     {"value_learned", &HeadRotationLoss::value_learned}}) {
+    double mean = 0;
+    for (const HeadRotationLoss& head : loss) {
+      out["heads"][name].push_back(head.*member);
+      mean += head.*member / static_cast<double>(loss.size());
+    }
+    out["mean"][name] = mean;
+  }
+  return out;
+}
+
+nlohmann::json rotation_json(const QuantizerConfig& config, const ModelFingerprint& model) {
+  const RotationSettings& r = *config.rotation;
+  nlohmann::json out = {{"keys_form", std::string(rotation_form_name(r.keys))},
+                        {"values_form", std::string(rotation_form_name(r.values))},
+                        {"keys_basis", std::string(basis_name(r.key_basis))},
+                        {"values_basis", std::string(basis_name(r.value_basis))},
+                        {"key_centred", r.key_centred},
+                        {"folded", r.folded},
+                        {"gradient", r.gradient},
+                        {"key_kl_weight", r.key_kl_weight},
+                        {"key_output_weight", r.key_output_weight},
+                        {"value_output_weight", r.value_output_weight},
+                        {"learning_rate", r.learning_rate},
+                        {"steps", r.steps},
+                        {"last_queries", r.last_queries},
+                        {"fit_samples", r.fit_samples},
+                        {"validation_samples", r.validation_samples}};
+  for (size_t layer = 0; layer < config.layers.size(); ++layer) {
+    const LayerRotation& l = config.layers[layer].rotation;
+    out["layers"].push_back({{"layer", layer},
+                             {"keys", tensor_rotation_json(l.keys, r.keys, model)},
+                             {"values", tensor_rotation_json(l.values, r.values, model)},
+                             {"validation_loss", loss_json(l.loss)}});
+  }
   return out;
 }
 
@@ -70,6 +134,11 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
     for (const auto& [context, bits] : config.effective_bits) {
       c["effective_bits"].push_back({{"context", context}, {"bits", bits}});
     }
+    c["rotation"] = config.rotation ? rotation_json(config, artifact.model) : nullptr;
+    // measure_layer (calib/quantizer_fit.h) quantizes in the model's own basis: held-out measures of a rotated
+    // configuration would describe another quantizer, so they are left out.
+    const bool measure = heldout && !config.rotation;
+    if (heldout && config.rotation) c["heldout_skipped"] = "rotated configuration: measure_layer applies no rotation";
     std::vector<LayerCalibrationStats> heldout_stats;
     for (size_t layer = 0; layer < config.layers.size(); ++layer) {
       const auto& l = config.layers[layer];
@@ -77,14 +146,14 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
                               {"keys", tensor_json(s.keys, l.keys)},
                               {"values", tensor_json(s.values, l.values)},
                               {"calibration", stats_json(l.stats)}};
-      if (heldout) {
+      if (measure) {
         const auto activations = load_layer_activations(*heldout, s, static_cast<int64_t>(layer), samples);
         heldout_stats.push_back(measure_layer(s, l, activations, &*rope));
         entry["heldout"] = stats_json(heldout_stats.back());
       }
       c["layers"].push_back(entry);
     }
-    if (heldout && !heldout_stats.empty()) {
+    if (measure && !heldout_stats.empty()) {
       const OutlierFractions measured = mean_outlier_fractions(heldout_stats);
       c["heldout_outlier_fraction"] = {{"keys", measured.keys}, {"values", measured.values}};
       for (const auto& [context, bits] : config.effective_bits) {
@@ -96,6 +165,58 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
     out["configs"].push_back(c);
   }
   return out;
+}
+
+// "hadamard" when every head kept one base, else "hadamard x3, eigen x1".
+std::string bases_text(const nlohmann::json& bases) {
+  std::vector<std::pair<std::string, int>> counts;
+  for (const auto& basis : bases) {
+    const std::string name = basis.get<std::string>();
+    auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == name; });
+    if (it == counts.end()) {
+      counts.emplace_back(name, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  if (counts.size() == 1) return counts[0].first;
+  std::string text;
+  for (const auto& [name, count] : counts) text += (text.empty() ? "" : ", ") + name + " x" + std::to_string(count);
+  return text;
+}
+
+void print_rotation(const nlohmann::json& r) {
+  std::cout << "  rotation: keys " << r["keys_form"].get<std::string>()
+            << (r["key_centred"].get<bool>() ? " (centred)" : "") << ", values " << r["values_form"].get<std::string>()
+            << "; " << r["steps"] << " steps, " << r["gradient"].get<std::string>() << ", " << r["fit_samples"]
+            << " fit + " << r["validation_samples"] << " validation windows"
+            << (r["folded"].get<bool>() ? "; folded into the weights (the runtime applies none)" : "") << "\n";
+  std::printf("  %5s %-28s %-28s %12s  %s\n", "layer", "K base (learned heads)", "V base (learned heads)",
+              "max|RtR-I|", "validation loss K, V: base -> learned (mean over heads)");
+  for (const auto& l : r["layers"]) {
+    std::string columns[2];
+    double orthogonality = 0;
+    for (int i = 0; i < 2; ++i) {
+      const auto& t = l[i == 0 ? "keys" : "values"];
+      if (t.is_null()) {
+        columns[i] = "-";
+        continue;
+      }
+      columns[i] = bases_text(t["bases"]) + " (" + std::to_string(t["learned_heads"].get<int64_t>()) + "/" +
+                   std::to_string(t["heads"].get<int64_t>()) + ")";
+      orthogonality = std::max(orthogonality, t["orthogonality_error"].get<double>());
+    }
+    std::printf("  %5lld %-28s %-28s %12.3e", static_cast<long long>(l["layer"].get<int64_t>()), columns[0].c_str(),
+                columns[1].c_str(), orthogonality);
+    if (l["validation_loss"].is_null()) {
+      std::printf("  (not measured)\n");
+    } else {
+      const auto& mean = l["validation_loss"]["mean"];
+      std::printf("  K %.4g -> %.4g, V %.4g -> %.4g\n", mean["key_base"].get<double>(),
+                  mean["key_learned"].get<double>(), mean["value_base"].get<double>(),
+                  mean["value_learned"].get<double>());
+    }
+  }
 }
 
 void print_artifact(const nlohmann::json& summary) {
@@ -129,7 +250,12 @@ void print_artifact(const nlohmann::json& summary) {
                     entry["bits"].get<double>());
       }
     }
-    std::printf("\n  %5s %11s %11s %11s %9s %9s %s\n", "layer", "K rel.MSE", "V rel.MSE", "logit MSE", "K outl.",
+    std::printf("\n");
+    if (!c["rotation"].is_null()) print_rotation(c["rotation"]);
+    if (c.contains("heldout_skipped")) {
+      std::cout << "  held-out measures skipped: " << c["heldout_skipped"].get<std::string>() << "\n";
+    }
+    std::printf("  %5s %11s %11s %11s %9s %9s %s\n", "layer", "K rel.MSE", "V rel.MSE", "logit MSE", "K outl.",
                 "V outl.", heldout ? "(calibration | held-out)" : "(calibration)");
     for (const auto& l : c["layers"]) {
       for (const char* which : {"calibration", "heldout"}) {
