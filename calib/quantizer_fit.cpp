@@ -265,10 +265,11 @@ CalibrationSubset calibration_subset(int64_t samples, int64_t seq_len, int64_t m
   return subset;
 }
 
-LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
-                                    const LayerActivations& activations, const RopeConfig* rope) {
-  const SimulatedTensor keys = simulate_quantization(settings, settings.keys, quantizers.keys, activations.keys);
-  const SimulatedTensor values = simulate_quantization(settings, settings.values, quantizers.values, activations.values);
+namespace {
+// The measures of simulated keys and values (in the activations' domain).
+LayerCalibrationStats measure_simulated(const QuantizerSettings& settings, const SimulatedTensor& keys,
+                                        const SimulatedTensor& values, const LayerActivations& activations,
+                                        const RopeConfig* rope) {
   LayerCalibrationStats stats;
   stats.key_relative_mse = tensor_error(activations.keys, keys.dequantized).relative();
   stats.value_relative_mse = tensor_error(activations.values, values.dequantized).relative();
@@ -287,6 +288,20 @@ LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const Lay
     stats.logit_relative_mse = logit_error(activations.queries, reference, approx).relative();
   }
   return stats;
+}
+}  // namespace
+
+LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
+                                    const LayerActivations& activations, const RopeConfig* rope) {
+  return measure_simulated(settings, simulate_quantization(settings, settings.keys, quantizers.keys, activations.keys),
+                           simulate_quantization(settings, settings.values, quantizers.values, activations.values),
+                           activations, rope);
+}
+
+LayerCalibrationStats measure_layer(const QuantizerConfig& config, int64_t layer,
+                                    const LayerActivations& activations, const RopeConfig* rope) {
+  return measure_simulated(config.settings, quantize_dequantize_keys(config, layer, activations.keys),
+                           quantize_dequantize_values(config, layer, activations.values), activations, rope);
 }
 
 LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,

@@ -113,6 +113,11 @@ LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivati
 // activations (calibration or held-out).
 LayerCalibrationStats measure_layer(const QuantizerSettings& settings, const LayerQuantizers& quantizers,
                                     const LayerActivations& activations, const RopeConfig* rope);
+// The same for a layer of a whole configuration, its rotation applied
+// (quantize_dequantize_keys/values): the measures are taken in the model's
+// own domain, comparable between rotated and unrotated configurations.
+LayerCalibrationStats measure_layer(const QuantizerConfig& config, int64_t layer,
+                                    const LayerActivations& activations, const RopeConfig* rope);
 
 // One layer of a store as a configuration needs it: keys in its domain,
 // values, Fisher weights when asked, queries (and post-RoPE keys) when the

@@ -15,6 +15,7 @@
 
 #include "calib/kv_rotation.h"
 #include "calib/quantize_simulation.h"
+#include "calib/quantizer_fit.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -225,6 +226,37 @@ TEST(KvRotation, RotatedKeysAndValuesMatchAFloat64Reference) {
   // The rotation changed what was quantized: without it the result differs.
   QuantizerConfig unrotated = plain_config();
   EXPECT_GT(max_abs(quantize_dequantize_keys(unrotated, 0, keys).dequantized - k.dequantized), 1e-3);
+}
+
+// measure_layer of a whole configuration takes its measures with the
+// rotation applied and undone: its key and value errors are those of the
+// float64 reference above, measured by hand.
+TEST(KvRotation, MeasureLayerOfARotatedConfigurationUsesTheRotation) {
+  at::manual_seed(5);
+  QuantizerConfig config = plain_config();
+  config.rotation = RotationSettings{.keys = RotationForm::kMatrix, .values = RotationForm::kMatrix};
+  const at::Tensor key_matrices = random_orthogonal(kKvHeads, kHeadDim).to(at::kFloat);
+  const at::Tensor value_matrices = random_orthogonal(kKvHeads, kHeadDim).to(at::kFloat);
+  config.layers[0].rotation.keys = {.matrix = float32_array(key_matrices)};
+  config.layers[0].rotation.values = {.matrix = float32_array(value_matrices)};
+  LayerActivations activations;
+  activations.keys = at::randn({2, kKvHeads, kTokens, kHeadDim}, kDouble);
+  activations.values = at::randn({2, kKvHeads, kTokens, kHeadDim}, kDouble);
+  const LayerCalibrationStats stats = measure_layer(config, 0, activations, nullptr);
+  const auto relative = [](const at::Tensor& x, const at::Tensor& y) {
+    return (x - y).pow(2).sum().item<double>() / x.pow(2).sum().item<double>();
+  };
+  const Reference k = rotated_reference(config, config.settings.keys, config.layers[0].keys, key_matrices, {},
+                                        activations.keys);
+  const Reference v = rotated_reference(config, config.settings.values, config.layers[0].values, value_matrices, {},
+                                        activations.values);
+  // The same codes; values within simulation_tolerance (~1e-14 here) of each
+  // other, so the relative errors (~0.1) agree to ~1e-12.
+  EXPECT_NEAR(stats.key_relative_mse, relative(activations.keys, k.dequantized), 1e-10);
+  EXPECT_NEAR(stats.value_relative_mse, relative(activations.values, v.dequantized), 1e-10);
+  // Not the unrotated configuration's measures.
+  const LayerCalibrationStats plain = measure_layer(config.settings, config.layers[0], activations, nullptr);
+  EXPECT_GT(std::abs(plain.key_relative_mse - stats.key_relative_mse), 1e-4);
 }
 
 // Pre-RoPE keys rotated within their RoPE pairs: the reference builds R from

@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
+#include <string>
 
 #include "calib/kv_rotation.h"
 #include "calib/quantizer_fit.h"
@@ -18,19 +20,25 @@
 namespace kvforge {
 namespace {
 
-// The captures of calib.txt (q, k_pre, k_post, v, fisher_k, fisher_v);
-// KVFORGE_ROTATION_STORE overrides.
+std::string quoted(const std::filesystem::path& path) { return "'" + path.string() + "'"; }
+
+// Captures of calib.txt by kvforge capture: 4 windows of 512 positions,
+// the fields rotate reads (made once per test binary).
 std::filesystem::path calibration_store() {
-  if (const char* path = std::getenv("KVFORGE_ROTATION_STORE")) return path;
-  return "/work/main/out/calibration-table/calib.h5";
+  static const std::filesystem::path store = [] {
+    const std::filesystem::path path = testing::scratch_dir("rotation_model") / "calib.h5";
+    const testing::CommandResult result = testing::run_kvforge(
+        "capture --quiet --model " + quoted(testing::pyllama_dir()) + " --data " +
+        quoted(testing::shared_dir() / "data" / "calib.txt") +
+        " --samples 4 --seq-len 512 --fields q,k_pre,k_post,v --out " + quoted(path));
+    if (result.exit_code != 0) throw std::runtime_error("capture failed: " + result.stderr_text);
+    return path;
+  }();
+  return store;
 }
 
 TEST(RotationModel, Int2RotOnPyllamaLearnsBelowItsBase) {
-  const std::filesystem::path store_path = calibration_store();
-  if (!std::filesystem::exists(store_path) || !std::filesystem::exists(testing::pyllama_dir())) {
-    GTEST_SKIP() << "no pyllama-16m captures at " << store_path;
-  }
-  const ActivationStoreReader store(store_path);
+  const ActivationStoreReader store(calibration_store());
   FitOptions fit;
   fit.method = QuantMethod::kInt2Rot;
   const QuantizerSettings settings = resolve_settings(fit, store.layout().model.head_dim);
@@ -87,31 +95,6 @@ TEST(RotationModel, Int2RotOnPyllamaLearnsBelowItsBase) {
       EXPECT_NEAR(t.key[h], t.key_kl[h] + t.key_output[h], 1e-6 * t.key[h]);  // summed in float32
       EXPECT_GT(t.value[h], 0);
     }
-  }
-}
-
-}  // namespace
-}  // namespace kvforge
-
-namespace kvforge {
-namespace {
-
-// Not part of the suite (minutes on CPU): every layer of pyllama-16m for
-// int2-rot and kvquant on 8 windows x 1024 tokens, for the report's table
-// (run with --gtest_also_run_disabled_tests; the log has the per-layer lines).
-TEST(RotationModel, DISABLED_EveryLayerOfPyllama) {
-  const ActivationStoreReader store(calibration_store());
-  for (const QuantMethod method : {QuantMethod::kInt2Rot, QuantMethod::kKvquant}) {
-    FitOptions fit;
-    fit.method = method;
-    const QuantizerSettings settings = resolve_settings(fit, store.layout().model.head_dim);
-    ModelRotationOptions options;
-    options.max_samples = 8;
-    options.max_tokens = 1024;
-    options.rotation.steps = 80;
-    if (method == QuantMethod::kKvquant) options.rotation.key_basis = RotationBasis::kIdentity;
-    const ModelRotation result = rotate_model(store, testing::pyllama_dir(), settings, options);
-    EXPECT_EQ(result.rotated.layers.size(), 5u);
   }
 }
 

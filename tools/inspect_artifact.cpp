@@ -135,10 +135,8 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
       c["effective_bits"].push_back({{"context", context}, {"bits", bits}});
     }
     c["rotation"] = config.rotation ? rotation_json(config, artifact.model) : nullptr;
-    // measure_layer (calib/quantizer_fit.h) quantizes in the model's own basis: held-out measures of a rotated
-    // configuration would describe another quantizer, so they are left out.
-    const bool measure = heldout && !config.rotation;
-    if (heldout && config.rotation) c["heldout_skipped"] = "rotated configuration: measure_layer applies no rotation";
+    // Held-out measures in the model's own domain, rotations applied and undone.
+    const bool measure = heldout.has_value();
     std::vector<LayerCalibrationStats> heldout_stats;
     for (size_t layer = 0; layer < config.layers.size(); ++layer) {
       const auto& l = config.layers[layer];
@@ -148,7 +146,7 @@ nlohmann::json artifact_json(const Artifact& artifact, const std::string& file,
                               {"calibration", stats_json(l.stats)}};
       if (measure) {
         const auto activations = load_layer_activations(*heldout, s, static_cast<int64_t>(layer), samples);
-        heldout_stats.push_back(measure_layer(s, l, activations, &*rope));
+        heldout_stats.push_back(measure_layer(config, static_cast<int64_t>(layer), activations, &*rope));
         entry["heldout"] = stats_json(heldout_stats.back());
       }
       c["layers"].push_back(entry);
@@ -252,9 +250,6 @@ void print_artifact(const nlohmann::json& summary) {
     }
     std::printf("\n");
     if (!c["rotation"].is_null()) print_rotation(c["rotation"]);
-    if (c.contains("heldout_skipped")) {
-      std::cout << "  held-out measures skipped: " << c["heldout_skipped"].get<std::string>() << "\n";
-    }
     std::printf("  %5s %11s %11s %11s %9s %9s %s\n", "layer", "K rel.MSE", "V rel.MSE", "logit MSE", "K outl.",
                 "V outl.", heldout ? "(calibration | held-out)" : "(calibration)");
     for (const auto& l : c["layers"]) {
