@@ -37,10 +37,48 @@ done
 step build
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_ARCH_LIST=9.0 \
   -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
+# GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
+# has 10 minutes; the whole build takes half of them).
+if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
+  targets="--target kvforge kvforge_bench_rotation test_rotation_fit test_rotation_objective test_differentiable_quantizer test_rotate_cli"
+else
+  targets=""
+fi
+cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
 KV=build-gpu/tools/kvforge
 MODEL=$KVFORGE_SHARED/models/pyllama-16m
 HELDOUT=$KVFORGE_SHARED/data/heldout.txt
+
+rotation_checks() {
+  step "rotation: CUDA tests"
+  for t in test_rotation_objective test_rotation_fit test_differentiable_quantizer; do
+    ./build-gpu/tests/$t --gtest_filter='*Cuda*' > "$LOGS/$t.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]" "$LOGS/$t.log"
+  done
+  step "rotation benchmark: Llama-3-8B shapes, 16 x 2048 tokens, 80 steps"
+  ./build-gpu/bench/kvforge_bench_rotation --device cuda --layers 32 --windows 16 --tokens 2048 --steps 80 \
+    --budget "${ROTATION_BENCH_BUDGET:-150}" --out "$OUT/rotation_bench.json" > "$LOGS/rotation_bench.log" 2>&1 || status=1
+  tail -25 "$LOGS/rotation_bench.log"
+  step "rotation: kvforge rotate --device cuda on pyllama-16m (16 x 2048 calibration, 8 x 2048 held-out captures)"
+  $KV capture --quiet --model "$MODEL" --data "$KVFORGE_SHARED/data/calib.txt" --samples 16 --seq-len 2048 --seed 0 \
+    --device cuda --out /tmp/calib.h5 > "$LOGS/rot_capture.log" 2>&1 || status=1
+  $KV capture --quiet --model "$MODEL" --data "$HELDOUT" --samples 8 --seq-len 2048 --seed 1 --device cuda \
+    --fields q,k_pre,k_post,v --out /tmp/heldout.h5 >> "$LOGS/rot_capture.log" 2>&1 || status=1
+  $KV calibrate --quiet --acts /tmp/calib.h5 --out /tmp/art.h5 --method int2-rot,kvquant --bits 2 \
+    > "$LOGS/rot_calibrate.log" 2>&1 || status=1
+  start=$(date +%s.%N)
+  $KV rotate --acts /tmp/calib.h5 --model "$MODEL" --artifact /tmp/art.h5 --config int2-rot-2bit,kvquant-2bit \
+    --device cuda --write-bases --heldout-acts /tmp/heldout.h5 --json "$OUT/rotate_pyllama_cuda.json" \
+    > "$LOGS/rotate_cuda.log" 2>&1 || { tail -5 "$LOGS/rotate_cuda.log"; status=1; }
+  python3 -c "print('kvforge rotate --device cuda wall seconds (2 configs, 5 layers, bases + learned + held-out):', round($(date +%s.%N) - $start, 1))" | tee -a "$OUT/rotate_pyllama_cuda_time.txt"
+  grep -E "done in|validation" "$LOGS/rotate_cuda.log" | tail -12
+}
+if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
+  rotation_checks
+  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  echo; echo "gpu_checks (rotation): $([ $status = 0 ] && echo PASSED || echo FAILED)"
+  exit $status
+fi
 
 step "HF transformers reference on this GPU"
 check python3 scripts/make_cuda_reference.py --model "$MODEL" --text "$HELDOUT" --out "$LOGS/hf_cuda_reference.safetensors"

@@ -188,3 +188,38 @@ TEST(RotationFit, PreRopeKeysLearnPairAngles) {
 
 }  // namespace
 }  // namespace kvforge
+
+namespace kvforge {
+namespace {
+
+// The whole layer fit on the GPU: the same conclusions as on the CPU
+// (Hadamard below identity, learned below Hadamard, orthogonal), and the
+// fixed bases' validation losses equal to the CPU's up to float32 rounding
+// of the rotated data (the quantizer refits run on the host in both cases;
+// 2% allows a clip ratio one grid step away where two candidates tie).
+TEST(RotationFit, CudaReachesTheCpuResults) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const RotationLayerData data = outlier_layer(21);
+  RotationOptions cpu_options = quick_options(), gpu_options = quick_options();
+  gpu_options.device = at::Device(at::kCUDA);
+  const LayerRotationFit cpu =
+      fit_layer_rotation(per_token_int2(), data.windows_slice(0, 6), data.windows_slice(6, 2), cpu_options);
+  const RotationLayerData on_gpu = data.to(gpu_options.device, at::kFloat);
+  const LayerRotationFit gpu =
+      fit_layer_rotation(per_token_int2(), on_gpu.windows_slice(0, 6), on_gpu.windows_slice(6, 2), gpu_options);
+  const Means identity = means(gpu.bases[0].quantizers), hadamard = means(gpu.bases[1].quantizers),
+              learned = means(gpu.learned);
+  EXPECT_LT(hadamard.key_base, identity.key_base);
+  EXPECT_LT(learned.key_learned, hadamard.key_base);
+  EXPECT_LT(learned.value_learned, hadamard.value_base);
+  EXPECT_LT(orthogonality_error(key_matrices(gpu.learned)), 1e-5);
+  EXPECT_LT(orthogonality_error(value_matrices(gpu.learned)), 1e-5);
+  for (size_t b = 0; b < 2; ++b) {
+    const Means c = means(cpu.bases[b].quantizers), g = means(gpu.bases[b].quantizers);
+    EXPECT_NEAR(g.key_base, c.key_base, 0.02 * c.key_base) << b;
+    EXPECT_NEAR(g.value_base, c.value_base, 0.02 * c.value_base) << b;
+  }
+}
+
+}  // namespace
+}  // namespace kvforge

@@ -225,3 +225,38 @@ TEST(RotationObjective, PairAnglesCommuteWithRope) {
 
 }  // namespace
 }  // namespace kvforge
+
+namespace kvforge {
+namespace {
+
+// The objective on the GPU in float32 against the float64 brute force: the
+// logits are float32 dot products of D = 4 terms (relative error ~ D u,
+// u = 2^-24 ~ 6e-8) and every term sums at most a few hundred float32
+// products; 1e-4 relative (~1000 u) bounds both with a margin, far below
+// the differences the terms are used to tell apart.
+TEST(RotationObjective, CudaFloat32MatchesTheFloat64BruteForce) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const RotationLayerData data = small_case(2, 4, 2, 7, 4, 6, 1);
+  at::manual_seed(17);
+  const at::Tensor keys_hat = data.keys + at::randn_like(data.keys) * 0.3;
+  const at::Tensor values_hat = data.values + at::randn_like(data.values) * 0.2;
+  const BruteForce expected = brute_force(data, data.keys, keys_hat, values_hat, 3);
+  const RotationLayerData gpu = data.to(at::Device(at::kCUDA), at::kFloat);
+  const AttentionObjective objective(gpu, 3);
+  const at::Tensor k = keys_hat.to(at::kCUDA, at::kFloat), v = values_hat.to(at::kCUDA, at::kFloat);
+  const KeyTerms terms = objective.key_terms(k);
+  ASSERT_TRUE(terms.kl.is_cuda());
+  const auto close = [](const at::Tensor& actual, const std::vector<double>& want, const char* what) {
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(actual[static_cast<int64_t>(i)].item<double>(), want[i], 1e-4 * std::abs(want[i]) + 1e-7)
+          << what << " head " << i;
+    }
+  };
+  close(terms.kl.cpu(), expected.kl, "KL");
+  close(terms.output.cpu(), expected.output, "output");
+  close(objective.value_term(v, objective.exact_probabilities()).cpu(), expected.value_exact, "value");
+  close(objective.value_term(v, objective.probabilities(k)).cpu(), expected.value_quantized, "value (quantized keys)");
+}
+
+}  // namespace
+}  // namespace kvforge
