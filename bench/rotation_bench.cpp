@@ -64,6 +64,7 @@ int run(int argc, char** argv) {
   std::string device_text = "cuda", method_text = "int2-rot", out;
   int64_t layers = 32, windows = 16, tokens = 2048, steps = 80;
   double budget = 420;
+  bool no_logit_statistic = false;
   app.add_option("--device", device_text);
   app.add_option("--layers", layers);
   app.add_option("--windows", windows);
@@ -72,6 +73,7 @@ int run(int argc, char** argv) {
   app.add_option("--method", method_text);
   app.add_option("--budget", budget, "Seconds of learning after which no further layer starts");
   app.add_option("--out", out, "JSON report");
+  app.add_flag("--no-logit-statistic", no_logit_statistic, "Skip the refitted quantizers' logit statistic");
   CLI11_PARSE(app, argc, argv);
 
   const c10::Device device = parse_device(device_text);
@@ -83,6 +85,7 @@ int run(int argc, char** argv) {
   RotationOptions options;
   options.device = device;
   options.steps = steps;
+  options.logit_statistic = !no_logit_statistic;
   RotationOptions bases_only = options;
   bases_only.steps = 0;
   const int64_t validation = std::max<int64_t>(1, windows / 4);
