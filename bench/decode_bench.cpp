@@ -21,6 +21,7 @@
 #include <iostream>
 #include <vector>
 
+#include "bench/device_timer.h"
 #include "bench/llama3_shapes.h"
 #include "model/device.h"
 #include "model/generation.h"
@@ -29,14 +30,6 @@
 
 namespace kvforge {
 namespace {
-
-double seconds_of(const c10::Device& device, const std::function<void()>& work) {
-  if (device.is_cuda()) c10::cuda::device_synchronize();
-  const auto start = std::chrono::steady_clock::now();
-  work();
-  if (device.is_cuda()) c10::cuda::device_synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // One decoding run's attention calls of one layer: a query token over the
 // cache view [0, L) of a preallocated buffer, for L = prompt+1 .. prompt+steps.

@@ -26,6 +26,7 @@
 #include <iostream>
 #include <vector>
 
+#include "bench/device_timer.h"
 #include "bench/llama3_shapes.h"
 #include "calib/quantizer_fit.h"
 #include "model/device.h"
@@ -33,14 +34,6 @@
 
 namespace kvforge {
 namespace {
-
-double seconds_of(const c10::Device& device, const std::function<void()>& work) {
-  if (device.is_cuda()) c10::cuda::device_synchronize();
-  const auto start = std::chrono::steady_clock::now();
-  work();
-  if (device.is_cuda()) c10::cuda::device_synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // One layer's synthetic captures: 4 of every 128 key and query channels 8x
 // larger (the outlier channels per-token INT2 suffers from).
