@@ -112,9 +112,16 @@ int run(int argc, char** argv) {
                     {"value_steps", learned.value_steps},
                     {"key_heads_learned", heads_learned},
                     {"key_loss_base", key_base},
-                    {"key_loss_learned", key_learned}});
+                    {"key_loss_learned", key_learned},
+                    {"phase_seconds",
+                     {{"bases", learned.seconds.bases},
+                      {"keys", learned.seconds.keys},
+                      {"values", learned.seconds.values},
+                      {"final", learned.seconds.final}}}});
     std::cerr << "layer " << layer << ": " << learn_seconds << " s learning (" << learned.key_steps << " key, "
-              << learned.value_steps << " value steps), bases alone " << base_seconds << " s\n";
+              << learned.value_steps << " value steps; phases: bases " << learned.seconds.bases << " s, keys "
+              << learned.seconds.keys << " s, values " << learned.seconds.values << " s, final "
+              << learned.seconds.final << " s), bases alone " << base_seconds << " s\n";
   }
   const double projected = learned_total / static_cast<double>(measured) * static_cast<double>(layers);
   nlohmann::json report = {

@@ -29,12 +29,13 @@ std::vector<float> to_float_grid(const std::vector<double>& levels) {
 std::vector<float> fit_grid(const at::Tensor& values, const at::Tensor& weights, int bits,
                             const KMeans1dOptions& options) {
   if (bits < 1 || bits > 8) throw std::invalid_argument("fit_grid: bits must be in 1..8, got " + std::to_string(bits));
-  const at::Tensor x = values.to(at::kFloat).contiguous().reshape({-1});
+  // The k-means runs on the host.
+  const at::Tensor x = values.to(at::kCPU, at::kFloat).contiguous().reshape({-1});
   const std::span<const float> xs(x.data_ptr<float>(), static_cast<size_t>(x.numel()));
   std::span<const float> ws;
   at::Tensor w;
   if (weights.defined()) {
-    w = weights.to(at::kFloat).contiguous().reshape({-1});
+    w = weights.to(at::kCPU, at::kFloat).contiguous().reshape({-1});
     if (w.numel() != x.numel()) throw std::invalid_argument("fit_grid: weights and values differ in length");
     ws = std::span<const float>(w.data_ptr<float>(), static_cast<size_t>(w.numel()));
   }
@@ -77,12 +78,12 @@ std::vector<float> q_norm_iterated_grid(const std::vector<float>& grid, const at
   // nearest_level rounds). Sorted once, each round costs O(levels log n).
   std::vector<double> sorted(static_cast<size_t>(n));
   if (values.scalar_type() == at::kFloat) {  // sorting float32 is cheaper; the order is the same
-    const at::Tensor v = values.reshape({-1}).contiguous();
+    const at::Tensor v = values.reshape({-1}).to(at::kCPU).contiguous();
     std::vector<float> f(v.data_ptr<float>(), v.data_ptr<float>() + n);
     std::sort(f.begin(), f.end());
     std::copy(f.begin(), f.end(), sorted.begin());
   } else {
-    const at::Tensor v = x.contiguous();
+    const at::Tensor v = x.to(at::kCPU).contiguous();
     std::copy(v.data_ptr<double>(), v.data_ptr<double>() + n, sorted.begin());
     std::sort(sorted.begin(), sorted.end());
   }

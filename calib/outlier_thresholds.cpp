@@ -1,7 +1,6 @@
 #include "calib/outlier_thresholds.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,14 +22,13 @@ ChannelThresholds fit_channel_thresholds(const at::Tensor& x, double fraction) {
   check_fraction(fraction);
   if (x.dim() < 3) throw std::invalid_argument("fit_channel_thresholds: expected [..., kv_heads, T, D]");
   const int64_t heads = x.size(-3), head_dim = x.size(-1);
-  // [heads * head_dim, samples], each row sorted ascending.
-  const at::Tensor sorted = x.to(at::kFloat).reshape({-1, heads, x.size(-2), head_dim})
-                                .permute({1, 3, 0, 2}).reshape({heads * head_dim, -1}).contiguous();
-  const int64_t n = sorted.size(-1);
+  // [heads * head_dim, samples], each row sorted ascending (on x's device),
+  // then searched on the host.
+  const at::Tensor rows = x.to(at::kFloat).reshape({-1, heads, x.size(-2), head_dim})
+                              .permute({1, 3, 0, 2}).reshape({heads * head_dim, -1});
+  const int64_t n = rows.size(-1);
   if (n == 0) throw std::invalid_argument("fit_channel_thresholds: no calibration values");
-  at::parallel_for(0, sorted.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) std::sort(sorted.data_ptr<float>() + row * n, sorted.data_ptr<float>() + (row + 1) * n);
-  });
+  const at::Tensor sorted = std::get<0>(rows.sort(-1)).to(at::kCPU).contiguous();
   at::Tensor low = at::empty({heads, head_dim}, at::kFloat), high = at::empty({heads, head_dim}, at::kFloat);
   float* low_out = low.data_ptr<float>();
   float* high_out = high.data_ptr<float>();

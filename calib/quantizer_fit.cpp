@@ -23,7 +23,7 @@ namespace kvforge {
 namespace {
 
 Float32Array to_array(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kFloat).contiguous();
+  const at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
   Float32Array array;
   array.shape.assign(c.sizes().begin(), c.sizes().end());
   array.values.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
@@ -93,8 +93,10 @@ double search_clip_ratio(const QuantizerSettings& settings, const TensorQuantize
   return best_ratio;
 }
 
-TensorQuantizer fit_tensor(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
-                           const at::Tensor& x, const at::Tensor& fisher, const FitOptions& options) {
+}  // namespace
+
+TensorQuantizer fit_tensor_quantizer(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
+                                     const at::Tensor& x, const at::Tensor& fisher, const FitOptions& options) {
   const QuantizerSettings view = fit_view(settings);
   const TokenSpan tokens = quantized_tokens(view, fit_view(tensor), x.size(-2));
   TensorQuantizer quantizer;
@@ -141,6 +143,8 @@ TensorQuantizer fit_tensor(const QuantizerSettings& settings, const TensorQuanti
   }
   return quantizer;
 }
+
+namespace {
 
 double outlier_share(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
                      const SimulatedTensor& simulated) {
@@ -282,7 +286,7 @@ LayerCalibrationStats measure_simulated(const QuantizerSettings& settings, const
       if (rope == nullptr || !activations.keys_post_rope.defined()) {
         throw std::invalid_argument("measure_layer: pre-RoPE keys need the RoPE settings and post-RoPE reference keys");
       }
-      const RotaryEmbedding rotary(*rope, approx.size(-1), c10::Device(c10::kCPU));
+      const RotaryEmbedding rotary(*rope, approx.size(-1), approx.device());
       approx = RotaryEmbedding::apply(approx.to(at::kDouble), rotary.tables(0, approx.size(-2), at::kDouble));
     }
     stats.logit_relative_mse = logit_error(activations.queries, reference, approx).relative();
@@ -308,8 +312,9 @@ LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivati
                           const FitOptions& options, const RopeConfig* rope) {
   check_activations(activations);
   LayerQuantizers layer;
-  layer.keys = fit_tensor(settings, settings.keys, activations.keys, activations.fisher_keys, options);
-  layer.values = fit_tensor(settings, settings.values, activations.values, activations.fisher_values, options);
+  layer.keys = fit_tensor_quantizer(settings, settings.keys, activations.keys, activations.fisher_keys, options);
+  layer.values =
+      fit_tensor_quantizer(settings, settings.values, activations.values, activations.fisher_values, options);
   layer.stats = measure_layer(settings, layer, activations, rope);
   return layer;
 }

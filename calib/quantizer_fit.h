@@ -104,8 +104,17 @@ struct LayerActivations {
   at::Tensor keys_post_rope;  // the logits' reference keys; undefined: `keys` (post-RoPE settings)
 };
 
-// Fits one layer and measures it. `rope` rotates dequantized pre-RoPE keys
-// for the logit statistic (needed when keys_pre_rope and queries are given).
+// Fits one tensor's quantizer (keys or values: `tensor` is settings.keys or
+// settings.values) on x [N, Hkv, T, D], without measuring it. Runs on x's
+// device (host-only steps, the k-means and the threshold search, copy what
+// they need to the CPU); the parameters are the same on every device up to
+// the order of floating-point sums.
+TensorQuantizer fit_tensor_quantizer(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
+                                     const at::Tensor& x, const at::Tensor& fisher, const FitOptions& options);
+
+// Fits one layer and measures it, on the activations' device. `rope`
+// rotates dequantized pre-RoPE keys for the logit statistic (needed when
+// keys_pre_rope and queries are given).
 LayerQuantizers fit_layer(const QuantizerSettings& settings, const LayerActivations& activations,
                           const FitOptions& options, const RopeConfig* rope = nullptr);
 

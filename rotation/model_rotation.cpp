@@ -109,6 +109,8 @@ void log_layer(int64_t layer, const RotationOptions& options, const LayerRotatio
        << fit.learned.rotation.values.learned.size() << " heads, " << fit.value_steps
        << " steps); max ||R^T R - I|| " << orthogonality;
   log::info(line.str());
+  log::debug("layer ", layer, " seconds: bases ", fit.seconds.bases, ", keys ", fit.seconds.keys, ", values ",
+             fit.seconds.values, ", final refit ", fit.seconds.final);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include <chrono>
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
@@ -67,10 +68,11 @@ at::Tensor leading(const at::Tensor& t, const CalibrationSubset& subset) {
   return t.defined() ? t.narrow(0, 0, subset.windows).narrow(2, 0, subset.tokens) : t;
 }
 
-at::Tensor to_cpu(const at::Tensor& t) { return t.defined() ? t.to(at::kCPU, at::kFloat).contiguous() : t; }
+// float32 on the data's device: what calib fits on, wherever the fit runs.
+at::Tensor fit_precision(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
 
-// The rotated activations calib's fit_layer fits to (on the CPU, float32),
-// on at most `token_limit` tokens (0: all): x' = (x - c) R, v' = v R, the
+// The rotated activations calib's fit_layer fits to (float32, on the data's
+// device), on at most `token_limit` tokens (0: all): x' = (x - c) R, v' = v R, the
 // queries q R (attending with rotated keys as with the originals), post-RoPE
 // reference keys RoPE(k' ) for pre-RoPE keys.
 LayerActivations rotated_activations(const QuantizerSettings& settings, const RotationLayerData& data,
@@ -93,9 +95,22 @@ LayerActivations rotated_activations(const QuantizerSettings& settings, const Ro
     }
   }
   for (at::Tensor* t : {&a.keys, &a.values, &a.fisher_keys, &a.fisher_values, &a.queries, &a.keys_post_rope}) {
-    *t = to_cpu(*t);
+    *t = fit_precision(*t);
   }
   return a;
+}
+
+// One tensor's rotated activations and Fisher weights (undefined unless
+// Fisher-weighted), as rotated_activations() gives them.
+std::pair<at::Tensor, at::Tensor> rotated_tensor(const QuantizerSettings& settings, const RotationLayerData& data,
+                                                 bool keys, const RotationTensors& rotation, int64_t token_limit) {
+  const CalibrationSubset subset = calibration_subset(data.windows(), data.keys.size(2), token_limit);
+  at::Tensor x = leading(keys ? data.keys : data.values, subset);
+  if (keys && rotation.centre.defined()) x = x - rotation.centre;
+  const at::Tensor& matrices = keys ? rotation.keys : rotation.values;
+  at::Tensor fisher;
+  if (settings.fisher_weighted) fisher = rotated_fisher(leading(keys ? data.fisher_keys : data.fisher_values, subset), matrices);
+  return {fit_precision(rotate(x, matrices)), fit_precision(fisher)};
 }
 
 TensorRotation tensor_rotation(RotationForm form, const at::Tensor& matrices, const at::Tensor& angles,
@@ -196,6 +211,14 @@ class LayerFit {
                      logits && fit_.data.rope ? &*fit_.data.rope : nullptr);
   }
 
+  // The quantizer of the tensor being learned alone, refitted to a rotation
+  // (no statistics: what learning and choosing need).
+  TensorQuantizer refit_tensor(bool keys, const RotationTensors& rotation, int64_t token_limit) const {
+    c10::NoGradGuard no_grad;
+    const auto [x, fisher] = rotated_tensor(settings_, fit_.data, keys, rotation, token_limit);
+    return fit_tensor_quantizer(settings_, keys ? settings_.keys : settings_.values, x, fisher, refit_);
+  }
+
   at::Tensor dequantized_keys(const Split& split, const RotationTensors& r, const LayerQuantizers& q) const {
     return quantize_through_rotation(settings_, settings_.keys, q.keys, split.data.keys, r.keys, r.centre,
                                      options_.gradient);
@@ -286,9 +309,7 @@ LayerFit::Learned LayerFit::learn(bool keys, const at::Tensor& base, RotationTen
   const auto parameter_of = [&](const at::Tensor& a) {
     return angles ? base + a : at::matmul(base, at::linalg_matrix_exp(a - a.transpose(-1, -2)));
   };
-  const auto take = [&](const LayerQuantizers& from) {
-    (keys ? quantizers.keys : quantizers.values) = keys ? from.keys : from.values;
-  };
+  const auto tensor_of = [&](LayerQuantizers& q) -> TensorQuantizer& { return keys ? q.keys : q.values; };
 
   at::Tensor base_validation;
   {
@@ -316,8 +337,7 @@ LayerFit::Learned LayerFit::learn(bool keys, const at::Tensor& base, RotationTen
       adam.update(a, a.grad(), options_);
       const at::Tensor parameter = parameter_of(a);
       if (options_.refit_interval > 0 && step % options_.refit_interval == 0) {
-        const LayerQuantizers refitted = refit(with(parameter), options_.refit_tokens, false);
-        (keys ? current.keys : current.values) = keys ? refitted.keys : refitted.values;
+        tensor_of(current) = refit_tensor(keys, with(parameter), options_.refit_tokens);
       }
       const at::Tensor validation_loss = loss(keys, validation_, with(parameter), current);
       const at::Tensor improved = validation_loss < best_loss;
@@ -340,23 +360,29 @@ LayerFit::Learned LayerFit::learn(bool keys, const at::Tensor& base, RotationTen
                    .to(base.scalar_type());
   // Keep a head's learned rotation only when, with the quantizer refitted to
   // it on every fit token, its validation loss beats its base's.
-  const LayerQuantizers learned_quantizers = refit(with(learned), 0, false);
+  const TensorQuantizer learned_quantizer = refit_tensor(keys, with(learned), 0);
   LayerQuantizers trial = base_quantizers;
-  (keys ? trial.keys : trial.values) = keys ? learned_quantizers.keys : learned_quantizers.values;
+  tensor_of(trial) = learned_quantizer;
   const at::Tensor keep = loss(keys, validation_, with(learned), trial) < base_validation;
   result.kept = to_bools(keep);
   result.parameter = per_head_where(keep, learned, base);
   const bool all = keep.all().item<bool>(), any = keep.any().item<bool>();
   if (all) {
-    take(learned_quantizers);
+    tensor_of(quantizers) = learned_quantizer;
   } else if (any) {
-    take(refit(with(result.parameter), 0, false));
+    tensor_of(quantizers) = refit_tensor(keys, with(result.parameter), 0);
   }
   return result;
 }
 
 LayerRotationFit LayerFit::run() {
   LayerRotationFit out;
+  auto phase_start = std::chrono::steady_clock::now();
+  const auto lap = [&phase_start](double& seconds) {
+    const auto now = std::chrono::steady_clock::now();
+    seconds = std::chrono::duration<double>(now - phase_start).count();
+    phase_start = now;
+  };
   // 1. The fixed bases.
   for (const RotationBasis basis : options_.fixed_bases) {
     out.bases.push_back(evaluate_base(basis, key_base_parameter(basis), value_base(basis), key_basis_recorded(basis)));
@@ -372,11 +398,13 @@ LayerRotationFit LayerFit::run() {
   const BaseRotation computed =
       start ? BaseRotation{} : evaluate_base(options_.value_basis, key_base, value_start, key_start);
   if (!start) start = &computed;
+  lap(out.seconds.bases);
 
   // 3. Keys, then values with the learned key rotation in place.
   RotationTensors rotation{key_matrices(key_base), centre_, value_start};
   LayerQuantizers quantizers = start->quantizers;
   const Learned keys = learn(true, key_base, rotation, quantizers);
+  lap(out.seconds.keys);
   rotation.keys = key_matrices(keys.parameter);
   {
     c10::NoGradGuard no_grad;
@@ -388,6 +416,7 @@ LayerRotationFit LayerFit::run() {
     }
   }
   const Learned values = learn(false, value_start, rotation, quantizers);
+  lap(out.seconds.values);
   rotation.values = values.parameter;
 
   // 4. The final quantizers and the record.
@@ -404,6 +433,7 @@ LayerRotationFit LayerFit::run() {
   }
   out.key_steps = keys.steps;
   out.value_steps = values.steps;
+  lap(out.seconds.final);
   return out;
 }
 

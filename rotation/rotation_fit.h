@@ -109,6 +109,11 @@ struct LayerRotationFit {
   LayerQuantizers learned;          // quantizers, stats, rotation (kept per head) and per-head validation losses
   std::vector<BaseRotation> bases;  // options.fixed_bases in order
   int64_t key_steps = 0, value_steps = 0;  // Adam steps run before early stopping
+  // Wall time of the phases (each ends in a host synchronization): the
+  // fixed bases, learning keys, learning values, the final refit.
+  struct PhaseSeconds {
+    double bases = 0, keys = 0, values = 0, final = 0;
+  } seconds;
 };
 
 // fit and validation: the same layer's windows, split by the caller, on

@@ -40,7 +40,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
-  targets="--target kvforge kvforge_bench_rotation test_rotation_fit test_rotation_objective test_differentiable_quantizer test_rotate_cli"
+  targets="--target kvforge kvforge_bench_rotation test_rotation_fit test_rotation_objective test_differentiable_quantizer test_quantizers test_rotate_cli"
 else
   targets=""
 fi
@@ -51,7 +51,7 @@ HELDOUT=$KVFORGE_SHARED/data/heldout.txt
 
 rotation_checks() {
   step "rotation: CUDA tests"
-  for t in test_rotation_objective test_rotation_fit test_differentiable_quantizer; do
+  for t in test_quantizers test_rotation_objective test_rotation_fit test_differentiable_quantizer; do
     ./build-gpu/tests/$t --gtest_filter='*Cuda*' > "$LOGS/$t.log" 2>&1 || status=1
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]" "$LOGS/$t.log"
   done

@@ -1382,5 +1382,70 @@ TEST_F(CapturedStore, KiviAndRtnFitNothingAndNeedNoFisher) {
   EXPECT_THROW(fit_quantizers(*store_, bad), std::invalid_argument);
 }
 
+// calib's fit runs on the activations' device (kvforge rotate refits on the
+// GPU). The device computes the same float64 normalizations and sorts; only
+// the order of floating-point sums differs (clip-search errors, moments of
+// Q-Norm, the statistics), so parameters agree to a few float32 ulps, clip
+// ratios to one candidate step (two candidates whose errors tie within
+// rounding may swap), and the statistics to 1e-9 relative (float64 sums of
+// ~1e5 terms: n * 2^-52 ~ 2e-11, with room for the cancellation of the
+// logit error's difference of keys).
+TEST_F(CapturedStore, CudaFitEqualsTheCpuFit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig model = load_model_config(testing::pyllama_dir());
+  const RopeConfig rope = model.rope;
+  const auto to_cuda = [](LayerActivations a) {
+    for (at::Tensor* t : {&a.keys, &a.values, &a.fisher_keys, &a.fisher_values, &a.queries, &a.keys_post_rope}) {
+      if (t->defined()) *t = t->to(c10::Device(c10::kCUDA));
+    }
+    return a;
+  };
+  const auto near = [](const Float32Array& a, const Float32Array& b, const std::string& what) {
+    ASSERT_EQ(a.values.size(), b.values.size()) << what;
+    for (size_t i = 0; i < a.values.size(); ++i) {
+      EXPECT_NEAR(a.values[i], b.values[i], 4e-6 * std::max(1.0f, std::abs(a.values[i]))) << what << " [" << i << "]";
+    }
+  };
+  const auto near_grid = [](const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 4e-6) << what << " level " << i;
+  };
+  std::vector<std::pair<std::string, FitOptions>> cases;
+  FitOptions kvquant;
+  kvquant.method = QuantMethod::kKvquant;
+  cases.emplace_back("kvquant", kvquant);
+  FitOptions tau = kvquant;
+  tau.value_outlier_rule = OutlierRule::kTokenTau;
+  cases.emplace_back("kvquant-tau", tau);
+  FitOptions int2;
+  int2.method = QuantMethod::kInt2Rot;
+  cases.emplace_back("int2-rot", int2);
+  for (const auto& [name, options] : cases) {
+    const QuantizerSettings settings = resolve_settings(options, model.head_dim);
+    const LayerActivations cpu = read_layer_activations(*store_, settings, 1, kWindows, kSeqLen,
+                                                        settings.fisher_weighted, true);
+    const LayerQuantizers on_cpu = fit_layer(settings, cpu, options, &rope);
+    const LayerQuantizers on_gpu = fit_layer(settings, to_cuda(cpu), options, &rope);
+    for (const auto& [tensor, a, b] : {std::tuple{"keys", &on_cpu.keys, &on_gpu.keys},
+                                       std::tuple{"values", &on_cpu.values, &on_gpu.values}}) {
+      const std::string what = name + " " + tensor;
+      near(a->channel_offset, b->channel_offset, what + " offset");
+      near(a->channel_scale, b->channel_scale, what + " scale");
+      near(a->outlier_low, b->outlier_low, what + " outlier_low");
+      near(a->outlier_high, b->outlier_high, what + " outlier_high");
+      near_grid(a->grid, b->grid, what + " grid");
+      near_grid(a->encode_grid, b->encode_grid, what + " encode grid");
+      EXPECT_NEAR(a->outlier_tau, b->outlier_tau, 4e-6 * std::max(1.0f, a->outlier_tau)) << what;
+      EXPECT_NEAR(a->clip_ratio, b->clip_ratio, 0.0100001) << what;
+    }
+    const auto relative = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(a), 1e-300); };
+    EXPECT_LT(relative(on_cpu.stats.key_relative_mse, on_gpu.stats.key_relative_mse), 1e-9) << name;
+    EXPECT_LT(relative(on_cpu.stats.value_relative_mse, on_gpu.stats.value_relative_mse), 1e-9) << name;
+    EXPECT_LT(relative(on_cpu.stats.logit_relative_mse, on_gpu.stats.logit_relative_mse), 1e-9) << name;
+    EXPECT_EQ(on_cpu.stats.key_outlier_fraction, on_gpu.stats.key_outlier_fraction) << name;
+    EXPECT_EQ(on_cpu.stats.value_outlier_fraction, on_gpu.stats.value_outlier_fraction) << name;
+  }
+}
+
 }  // namespace
 }  // namespace kvforge
