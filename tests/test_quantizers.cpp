@@ -1389,7 +1389,11 @@ TEST_F(CapturedStore, KiviAndRtnFitNothingAndNeedNoFisher) {
 // ratios to one candidate step (two candidates whose errors tie within
 // rounding may swap), and the statistics to 1e-9 relative (float64 sums of
 // ~1e5 terms: n * 2^-52 ~ 2e-11, with room for the cancellation of the
-// logit error's difference of keys).
+// logit error's difference of keys). Pre-RoPE keys (kvquant) are rotated for
+// the logit statistic with RoPE tables made on the device, whose float32
+// pow and float64 sin/cos are not correctly rounded (CUDA: up to 2 ulp,
+// 2.4e-7 relative in a float32 frequency): the statistic then agrees to
+// 1e-6 relative (measured 2e-8 on the H200).
 TEST_F(CapturedStore, CudaFitEqualsTheCpuFit) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const ModelConfig model = load_model_config(testing::pyllama_dir());
@@ -1441,7 +1445,9 @@ TEST_F(CapturedStore, CudaFitEqualsTheCpuFit) {
     const auto relative = [](double a, double b) { return std::abs(a - b) / std::max(std::abs(a), 1e-300); };
     EXPECT_LT(relative(on_cpu.stats.key_relative_mse, on_gpu.stats.key_relative_mse), 1e-9) << name;
     EXPECT_LT(relative(on_cpu.stats.value_relative_mse, on_gpu.stats.value_relative_mse), 1e-9) << name;
-    EXPECT_LT(relative(on_cpu.stats.logit_relative_mse, on_gpu.stats.logit_relative_mse), 1e-9) << name;
+    EXPECT_LT(relative(on_cpu.stats.logit_relative_mse, on_gpu.stats.logit_relative_mse),
+              settings.keys_pre_rope ? 1e-6 : 1e-9)
+        << name;
     EXPECT_EQ(on_cpu.stats.key_outlier_fraction, on_gpu.stats.key_outlier_fraction) << name;
     EXPECT_EQ(on_cpu.stats.value_outlier_fraction, on_gpu.stats.value_outlier_fraction) << name;
   }
