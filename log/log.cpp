@@ -1,10 +1,13 @@
 #include "log/log.h"
 
 #include <spdlog/pattern_formatter.h>
+#include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <memory>
+#include <stdexcept>
 
 namespace kvforge::log {
 namespace {
@@ -57,11 +60,20 @@ std::shared_ptr<spdlog::logger> logger() {
   return created;
 }
 
+// The logger passes what its most verbose sink wants; each sink filters.
+void update_logger_level() {
+  auto sink_logger = logger();
+  auto level = spdlog::level::off;
+  for (const auto& sink : sink_logger->sinks()) level = std::min(level, sink->level());
+  sink_logger->set_level(level);
+}
+
 }  // namespace
 
 void configure(const Options& options) {
   auto sink_logger = logger();
-  sink_logger->set_level(to_spdlog(options.level));
+  sink_logger->sinks().front()->set_level(to_spdlog(options.level));
+  update_logger_level();
   if (options.json) {
     auto formatter = std::make_unique<spdlog::pattern_formatter>();
     formatter->add_flag<JsonEscapedMessage>('j').set_pattern(
@@ -72,8 +84,33 @@ void configure(const Options& options) {
   }
 }
 
+struct LogFile::Sink {
+  std::shared_ptr<spdlog::sinks::basic_file_sink_mt> file;
+};
+
+LogFile::LogFile(const std::string& path, Level level) : sink_(std::make_unique<Sink>()) {
+  try {
+    sink_->file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, false);
+  } catch (const spdlog::spdlog_ex& e) {
+    throw std::runtime_error(path + ": cannot open the log file (" + e.what() + ")");
+  }
+  sink_->file->set_level(to_spdlog(level));
+  sink_->file->set_pattern("%Y-%m-%d %H:%M:%S.%e %L %v");
+  auto sink_logger = logger();
+  sink_logger->sinks().push_back(sink_->file);
+  sink_logger->flush_on(spdlog::level::trace);
+  update_logger_level();
+}
+
+LogFile::~LogFile() {
+  auto sink_logger = logger();
+  auto& sinks = sink_logger->sinks();
+  sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_->file), sinks.end());
+  update_logger_level();
+}
+
 Level level() {
-  switch (logger()->level()) {
+  switch (logger()->sinks().front()->level()) {
     case spdlog::level::trace:
     case spdlog::level::debug: return Level::kDebug;
     case spdlog::level::info: return Level::kInfo;
@@ -84,7 +121,7 @@ Level level() {
   }
 }
 
-bool enabled(Level wanted) { return logger()->should_log(to_spdlog(wanted)); }
+bool enabled(Level wanted) { return logger()->should_log(to_spdlog(wanted)); }  // some sink wants it
 
 void write(Level level, std::string_view message) {
   logger()->log(to_spdlog(level), "{}", message);

@@ -5,6 +5,7 @@
 // shadow the system fmt that Debian's spdlog is built against, so no file
 // that includes torch may include spdlog. Callers pass plain values; they are
 // streamed with operator<< into one message.
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -20,6 +21,22 @@ struct Options {
 
 // Configures the process-wide sink (stderr). Safe to call more than once.
 void configure(const Options& options);
+
+// While alive, every message at `level` or above also goes to `path`
+// (appended, one timestamped line each, flushed per line), whatever the
+// stderr sink's level: the log a long job leaves beside its outputs.
+// std::runtime_error naming the path when it cannot be opened.
+class LogFile {
+ public:
+  explicit LogFile(const std::string& path, Level level = Level::kDebug);
+  ~LogFile();
+  LogFile(const LogFile&) = delete;
+  LogFile& operator=(const LogFile&) = delete;
+
+ private:
+  struct Sink;
+  std::unique_ptr<Sink> sink_;
+};
 Level level();
 bool enabled(Level level);
 void write(Level level, std::string_view message);

@@ -1,5 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+
 #include "log/log.h"
 #include "log/progress.h"
 
@@ -17,6 +23,28 @@ TEST(Log, LevelFiltersMessages) {
   configure({.level = Level::kDebug});
   EXPECT_TRUE(enabled(Level::kDebug));
   EXPECT_EQ(level(), Level::kDebug);
+  configure({});
+}
+
+TEST(Log, LogFileTakesEveryLevelWhileAliveAndLeavesStderrsLevel) {
+  const std::string path = ::testing::TempDir() + "kvforge_log_file_test.log";
+  std::remove(path.c_str());
+  configure({.level = Level::kWarn});
+  {
+    LogFile file(path);
+    EXPECT_TRUE(enabled(Level::kDebug));  // the file wants debug lines
+    EXPECT_EQ(level(), Level::kWarn);     // stderr's level is unchanged
+    debug("debug line ", 1);
+    warn("warn line");
+  }
+  EXPECT_FALSE(enabled(Level::kInfo));
+  info("after the file closed");
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find(" D debug line 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find(" W warn line\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("after the file closed"), std::string::npos) << text;
+  EXPECT_THROW(LogFile(::testing::TempDir()), std::runtime_error);  // a directory
   configure({});
 }
 
