@@ -4,14 +4,13 @@
 
 #include <exception>
 #include <iostream>
-#include <map>
 #include <stdexcept>
 #include <string>
 
 #include "formats/input_error.h"
 #include "kvforge/version.h"
 #include "log/log.h"
-#include "tools/commands.h"
+#include "tools/command_table.h"
 #include "tools/parse_error.h"
 
 int main(int argc, char** argv) {
@@ -26,19 +25,7 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", verbose, "Log debug details");
   app.add_flag("--log-json", log_json, "Log one JSON object per line on stderr");
 
-  std::map<CLI::App*, kvforge::cli::Command> commands;
-  auto add = [&](auto adder) {
-    const size_t before = app.get_subcommands({}).size();
-    kvforge::cli::Command run = adder(app);
-    commands[app.get_subcommands({}).at(before)] = std::move(run);
-  };
-  add(kvforge::cli::add_info_command);
-  add(kvforge::cli::add_perplexity_command);
-  add(kvforge::cli::add_generate_command);
-  add(kvforge::cli::add_capture_command);
-  add(kvforge::cli::add_calibrate_command);
-  add(kvforge::cli::add_rotate_command);
-  add(kvforge::cli::add_inspect_command);
+  const kvforge::cli::CommandTable commands = kvforge::cli::add_job_commands(app);
 
   const auto configure_log = [&] {
     kvforge::log::configure({.level = quiet     ? kvforge::log::Level::kWarn
@@ -58,9 +45,7 @@ int main(int argc, char** argv) {
   kvforge::cli::Invocation invocation;
   for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + std::string(argv[i]);
   try {
-    for (auto& [subcommand, run] : commands) {
-      if (subcommand->parsed()) return run(invocation);
-    }
+    return kvforge::cli::run_parsed(commands, invocation);
   } catch (const kvforge::InputError& e) {
     kvforge::log::error(e.what());
     return kvforge::cli::kBadInputExitCode;
