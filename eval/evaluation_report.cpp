@@ -35,10 +35,12 @@ std::string compact(double value) { return printed("%.4g", value); }
 std::string percent_text(double share) { return printed("%.0f", 100 * share) + "%"; }
 
 // The 16-bit reference is drawn in near-black; the others take Tableau's
-// ten categorical colours in the evaluation's order.
+// twenty categorical colours (ten strong, then their light partners) in the
+// evaluation's order.
 std::string configuration_color(std::size_t index) {
-  static constexpr std::array<const char*, 10> kPalette = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
-                                                           "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
+  static constexpr std::array<const char*, 20> kPalette = {
+      "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+      "#a0cbe8", "#ffbe7d", "#8cd17d", "#b6992d", "#86bcb6", "#d37295", "#f1ce63", "#d4a6c8", "#79706e", "#fabfd2"};
   return index == 0 ? "#1f2937" : kPalette[(index - 1) % kPalette.size()];
 }
 
@@ -197,28 +199,29 @@ struct Box {
   bool overlaps(const Box& other) const { return x0 < other.x1 && other.x0 < x1 && y0 < other.y1 && other.y0 < y1; }
 };
 
-// Where a point's label goes: the first of a few spots around the point
-// that overlaps no label placed before and no point, inside the plot.
+// Where a point's label goes: the first spot around the point, nearest
+// first (8 directions, then the same farther out), that overlaps no label
+// placed before and no point, inside the plot; the first spot when none is
+// free.
 Box label_box(double px, double py, double text_width, const std::vector<Box>& taken, const Plot& plot) {
-  constexpr double kHeight = 13;
-  const std::array<std::pair<double, double>, 8> offsets = {{{9, -16},
-                                                             {9, 3},
-                                                             {-9 - text_width, -16},
-                                                             {-9 - text_width, 3},
-                                                             {-text_width / 2, -24},
-                                                             {-text_width / 2, 10},
-                                                             {9, -30},
-                                                             {9, 17}}};
-  for (const auto& [dx, dy] : offsets) {
-    const Box box{px + dx, py + dy, px + dx + text_width, py + dy + kHeight};
-    const bool inside = box.x0 >= plot.left && box.x1 <= plot.width - plot.right + 4 && box.y0 >= plot.top - 4 &&
-                        box.y1 <= plot.height - plot.bottom;
-    if (inside && std::none_of(taken.begin(), taken.end(), [&](const Box& other) { return box.overlaps(other); })) {
-      return box;
+  constexpr double kHeight = 13, kGap = 8;
+  constexpr std::array<std::pair<int, int>, 8> kDirections = {
+      {{1, -1}, {1, 1}, {-1, -1}, {-1, 1}, {0, -1}, {0, 1}, {1, 0}, {-1, 0}}};
+  std::optional<Box> first;
+  for (const double distance : {0.0, 12.0, 24.0, 36.0, 48.0}) {
+    for (const auto& [sx, sy] : kDirections) {
+      const double x0 = sx > 0 ? px + kGap + distance : sx < 0 ? px - kGap - distance - text_width : px - text_width / 2;
+      const double y0 = sy < 0 ? py - kGap - distance - kHeight + 4 : sy > 0 ? py + kGap + distance - 4 : py - kHeight / 2;
+      const Box box{x0, y0, x0 + text_width, y0 + kHeight};
+      if (!first) first = box;
+      const bool inside = box.x0 >= plot.left + 2 && box.x1 <= plot.width - plot.right + 4 && box.y0 >= plot.top - 4 &&
+                          box.y1 <= plot.height - plot.bottom;
+      if (inside && std::none_of(taken.begin(), taken.end(), [&](const Box& other) { return box.overlaps(other); })) {
+        return box;
+      }
     }
   }
-  return {px + offsets[0].first, py + offsets[0].second, px + offsets[0].first + text_width,
-          py + offsets[0].second + kHeight};
+  return *first;
 }
 
 struct ChartPoint {
@@ -268,6 +271,12 @@ std::string frontier_chart(const std::string& title, const std::string& y_label,
     const double text_width = 6.4 * static_cast<double>(p.label.size());
     const Box box = label_box(px, py, text_width, taken, plot);
     taken.push_back(box);
+    // A label pushed away from its point gets a leader line to it.
+    const double nearest_x = std::clamp(px, box.x0, box.x1), nearest_y = std::clamp(py, box.y0, box.y1);
+    if (std::hypot(nearest_x - px, nearest_y - py) > 14) {
+      labels += "<line class=\"leader\" x1=\"" + coordinate(px) + "\" y1=\"" + coordinate(py) + "\" x2=\"" +
+                coordinate(nearest_x) + "\" y2=\"" + coordinate(nearest_y) + "\"/>";
+    }
     labels += "<text class=\"point-label\" x=\"" + coordinate(box.x0) + "\" y=\"" + coordinate(box.y1 - 2) + "\">" +
               html_escaped(p.label) + "</text>";
   }
@@ -282,7 +291,7 @@ struct Series {
 
 // One line per configuration over the layers.
 std::string layer_chart(const std::string& title, const std::string& y_label, const std::vector<Series>& series) {
-  const Plot plot{580, 300, 66, 18, 14, 46};
+  const Plot plot{440, 300, 62, 18, 14, 46};
   double first = 0, last = 0;
   std::vector<double> values;
   for (const Series& s : series) {
@@ -450,7 +459,7 @@ std::string attention_section(const Evaluation& evaluation) {
       "</sub> attention output on held-out captures, averaged over KV heads: the error that quantized keys cause "
       "(with exact values) and the error that quantized values cause (with exact keys).</p>";
   if (key_output.empty()) return html + empty_note("No attention errors were measured (they need held-out captures).") + "</section>";
-  html += legend(evaluation, false) + "<div class=\"charts wide\">";
+  html += legend(evaluation, false) + "<div class=\"charts\">";
   html += layer_chart("Key-induced output error", "relative error", key_output);
   html += layer_chart("Value-induced output error", "relative error", value_output);
   html += layer_chart("Key-induced attention KL", "KL (nats)", key_kl);
@@ -619,7 +628,7 @@ constexpr const char* kStyle = R"css(
 :root{--ink:#1f2937;--muted:#6b7280;--line:#e5e7eb;--page:#f3f4f6}
 *{box-sizing:border-box}
 body{margin:0;background:var(--page);color:var(--ink);font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,"Liberation Sans","DejaVu Sans",sans-serif}
-.wrap{max-width:1280px;margin:0 auto;padding:0 28px}
+.wrap{max-width:1320px;margin:0 auto;padding:0 28px}
 .masthead{background:#111827;color:#f9fafb;padding:26px 0 24px}
 .brand{font-size:12px;letter-spacing:.14em;text-transform:uppercase;color:#93c5fd;font-weight:700}
 h1{margin:4px 0 18px;font-size:26px;font-weight:650}
@@ -633,8 +642,8 @@ h2{font-size:17px;margin:0 0 4px}
 .lede{color:var(--muted);margin:0 0 16px;font-size:13px}
 .note{color:var(--muted);font-size:12px;margin:12px 0 0}
 table.data{border-collapse:collapse;width:100%;font-size:13px;font-variant-numeric:tabular-nums}
-table.data th{background:#e8edf4;color:#374151;font-weight:600;text-align:right;padding:8px 9px;border-bottom:1px solid #cbd5e1;white-space:nowrap}
-table.data td{text-align:right;padding:7px 9px;border-bottom:1px solid var(--line);white-space:nowrap}
+table.data th{background:#e8edf4;color:#374151;font-weight:600;text-align:right;padding:8px 7px;border-bottom:1px solid #cbd5e1;white-space:nowrap}
+table.data td{text-align:right;padding:7px 7px;border-bottom:1px solid var(--line);white-space:nowrap}
 table.data .text{text-align:left}
 table.data tr.reference td{background:#f8fafc;font-weight:600}
 #tasks table.data td{white-space:normal}
@@ -642,7 +651,6 @@ table.data tr.reference td{background:#f8fafc;font-weight:600}
 .tag{font-size:10px;font-weight:600;text-transform:uppercase;letter-spacing:.06em;color:#6b7280;border:1px solid #d1d5db;border-radius:8px;padding:0 6px;margin-left:8px}
 .legend{display:flex;flex-wrap:wrap;gap:6px 20px;margin:0 0 12px;font-size:12.5px}
 .charts{display:grid;grid-template-columns:repeat(3,minmax(0,1fr));gap:20px}
-.charts.wide{grid-template-columns:repeat(2,minmax(0,1fr))}
 figure{margin:0}
 figcaption{font-weight:600;font-size:13px;margin-bottom:6px}
 svg{display:block;max-width:100%;height:auto}
@@ -654,6 +662,7 @@ svg text{font-family:inherit}
 .axis-label{fill:#374151;font-size:12px}
 .point{stroke:#fff;stroke-width:1.5}
 .point-label{font-size:11px;fill:#111827;paint-order:stroke;stroke:#fff;stroke-width:3px;stroke-linejoin:round}
+.leader{stroke:#9ca3af;stroke-width:.75}
 .frontier{fill:none;stroke:#94a3b8;stroke-width:1.5;stroke-dasharray:5 4}
 .series-line{fill:none;stroke-width:2}
 .marker{stroke:#fff;stroke-width:1}
