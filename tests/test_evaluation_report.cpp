@@ -254,6 +254,7 @@ TEST(EvaluationReport, RendersInHeadlessChromiumWithTheTableAndTheCharts) {
                               (dir / "chromium.log").string() + "' 2>&1";
   ASSERT_EQ(std::system(command.c_str()), 0) << testing::read_file(dir / "chromium.log");
   ASSERT_TRUE(fs::exists(png)) << testing::read_file(dir / "chromium.log");
+  fs::remove_all(dir / "profile");  // megabytes of browser state; the page and its screenshot stay for a person to see
   std::cout << "screenshot: " << png.string() << "\n";
 
   // Colours the page paints flat (CSS and the report's palette): the
