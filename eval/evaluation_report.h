@@ -11,10 +11,11 @@
 //     accuracy written in each cell);
 //   - the tasks that flipped against the 16-bit cache.
 // A section whose measurement was not run says so instead of a chart.
-// Elements tests and tools can find: <section id="header|comparison|
-// frontier|attention|needles|tasks">, one <circle class="point"> per
-// configuration in each frontier chart, one <g class="heatmap"> per
-// configuration. The page is a pure function of the Evaluation.
+// Elements tests and tools can find: <header id="header">, <section
+// id="comparison|frontier|attention|needles|tasks">, one <circle
+// class="point" data-config="NAME"> per configuration in each frontier chart,
+// one <g class="heatmap" data-config="NAME"> per configuration with needles.
+// The page is a pure function of the Evaluation (no clock read).
 #include <filesystem>
 #include <string>
 #include <string_view>
