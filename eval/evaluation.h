@@ -83,6 +83,7 @@ struct Evaluation {
   std::string data;      // the held-out text
   std::string command_line;
   std::string device;
+  std::string date;      // UTC "YYYY-MM-DDTHH:MM:SSZ" when it ran (formats/utc_timestamp.h)
   int64_t context = 0;   // perplexity window
   int64_t chunk = 0;     // prefill chunk
   std::vector<ConfigurationEvaluation> configurations;  // configurations[0] is fp16

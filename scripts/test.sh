@@ -2,7 +2,7 @@
 # Sets up and builds (scripts/setup.sh), then runs the whole test suite,
 # which includes the low-precision tests once per forced CPU kernel family
 # (ctest label low_precision; tests/CMakeLists.txt). Set CI=true to make the
-# h5py readers required.
+# h5py readers and chromium (the HTML report's rendering test) required.
 # Usage: scripts/test.sh [ctest arguments...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
