@@ -18,6 +18,7 @@
 #include "eval/cache_perplexity.h"
 #include "eval/cache_policy_factory.h"
 #include "eval/perplexity.h"
+#include "model/device.h"
 #include "model/tokenizer.h"
 #include "tests/test_paths.h"
 
@@ -422,6 +423,61 @@ TEST(CachePerplexityPyllama, WindowedConfigurationIsDecodingAtChunkOneAndQuantiz
   const CachePerplexity chunked = evaluate_cache_perplexity(f.model, f.tokens, configs, {options, 64}).perplexity[1];
   print_against_decoding(config, 64, chunked, decoded);
   EXPECT_GT(chunked.kl_mean, one.kl_mean);
+}
+
+// On the GPU (skipped without one): the model's device is where the caches,
+// the scoring and the comparison run.
+TEST(CachePerplexityCuda, RunsOnTheModelsDeviceAsOnTheCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const Fixture& cpu = pyllama_float64();
+  const QuantizerConfig per_token = per_token_config(cpu.model.config(), 4, 0);
+  const QuantizerConfig exact = per_token_config(cpu.model.config(), kContext, 0);
+  const QuantizerConfig kivi = kivi_config(cpu.model.config());
+  for (const AttentionBackend backend : {AttentionBackend::kEager, AttentionBackend::kFused}) {
+    // float32: the 16-bit cache is kvforge perplexity on the same device,
+    // a configuration that quantizes nothing is the 16-bit cache exactly.
+    const Fixture gpu{Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kFloat, backend}),
+                      cpu.tokens};
+    const PerplexityOptions options = protocol(gpu, 2);
+    const PerplexityResult expected = evaluate_perplexity(gpu.model, gpu.tokens, options);
+    const QuantizerConfig* exact_only[] = {&exact};
+    const CachePerplexityResult got = evaluate_cache_perplexity(gpu.model, gpu.tokens, exact_only, {options, 100});
+    EXPECT_EQ(got.perplexity[0].tokens_scored, expected.tokens_scored);
+    EXPECT_NEAR(got.perplexity[0].mean_nll, expected.mean_nll, reordering_tolerance(gpu)) << attention_label(backend);
+    EXPECT_EQ(got.perplexity[1].mean_nll, got.perplexity[0].mean_nll) << attention_label(backend);
+    EXPECT_EQ(got.perplexity[1].kl_mean, 0.0);
+    EXPECT_EQ(got.perplexity[1].top1_agreement, 1.0);
+
+    // float64 with a configuration whose chunks are decoding: the CPU's
+    // numbers, up to float32 units of the logits (see
+    // ChunkedPrefillEqualsTokenByTokenDecodingWhereNoWindowMoves).
+    const Fixture gpu64{Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kDouble, backend}),
+                        cpu.tokens};
+    const PerplexityOptions short_windows = protocol(cpu, 1, kDecodedContext);
+    const QuantizerConfig* configs[] = {&per_token};
+    const CachePerplexity on_cpu = evaluate_cache_perplexity(cpu.model, cpu.tokens, configs, {short_windows, 48}).perplexity[1];
+    const CachePerplexity on_gpu =
+        evaluate_cache_perplexity(gpu64.model, gpu64.tokens, configs, {short_windows, 48}).perplexity[1];
+    const double tolerance = 2 * kFloat32Unit * max_abs_logit(cpu);
+    std::printf("%s: float64 mean NLL cpu %.9f gpu %.9f, KL %.6g %.6g\n", attention_label(backend).c_str(),
+                on_cpu.mean_nll, on_gpu.mean_nll, on_cpu.kl_mean, on_gpu.kl_mean);
+    EXPECT_NEAR(on_gpu.mean_nll, on_cpu.mean_nll, tolerance);
+    EXPECT_NEAR(on_gpu.kl_mean, on_cpu.kl_mean, tolerance);
+  }
+  // bf16 with the fused attention (the CLI's CUDA default): runs, scores
+  // every token, and a 2-bit configuration moves the distributions.
+  const Fixture bf16{Transformer::load(testing::pyllama_dir(), {c10::Device(c10::kCUDA), c10::kBFloat16,
+                                                                AttentionBackend::kFused}),
+                     cpu.tokens};
+  const QuantizerConfig* configs[] = {&kivi};
+  const CachePerplexityResult got = evaluate_cache_perplexity(bf16.model, bf16.tokens, configs, {protocol(bf16, 2), 64});
+  std::printf("bf16 fused: ppl fp16 %.4f kivi %.4f, KL %.4g p99 %.4g p99.9 %.4g, top-1 %.4f\n",
+              got.perplexity[0].perplexity, got.perplexity[1].perplexity, got.perplexity[1].kl_mean,
+              got.perplexity[1].kl_p99, got.perplexity[1].kl_p999, got.perplexity[1].top1_agreement);
+  EXPECT_EQ(got.perplexity[1].tokens_scored, got.perplexity[0].tokens_scored);
+  EXPECT_TRUE(std::isfinite(got.perplexity[1].perplexity));
+  EXPECT_GT(got.perplexity[1].kl_mean, 0.0);
+  EXPECT_LT(got.perplexity[1].top1_agreement, 1.0);
 }
 
 }  // namespace
