@@ -79,9 +79,9 @@ void score_chunk(const WindowBatch& batch, int64_t begin, const at::Tensor& logi
 
 std::string running_perplexities(std::span<const CachePerplexityAccumulator> accumulators,
                                  std::span<const QuantizerConfig* const> configurations) {
-  std::string text = log::concat("ppl ", kFullPrecisionName, " ", accumulators[0].result().perplexity);
+  std::string text = log::concat("ppl ", kFullPrecisionName, " ", accumulators[0].running_perplexity());
   for (size_t i = 0; i < configurations.size(); ++i) {
-    text += log::concat(", ", configurations[i]->name, " ", accumulators[i + 1].result().perplexity);
+    text += log::concat(", ", configurations[i]->name, " ", accumulators[i + 1].running_perplexity());
   }
   return text;
 }
@@ -134,6 +134,10 @@ void CachePerplexityAccumulator::add(const at::Tensor& nll, const NextTokenCompa
   kl_.insert(kl_.end(), kl_cpu.data_ptr<double>(), kl_cpu.data_ptr<double>() + kl_cpu.numel());
   same_top1_ += comparison.same_top1.sum().item<int64_t>();
   positions_ += nll.numel();
+}
+
+double CachePerplexityAccumulator::running_perplexity() const {
+  return positions_ > 0 ? std::exp(nll_sum_ / static_cast<double>(positions_)) : 1.0;
 }
 
 CachePerplexity CachePerplexityAccumulator::result() const {

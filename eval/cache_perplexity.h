@@ -94,6 +94,8 @@ class CachePerplexityAccumulator {
   // p99 / p99.9, top-1 agreement. All 0 (top-1 1) before any position.
   CachePerplexity result() const;
   int64_t positions() const { return positions_; }
+  // exp(mean NLL) so far (1 before any position), without result()'s sort.
+  double running_perplexity() const;
 
  private:
   int64_t windows_ = 0;

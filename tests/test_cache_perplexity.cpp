@@ -147,6 +147,7 @@ TEST(CachePerplexityStatistics, KlPercentilesAndTop1EqualAFloat64BruteForce) {
   EXPECT_NEAR(got.mean_nll, mean, 1e-12);
   EXPECT_NEAR(got.nll_stderr, std::sqrt((nll_squared / n - mean * mean) / (n - 1)), 1e-12);
   EXPECT_NEAR(got.perplexity, std::exp(mean), 1e-11);
+  EXPECT_EQ(accumulator.running_perplexity(), got.perplexity);
 }
 
 TEST(CachePerplexityStatistics, RefusesMismatchedInputs) {
@@ -157,6 +158,7 @@ TEST(CachePerplexityStatistics, RefusesMismatchedInputs) {
   const CachePerplexity empty = accumulator.result();
   EXPECT_EQ(empty.tokens_scored, 0);
   EXPECT_EQ(empty.top1_agreement, 1.0);
+  EXPECT_EQ(accumulator.running_perplexity(), 1.0);
 }
 
 // ---------------------------------------------------------------------------
