@@ -297,8 +297,10 @@ TEST(CachePerplexityPyllama, NothingQuantizedEqualsTheFullPrecisionCacheExactly)
   const Fixture& f = pyllama();
   const QuantizerConfig exact = per_token_config(f.model.config(), kContext, 0);  // the sink holds the window
   const QuantizerConfig* configs[] = {&exact};
-  for (const int64_t chunk : {kContext, int64_t{64}}) {
-    const CachePerplexityResult got = evaluate_cache_perplexity(f.model, f.tokens, configs, {protocol(f, 2), chunk});
+  for (const auto& [chunk, batch] : {std::pair{kContext, int64_t{1}}, std::pair{int64_t{64}, int64_t{2}}}) {
+    PerplexityOptions options = protocol(f, 2);
+    options.batch = batch;  // both windows in one pass through each cache
+    const CachePerplexityResult got = evaluate_cache_perplexity(f.model, f.tokens, configs, {options, chunk});
     ASSERT_EQ(got.perplexity.size(), 2u);
     const CachePerplexity &fp16 = got.perplexity[0], &same = got.perplexity[1];
     EXPECT_EQ(same.windows, 2);
