@@ -16,7 +16,7 @@
 // {name} and {value} are replaced everywhere in needle and question (other
 // braces stay as they are); the needle must hold {value}, the question must
 // not, and the question ends where the answer starts. The answer is the
-// value followed by answer_suffix. value_length is [min, max] or one number;
+// value followed by answer_suffix (taken literally, may be empty). value_length is [min, max] or one number;
 // the alphabet is printable ASCII, one symbol per byte. The default
 // (default_needle_template(), shipped as eval/templates/passkey.json) is
 // pyllama-16m's passkey protocol (its README).
