@@ -15,6 +15,7 @@ CommandTable add_job_commands(CLI::App& app) {
   add(add_capture_command);
   add(add_calibrate_command);
   add(add_rotate_command);
+  add(add_eval_command);
   add(add_inspect_command);
   return table;
 }

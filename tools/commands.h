@@ -23,5 +23,6 @@ Command add_capture_command(CLI::App& app);
 Command add_calibrate_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
 Command add_rotate_command(CLI::App& app);
+Command add_eval_command(CLI::App& app);
 
 }  // namespace kvforge::cli
