@@ -53,6 +53,7 @@ struct EvalFlags {
   std::string json;
   std::string report;
   std::string gate;
+  std::vector<std::string> gate_configs;
 };
 
 // The artifact's configurations named by --configs (all by default), in
@@ -132,10 +133,43 @@ EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const 
   return plan;
 }
 
+// A gate clause on a metric the flags leave unmeasured is refused before
+// any model time is spent (the gate would refuse it after the run).
+void check_gate_is_measured(const RolloutGate& gate, const EvalFlags& flags) {
+  for (const GateClause& clause : gate.clauses) {
+    std::string missing;
+    switch (clause.metric) {
+      case GateMetric::kNeedle:
+        if (flags.no_needles) missing = "needle probes (drop --no-needles)";
+        break;
+      case GateMetric::kPerplexity:
+      case GateMetric::kKlMean:
+      case GateMetric::kKlP99:
+      case GateMetric::kKlP999:
+      case GateMetric::kTop1:
+        if (flags.no_perplexity) missing = "perplexity (drop --no-perplexity)";
+        break;
+      case GateMetric::kTasks:
+        if (flags.tasks.empty()) missing = "--tasks FILE.jsonl";
+        break;
+      case GateMetric::kAttentionError:
+        if (flags.acts.empty()) missing = "--acts STORE (held-out captures)";
+        break;
+      case GateMetric::kBits:
+        break;
+    }
+    if (!missing.empty()) {
+      throw InputError("--gate", "clause '" + clause.text + "'",
+                       "a metric this run measures: " + gate_metric_name(clause.metric) + " needs " + missing);
+    }
+  }
+}
+
 int run(const EvalFlags& flags, const Invocation& invocation) {
   // Refusals first: a bad gate or output path costs no model time.
   const std::optional<RolloutGate> gate =
       flags.gate.empty() ? std::nullopt : std::optional<RolloutGate>(parse_rollout_gate(flags.gate));
+  if (gate) check_gate_is_measured(*gate, flags);
   const ComputeTarget target = flags.model.target();
   const std::filesystem::path model_dir = flags.model.model_dir;
   const ModelConfig config = load_model_config(model_dir);
@@ -189,7 +223,10 @@ int run(const EvalFlags& flags, const Invocation& invocation) {
     log::info("wrote ", flags.report);
   }
   if (gate) {
-    const GateResult result = evaluate_rollout_gate(*gate, evaluation);
+    // Without an artifact the 16-bit cache is what there is to check.
+    std::vector<std::string> checked = flags.gate_configs;
+    if (checked.empty() && evaluation.configurations.size() == 1) checked.push_back(kFullPrecisionName);
+    const GateResult result = evaluate_rollout_gate(*gate, evaluation, checked);
     for (const GateFailure& failure : result.failures) log::error("gate: ", failure.line());
     if (!result.passed()) {
       log::error("gate failed: ", result.failures.size(), " threshold(s) not met (", flags.gate, ")");
@@ -258,6 +295,9 @@ Command add_eval_command(CLI::App& app) {
   command->add_option("--report", flags->report, "Write a self-contained HTML report to this file");
   command->add_option("--gate", flags->gate,
                       "Rollout thresholds, e.g. 'needle>=0.98*fp16,ppl<=1.03*fp16,kl_p99<=0.5' (exit 3 on failure)");
+  command->add_option("--gate-configs", flags->gate_configs,
+                      "Configurations the gate checks (default: every evaluated one but fp16; fp16 may be named)")
+      ->delimiter(',');
   return [flags](const Invocation& invocation) { return run(*flags, invocation); };
 }
 
