@@ -39,7 +39,9 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
   -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
-if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
+if [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
+  targets="--target kvforge test_cache_perplexity test_needle_probe"
+elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
   targets="--target kvforge kvforge_bench_rotation test_rotation_fit test_rotation_objective test_differentiable_quantizer test_quantizers test_rotate_cli"
 else
   targets=""
@@ -73,6 +75,27 @@ rotation_checks() {
   python3 -c "print('kvforge rotate --device cuda wall seconds (2 configs, 5 layers, bases + learned + held-out):', round($(date +%s.%N) - $start, 1))" | tee -a "$OUT/rotate_pyllama_cuda_time.txt"
   grep -E "done in|validation" "$LOGS/rotate_cuda.log" | tail -12
 }
+eval_checks() {
+  step "eval: CUDA tests"
+  for t in test_cache_perplexity test_needle_probe; do
+    ./build-gpu/tests/$t --gtest_filter='*Cuda*:*FullPrecision*' > "$LOGS/$t.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure" "$LOGS/$t.log"
+  done
+  step "kvforge run --device cuda on pyllama-16m (the main job)"
+  start=$(date +%s.%N)
+  timeout "${RUN_TIMEOUT:-330}" $KV run --model "$MODEL" --calib "$KVFORGE_SHARED/data/calib.txt" --heldout "$HELDOUT" \
+    --device cuda --out /tmp/run > "$OUT/run_stdout.txt" 2> "$LOGS/run.log" || { tail -5 "$LOGS/run.log"; status=1; }
+  python3 -c "print('kvforge run --device cuda wall seconds:', round($(date +%s.%N) - $start, 1))" | tee -a "$OUT/run_stdout.txt"
+  cat "$OUT/run_stdout.txt"
+  cp /tmp/run/eval.json /tmp/run/report.html "$OUT/" 2>/dev/null
+  grep -E "done in|stage" "$LOGS/run.log" | tail -12
+}
+if [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
+  eval_checks
+  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  echo; echo "gpu_checks (eval): $([ $status = 0 ] && echo PASSED || echo FAILED)"
+  exit $status
+fi
 if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
   rotation_checks
   tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"

@@ -24,5 +24,6 @@ Command add_calibrate_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
 Command add_rotate_command(CLI::App& app);
 Command add_eval_command(CLI::App& app);
+Command add_run_command(CLI::App& app);  // registered by main only: it runs the others
 
 }  // namespace kvforge::cli

@@ -33,6 +33,7 @@ struct EvalFlags {
   std::vector<std::string> configs;
   int64_t context = 1024;
   int64_t chunk = 1;
+  int64_t prefill_chunk = 512;
   int64_t batch = 1;
   int64_t max_windows = 8;
   bool no_perplexity = false;
@@ -111,13 +112,13 @@ EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const 
     needles.grid.depths = flags.needle_depths.empty() ? default_needle_depths() : flags.needle_depths;
     needles.grid.probes_per_cell = flags.needle_probes;
     needles.grid.seed = flags.seed;
-    needles.scoring.chunk = flags.chunk;
+    needles.scoring.chunk = flags.prefill_chunk;
     needles.scoring.batch = flags.needle_batch;
     plan.needles = needles;
   }
   if (!flags.tasks.empty()) {
     plan.tasks = load_user_tasks(flags.tasks);
-    plan.task_options.chunk = flags.chunk;
+    plan.task_options.chunk = flags.prefill_chunk;
     plan.task_options.bos = bos;
     if (config.eos_token_id) plan.task_options.eos = static_cast<int32_t>(*config.eos_token_id);
   }
@@ -255,8 +256,12 @@ Command add_eval_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{2}, int64_t{1} << 24));
   command->add_option("--chunk", flags->chunk,
-                      "Prefill chunk: positions fed per forward pass (1: every token a decoding step, the "
-                      "runtime's windows exactly; larger is faster and quantizes a superset)")
+                      "Perplexity: positions fed per forward pass (1: every token a decoding step, the runtime's "
+                      "windows exactly; larger is faster and quantizes a superset)")
+      ->capture_default_str()
+      ->check(positive_integer());
+  command->add_option("--prefill-chunk", flags->prefill_chunk,
+                      "Needle and task prompts: positions per prefill pass before decoding the answer")
       ->capture_default_str()
       ->check(positive_integer());
   command->add_option("-b,--batch", flags->batch, "Perplexity windows per forward pass")

@@ -25,7 +25,12 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", verbose, "Log debug details");
   app.add_flag("--log-json", log_json, "Log one JSON object per line on stderr");
 
-  const kvforge::cli::CommandTable commands = kvforge::cli::add_job_commands(app);
+  kvforge::cli::CommandTable commands = kvforge::cli::add_job_commands(app);
+  {  // `run` drives the job commands, so it is not one of them.
+    const size_t before = app.get_subcommands({}).size();
+    kvforge::cli::Command run = kvforge::cli::add_run_command(app);
+    commands.emplace_back(app.get_subcommands({}).at(before), std::move(run));
+  }
 
   const auto configure_log = [&] {
     kvforge::log::configure({.level = quiet     ? kvforge::log::Level::kWarn
