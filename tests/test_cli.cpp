@@ -63,7 +63,7 @@ TEST(Cli, BadCommandLineValuesAreOneLineAndExitTwo) {
   };
   const std::vector<Case> cases = {
       {"no-such-command", "got \"no-such-command\""},               // unknown command
-      {"", "expected a command: info, perplexity, generate, capture, calibrate, rotate, inspect"},
+      {"", "expected a command: info, perplexity, generate, capture, calibrate, rotate, eval, inspect, run"},
       {"info", "--model"},                                           // missing required
       {"info" + model + " --ctx many", "--ctx"},                     // not a number
       {"perplexity" + model + data + " --ctx 1", "--ctx"},           // out of range
