@@ -1,13 +1,9 @@
 #include "eval/svg_chart.h"
 
-#include <unistd.h>
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <map>
-#include <optional>
 #include <utility>
 #include <vector>
 
