@@ -49,6 +49,17 @@ class KVCachePolicy {
   // read-back: RotaryEmbedding (model/rope.h, Transformer::rope()) gives the
   // tables of any positions.
   virtual CachedKeysValues append(const NewKeysValues& block) = 0;
+  // A policy that attends itself (the runtime kernels' fused dequantizing
+  // attention, kernels/) says so here; the forward pass then calls
+  // append_and_attend() instead of append() and attending over its result.
+  virtual bool attends() const { return false; }
+  // Stores `block` (as append() would) and returns the attention output of
+  // its queries [B, heads, T, D] (after RoPE, the model dtype) over the
+  // cache, causal within the block, softmax scale `scale`, grouped-query
+  // heads sharing KV heads in order; `window` > 0 is a sliding window (a
+  // policy that cannot do it throws std::invalid_argument naming it).
+  virtual at::Tensor append_and_attend(const NewKeysValues& block, const at::Tensor& queries, double scale,
+                                       int64_t window);
   // Ends a pass: the T tokens every layer appended are now part of the cache.
   virtual void commit(int64_t tokens) = 0;
   virtual void clear() = 0;

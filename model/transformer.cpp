@@ -224,6 +224,17 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
   if (observer != nullptr) {
     observer->on_attention({block, q});
   }
+  const int64_t window = config_.layer_window.empty() ? 0 : config_.layer_window[static_cast<size_t>(layer)];
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto output = [&](const at::Tensor& out) {
+    return at::linear(out.transpose(1, 2).reshape({batch, tokens, config_.num_heads * head_dim}), w.o_proj);
+  };
+  if (cache != nullptr && cache->attends()) {
+    const at::Tensor out = cache->append_and_attend(block, q, scale, window);
+    TORCH_CHECK(out.sizes() == q.sizes(), "layer ", layer, ": the cache policy's attention output has shape ",
+                out.sizes(), ", expected the queries' ", q.sizes());
+    return output(out.to(q.scalar_type()));
+  }
   if (cache != nullptr) {
     // From here on attention reads only what the policy returns.
     CachedKeysValues cached = cache->append(block);
@@ -232,12 +243,8 @@ at::Tensor Transformer::attention(int64_t layer, const at::Tensor& x, int64_t st
     v = std::move(cached.values);
   }
 
-  const int64_t window = config_.layer_window.empty() ? 0 : config_.layer_window[static_cast<size_t>(layer)];
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const at::Tensor out = target_.attention == AttentionBackend::kEager
-                             ? eager_attention(q, k, v, start, window, scale)
-                             : fused_attention(q, k, v, start, window, scale);
-  return at::linear(out.transpose(1, 2).reshape({batch, tokens, config_.num_heads * head_dim}), w.o_proj);
+  return output(target_.attention == AttentionBackend::kEager ? eager_attention(q, k, v, start, window, scale)
+                                                              : fused_attention(q, k, v, start, window, scale));
 }
 
 at::Tensor Transformer::embed(const at::Tensor& input_ids) const {

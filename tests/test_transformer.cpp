@@ -367,6 +367,61 @@ TEST_P(TinyModel, PolicyRotatingPreRopeKeysEqualsTheFullPrecisionCache) {
   }
 }
 
+// A policy that attends itself (as the runtime kernels do): it stores the
+// block in a full-precision KVCache and computes the block's attention in
+// float64 by the definition (causal with the block's offset, the sliding
+// window, grouped-query heads), independently of the model's attention code.
+class AttendingPolicy final : public KVCachePolicy {
+ public:
+  AttendingPolicy(const Transformer& model, int64_t batch, int64_t capacity)
+      : inner_(model.make_cache(batch, capacity)) {}
+  int64_t length() const override { return inner_.length(); }
+  CachedKeysValues append(const NewKeysValues&) override {
+    throw std::logic_error("AttendingPolicy: the model should call append_and_attend");
+  }
+  bool attends() const override { return true; }
+  at::Tensor append_and_attend(const NewKeysValues& block, const at::Tensor& queries, double scale,
+                               int64_t window) override {
+    ++calls;
+    const CachedKeysValues cached = inner_.append(block);
+    const at::Tensor k = cached.keys.to(at::kDouble), v = cached.values.to(at::kDouble);
+    const at::Tensor q = queries.to(at::kDouble);
+    const int64_t heads = q.size(1), group = heads / k.size(1), tokens = q.size(2), length = k.size(2);
+    at::Tensor out = at::zeros(q.sizes(), q.options());
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t position = block.position_start + t;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+        const at::Tensor keys = k.select(1, h / group).narrow(1, first, position + 1 - first);  // [B, n, D]
+        const at::Tensor values = v.select(1, h / group).narrow(1, first, position + 1 - first);
+        const at::Tensor scores = at::bmm(keys, q.select(1, h).narrow(1, t, 1).transpose(1, 2)) * scale;  // [B, n, 1]
+        const at::Tensor p = at::softmax(scores, 1);
+        out.select(1, h).narrow(1, t, 1).copy_(at::bmm(p.transpose(1, 2), values));
+      }
+    }
+    EXPECT_LE(length, inner_.capacity());
+    return out.to(queries.scalar_type());
+  }
+  void commit(int64_t tokens) override { inner_.commit(tokens); }
+  void clear() override { inner_.clear(); }
+  int64_t calls = 0;
+
+ private:
+  KVCache inner_;
+};
+
+TEST_P(TinyModel, APolicyThatAttendsItselfReplacesTheModelsAttention) {
+  c10::InferenceMode guard;
+  const auto ref = reference();
+  const at::Tensor ids = ref.at("input_ids").to(at::kLong);
+  const Transformer model = Transformer::load(model_dir(), kCpuFp32);
+  AttendingPolicy policy(model, ids.size(0), ids.size(1));
+  const at::Tensor first = model.forward(ids.narrow(1, 0, 10), {.cache = &policy});
+  const at::Tensor rest = model.forward(ids.narrow(1, 10, ids.size(1) - 10), {.cache = &policy});
+  EXPECT_LT(max_relative_error(at::cat({first, rest}, 1), ref.at("logits")), 1e-4);
+  EXPECT_EQ(policy.calls, 2 * model.config().num_layers);
+}
+
 // A policy must return what attention can read.
 TEST(KVCachePolicy, AWrongShapeIsAClearError) {
   class Short final : public KVCachePolicy {
