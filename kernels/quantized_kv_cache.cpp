@@ -256,8 +256,9 @@ void check_options(const Refusal& refuse, const CacheOptions& o) {
   positive(o.max_sequences, "max_sequences");
   positive(o.max_context, "max_context");
   positive(o.outlier_page_entries, "outlier_page_entries");
-  if (o.max_pages < 0 || o.max_outlier_pages < 0 || o.tokens_per_split < 0) {
-    refuse("cache options max_pages, max_outlier_pages and tokens_per_split: expected >= 0");
+  if (o.max_pages < 0 || o.max_outlier_pages < 0 || o.max_outlier_pages_per_sequence < 0 || o.tokens_per_split < 0) {
+    refuse("cache options max_pages, max_outlier_pages, max_outlier_pages_per_sequence and tokens_per_split: "
+           "expected >= 0");
   }
   if (!(o.softmax_scale >= 0) || !std::isfinite(o.softmax_scale)) {
     refuse("cache option softmax_scale: expected a finite value >= 0 (0: 1/sqrt(head_dim))");
@@ -385,7 +386,16 @@ QuantizedKVCache::QuantizedKVCache(const QuantizerConfig& config, ModelDimension
                                     : ceil_div(static_cast<int64_t>(std::ceil(per_token * static_cast<double>(
                                                    options_.max_pages * options_.page_size))),
                                                options_.outlier_page_entries) + slots;
-        t.outlier_table_stride = ceil_div(options_.max_context * width, options_.outlier_page_entries) + 1;
+        // A sequence's table: its tokens at twice the provisioned share
+        // (token_top_bottom: the exact bound), capped by every element.
+        const double per_sequence_token =
+            std::min(static_cast<double>(width),
+                     settings.outlier_rule == OutlierRule::kTokenTopBottom ? per_token : 2 * per_token);
+        t.outlier_table_stride =
+            options_.max_outlier_pages_per_sequence > 0
+                ? options_.max_outlier_pages_per_sequence
+                : ceil_div(static_cast<int64_t>(std::ceil(per_sequence_token * static_cast<double>(options_.max_context))),
+                           options_.outlier_page_entries) + 1;
         t.outlier_pages = std::make_unique<Buffer>(*backend_, t.outlier_pages_total * l.outlier_page_bytes);
         t.outlier_table = std::make_unique<Buffer>(*backend_, slots * t.outlier_table_stride * 4);
         std::vector<int32_t> free(static_cast<size_t>(t.outlier_pages_total));
@@ -652,7 +662,9 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
       throw std::length_error(context + ": the " + std::string(t == &k ? "keys'" : "values'") +
                               " outlier pool is exhausted (" + std::to_string(t->outlier_pages_total) + " pages of " +
                               std::to_string(options_.outlier_page_entries) +
-                              " entries; raise max_outlier_pages); the batch's sequences must be removed");
+                              " entries, at most " + std::to_string(t->outlier_table_stride) +
+                              " per sequence; raise max_outlier_pages or max_outlier_pages_per_sequence); the "
+                              "batch's sequences must be removed");
     }
   }
   for (size_t i = 0; i < count; ++i) {
@@ -721,6 +733,21 @@ TokenReadout QuantizedKVCache::read_token(int64_t layer, TensorKind kind, int32_
   const TensorState& t = tensor(layer, kind);
   return read_token_reference(t.paged(), t.dequantization, sequence,
                               page_table_.data() + static_cast<size_t>(sequence) * page_table_stride_, tokens, token);
+}
+
+TensorBytes QuantizedKVCache::held_bytes(int64_t layer, TensorKind kind, int32_t sequence) const {
+  check_sequence(sequence, "held_bytes");
+  const TensorState& t = tensor(layer, kind);
+  int32_t outlier_pages = 0;
+  backend_->copy_out(&outlier_pages, t.pages_used->as<int32_t>() + sequence, 4);
+  const int64_t pages = pages_of_[static_cast<size_t>(sequence)];
+  TensorBytes b;
+  b.exact = t.layout.exact_slot_bytes;
+  b.codes = pages * t.layout.page_bytes;
+  b.page_table = pages * kPageTableEntryBytes;
+  b.outlier_entries = outlier_pages * t.layout.outlier_page_bytes;
+  b.outlier_page_table = outlier_pages * kPageTableEntryBytes;
+  return b;
 }
 
 int64_t QuantizedKVCache::outlier_entries(int64_t layer, TensorKind kind, int32_t sequence) const {

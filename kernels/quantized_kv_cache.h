@@ -42,6 +42,7 @@ struct CacheOptions {
   ElementType element = ElementType::kFloat16;  // exact tokens, outliers, group (min, max)
   int64_t outlier_page_entries = 256;        // entries per outlier page
   int64_t max_outlier_pages = 0;             // per layer and tensor kind; 0: from the nominal outlier share
+  int64_t max_outlier_pages_per_sequence = 0;  // one sequence's outlier page table; 0: from the nominal share
   int64_t tokens_per_split = 256;            // decode_attention's context splits (0: one)
   float softmax_scale = 0;                   // 0: 1 / sqrt(head_dim)
 };
@@ -122,6 +123,9 @@ class QuantizedKVCache {
   // included: they are quantized on arrival).
   int64_t outlier_entries(int64_t layer, TensorKind kind, int32_t sequence) const;
   int64_t pages_held(int32_t sequence) const;
+  // What the sequence holds for the layer and kind, counted from the
+  // allocators' state (runtime_layout.h's bytes_held() is the formula).
+  TensorBytes held_bytes(int64_t layer, TensorKind kind, int32_t sequence) const;
   int64_t free_pages() const { return static_cast<int64_t>(free_pages_.size()); }
 
  private:

@@ -183,6 +183,7 @@ struct Case {
   RotationForm value_rotation = RotationForm::kNone;
   bool key_centre = false;
   int64_t tokens_per_split = 16;
+  bool long_context = false;  // thousands of tokens in chunks of 1000 instead of the short schedule
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -400,8 +401,15 @@ struct Step {
 
 // A prefill of A and B, decoding steps, B's second chunk while C arrives,
 // more decoding, a long chunk of A across flushes and page boundaries.
-std::vector<Step> schedule() {
+std::vector<Step> schedule(bool long_context) {
   std::vector<Step> steps;
+  if (long_context) {  // two sequences, prefill chunks of 1000 and 700, then decoding
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    steps.push_back({{{0, 1000}, {1, 1}}});
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    for (int i = 0; i < 3; ++i) steps.push_back({{{0, 1}, {1, 1}}});
+    return steps;
+  }
   steps.push_back({{{0, 37}, {1, 5}}});
   for (int i = 0; i < 4; ++i) steps.push_back({{{0, 1}, {1, 1}}});
   steps.push_back({{{1, 20}, {0, 1}, {2, 33}}});
@@ -426,17 +434,18 @@ class Stream {
     kernels::CacheOptions options;
     options.page_size = case_.page_size;
     options.max_sequences = 4;
-    options.max_context = 256;
+    options.max_context = case_.long_context ? 4096 : 256;
     options.element = case_.element;
     options.tokens_per_split = case_.tokens_per_split;
     options.outlier_page_entries = 64;
     kernels::QuantizedKVCache cache(config, dims_, options);
-    const std::vector<Step> steps = schedule();
+    const std::vector<Step> steps = schedule(case_.long_context);
     std::vector<int64_t> totals(3, 0);
     for (const Step& step : steps) {
       for (auto [seq, n] : step.appends) totals[seq] += n;
     }
     for (int s = 0; s < 3; ++s) {
+      if (totals[s] == 0) totals[s] = 1;  // unused
       SequenceInputs in;
       for (int64_t layer = 0; layer < kLayers; ++layer) {
         in.layers.push_back(synthetic(1, totals[s], case_.head_dim, 1.0 + 0.5 * layer, case_.element, rope_));
@@ -619,8 +628,9 @@ class Stream {
     }
   }
 
-  // The bytes one sequence's decoding step reads (ReadTally) equal the
-  // layout's formula; the formula minus calib's effective-bits accounting is
+  // What one sequence holds (the allocators' pages) is bytes_held(); the
+  // bytes one sequence's decoding step reads (ReadTally) equal the layout's
+  // formula; the formula minus calib's effective-bits accounting is
   // exactly the documented difference.
   void check_bytes(kernels::QuantizedKVCache& cache, const QuantizerConfig& config, int64_t layer,
                    const std::vector<int32_t>& active, const std::vector<int64_t>& lengths,
@@ -633,6 +643,13 @@ class Stream {
       std::vector<float> output(static_cast<size_t>(case_.heads * dim));
       cache.decode_attention(layer, std::span<const int32_t>(&active[i], 1), query.data_ptr<float>(), output.data(),
                              &tally);
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const kernels::TensorBytes held = cache.held_bytes(layer, kind, active[i]);
+        const kernels::TensorBytes expected =
+            kernels::bytes_held(cache.layout(kind), tokens, cache.outlier_entries(layer, kind, active[i]));
+        EXPECT_EQ(held.total(), expected.total()) << case_.name << " layer " << layer << " T=" << tokens;
+        EXPECT_EQ(held.codes, expected.codes) << case_.name << " layer " << layer << " T=" << tokens;
+      }
       int64_t formula = 0, shared_page_table = std::numeric_limits<int64_t>::max(), extra = 0;
       double accounting = 0;
       for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
@@ -777,6 +794,20 @@ std::vector<Case> cases() {
     Case c = make_case("rtn_4bit_d64_gqa4_split64", QuantMethod::kRtn, 4, 64, 8);
     c.tokens_per_split = 64;
     all.push_back(c);
+  }
+  {  // Long contexts (3003 and 1404 tokens), splits of 256: KVQuant, and int2-rot rotated.
+    Case c = make_case("kvquant_long_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.02;
+    c.tokens_per_split = 256;
+    c.long_context = true;
+    all.push_back(c);
+    Case r = make_case("int2rot_rotated_long_4bit_d128_gqa4", QuantMethod::kInt2Rot, 4, 128, 8);
+    r.fit.sink_tokens = 4;
+    r.fit.residual_tokens = 64;
+    r.key_rotation = r.value_rotation = RotationForm::kMatrix;
+    r.tokens_per_split = 256;
+    r.long_context = true;
+    all.push_back(r);
   }
   {  // RTN with groups of 32 channels and top/bottom outliers per head.
     Case c = make_case("rtn_groups32_outliers_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
