@@ -29,6 +29,7 @@
 #include "calib/kv_rotation.h"
 #include "calib/quantize_simulation.h"
 #include "calib/quantizer_fit.h"
+#include "eval/simulated_quantized_cache.h"
 #include "kernels/element_conversion.h"
 #include "kernels/quantized_kv_cache.h"
 #include "model/rope.h"
@@ -187,6 +188,7 @@ struct Case {
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads);
 
 constexpr int64_t kKvHeads = 2, kLayers = 2;
 
@@ -821,6 +823,94 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RuntimeKernelsCpu, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ------------------------------------------------------------ the eval's cache
+
+// The same stream through SimulatedQuantizedCache (what kvforge eval runs the
+// model through) and the runtime cache: after every chunk of every layer
+// the runtime reads back what the simulated cache returns, post-RoPE keys
+// included. Bound: the float32 dequantization error, 8 u (|lo| + |hi|)
+// max(1, |grid|) <= 8 u * 2 max|x| * 1.5 < 32 u max|x| (grids lie within
+// +-1.5 here); a wrong code or a missed outlier moves a value by a level.
+void expect_runtime_reads_what_eval_simulates(const Case& c) {
+  at::manual_seed(77);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  for (const LayerQuantizers& layer : config.layers) {
+    for (float g : layer.keys.grid) ASSERT_LE(std::fabs(g), 1.5f);
+    for (float g : layer.values.grid) ASSERT_LE(std::fabs(g), 1.5f);
+  }
+  ModelConfig model;
+  model.num_layers = kLayers;
+  model.num_heads = c.heads;
+  model.num_kv_heads = kKvHeads;
+  model.head_dim = c.head_dim;
+  model.rope = rope_config;
+  const int64_t total = 80;
+  SimulatedQuantizedCache simulated(model, config, rope, 1, total, at::kCPU, at::kDouble);
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.element = c.element;
+  options.max_context = total;
+  kernels::QuantizedKVCache runtime(config, dimensions(c, rope_config), options);
+  const int32_t id = runtime.add_sequence();
+  std::vector<Activations> data;
+  for (int64_t layer = 0; layer < kLayers; ++layer) data.push_back(synthetic(1, total, c.head_dim, 1.0 + layer, c.element, rope));
+  int64_t position = 0, quantized_steps = 0;
+  for (int64_t chunk : {7, 1, 1, 12, 1, 1, 1, 30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const Activations& a = data[layer];
+      NewKeysValues block;
+      block.layer = layer;
+      block.position_start = position;
+      block.keys_pre_rope = a.keys_pre.narrow(2, position, chunk).to(at::kDouble);
+      block.keys = a.keys.narrow(2, position, chunk).to(at::kDouble);
+      block.values = a.values.narrow(2, position, chunk).to(at::kDouble);
+      const CachedKeysValues expected = simulated.append(block);
+      const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, chunk)[0]
+                               .permute({1, 0, 2}).contiguous();
+      const at::Tensor v = a.values.narrow(2, position, chunk)[0].permute({1, 0, 2}).contiguous();
+      runtime.append(layer, {{id}, {position}, {chunk}, k.data_ptr<float>(), v.data_ptr<float>()});
+      const int64_t length = position + chunk;
+      at::Tensor keys = at::empty({1, kKvHeads, length, c.head_dim}, at::kDouble);
+      at::Tensor values = at::empty_like(keys);
+      for (int64_t t = 0; t < length; ++t) {
+        const kernels::TokenReadout rk = runtime.read_token(layer, TensorKind::kKeys, id, t);
+        const kernels::TokenReadout rv = runtime.read_token(layer, TensorKind::kValues, id, t);
+        keys.select(2, t).copy_(at::tensor(rk.values, at::kFloat).view({1, kKvHeads, c.head_dim}));
+        values.select(2, t).copy_(at::tensor(rv.values, at::kFloat).view({1, kKvHeads, c.head_dim}));
+      }
+      if (config.settings.keys_pre_rope) keys = RotaryEmbedding::apply(keys, rope.tables(0, length, at::kDouble));
+      const double key_bound = 32 * kUnit * expected.keys.abs().max().item<double>();
+      const double value_bound = 32 * kUnit * expected.values.abs().max().item<double>();
+      EXPECT_LE((keys - expected.keys).abs().max().item<double>(), key_bound) << c.name << " layer " << layer << " T=" << length;
+      EXPECT_LE((values - expected.values).abs().max().item<double>(), value_bound) << c.name << " layer " << layer << " T=" << length;
+      quantized_steps += !at::equal(expected.values, a.values.narrow(2, 0, length).to(at::kDouble));
+    }
+    simulated.commit(chunk);
+    position += chunk;
+  }
+  ASSERT_EQ(position, total);
+  EXPECT_GT(quantized_steps, 40) << "the simulated cache must quantize";
+}
+
+TEST(RuntimeKernelsCpuAgainstEval, KvquantReadsWhatTheSimulatedCacheReturns) {
+  Case c = make_case("kvquant_vs_eval", QuantMethod::kKvquant, 2, 64, 4);
+  c.fit.outlier_fraction = 0.05;
+  expect_runtime_reads_what_eval_simulates(c);
+}
+
+TEST(RuntimeKernelsCpuAgainstEval, SlidingKiviWithASinkReadsWhatTheSimulatedCacheReturns) {
+  Case c = make_case("kivi_vs_eval", QuantMethod::kKivi, 2, 64, 4);
+  c.fit.residual_tokens = 8;
+  c.fit.key_group = 8;
+  c.fit.value_group = 16;
+  c.fit.sink_tokens = 3;
+  c.fit.key_residual_rule = ResidualRule::kSliding;
+  c.page_size = 5;
+  expect_runtime_reads_what_eval_simulates(c);
+}
 
 // ------------------------------------------------------------ refusals
 
