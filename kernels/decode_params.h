@@ -1,0 +1,116 @@
+#pragma once
+// The plain parameter structs of the two runtime kernels, append
+// (quantize-on-append) and decode_attention: pointers, strides and sizes
+// only (as FlashInfer's decode params), so that the CPU reference
+// (kernels/cpu_reference.h) and the CUDA kernels take the same structs and a
+// binding fills them from its tensors. docs/runtime-layout.md states the
+// bytes behind every pointer and the arithmetic of both kernels.
+//
+// Sequences are addressed by slot: a slot numbers a row of the page table,
+// of the exact store, of the outlier page table and of the outlier counts.
+// Pages are shared by all layers and both tensor kinds (one page table per
+// sequence, as vLLM's block tables): page id p is page p of every layer's
+// key pool and of every layer's value pool.
+#include <cstdint>
+
+#include "kernels/runtime_layout.h"
+
+namespace kvforge::kernels {
+
+// One layer's keys or values as stored: the layout and its pools.
+struct PagedTensor {
+  TensorPageLayout layout;
+  uint8_t* pages = nullptr;               // [num_pages][page_bytes]
+  uint8_t* exact = nullptr;               // [num_slots][exact_slot_bytes]: sink and window tokens
+  uint8_t* outlier_pages = nullptr;       // [num_outlier_pages][outlier_page_bytes]
+  int32_t* outlier_page_table = nullptr;  // [num_slots][outlier_table_stride]
+  int64_t outlier_table_stride = 0;
+};
+
+// How codes turn back into values (float32): x^ = fma(b, levels[code], a)
+// with (a, b) from the group's stored (min, max) or the channel's offline
+// (offset, scale); docs/runtime-layout.md, "Dequantization".
+struct Dequantization {
+  bool non_uniform = false;
+  const float* levels = nullptr;  // [2^bits]: k (uniform runtime), the grid, or -1 + 2k/(2^bits-1) (uniform offline)
+  float clip_ratio = 1.0f;
+  const float* channel_scale = nullptr;  // kPerChannelOffline: [kv_heads][D]
+  const float* channel_offset = nullptr;
+};
+
+enum class OutlierSelection : int32_t { kNone = 0, kChannelThresholds = 1, kTokenTopBottom = 2, kTokenTau = 3 };
+
+// How append turns (rotated, element-rounded) values into codes: float64,
+// the artifact's formulas (docs/artifact.md) in the order the layout page gives.
+struct Quantization {
+  int32_t bits = 2;
+  bool non_uniform = false;
+  const double* encode_midpoints = nullptr;  // non-uniform: [2^bits - 1] midpoints of the encode grid
+  double clip_ratio = 1.0;
+  const float* channel_scale = nullptr;  // kPerChannelOffline: [kv_heads][D]
+  const float* channel_offset = nullptr;
+  OutlierSelection outliers = OutlierSelection::kNone;
+  const float* outlier_low = nullptr;  // kChannelThresholds: [kv_heads][D]
+  const float* outlier_high = nullptr;
+  int32_t top_bottom_count = 0;  // kTokenTopBottom: k largest and k smallest per span
+  double outlier_tau = 0;        // kTokenTau
+};
+
+enum class RotationKind : int32_t { kNone = 0, kMatrix = 1, kPairAngles = 2 };
+
+// One layer's rotation of keys or values (formats/kv_rotation.h).
+struct Rotation {
+  RotationKind kind = RotationKind::kNone;
+  const float* matrix = nullptr;     // kMatrix: [kv_heads][D][D], x' = x R (row vectors)
+  const float* centre = nullptr;     // keys, kMatrix: [kv_heads][D], or null
+  const double* pair_cos = nullptr;  // kPairAngles: [kv_heads][D/2], cos and sin of the float32 angle in float64
+  const double* pair_sin = nullptr;
+};
+
+// The outlier pages of one layer's tensor: a stack of free page ids that
+// append takes from, and each slot's running entry and page counts.
+struct OutlierAllocator {
+  uint32_t* entry_counts = nullptr;  // [num_slots]: entries stored so far
+  int32_t* pages_used = nullptr;     // [num_slots]: outlier pages in the slot's table
+  int32_t* free_pages = nullptr;     // [capacity]: free page ids, the top at free_pages[*free_count - 1]
+  int32_t* free_count = nullptr;
+  int32_t* exhausted = nullptr;      // set to 1 when no page was free (or the slot's table was full)
+};
+
+struct SequenceBatch {
+  int32_t count = 0;
+  const int32_t* slots = nullptr;       // [count]
+  const int32_t* page_table = nullptr;  // [num_slots][page_table_stride]: page ids of token slots (t - sink) / page_size
+  int64_t page_table_stride = 0;
+  const int64_t* lengths = nullptr;     // [count]: append: tokens cached before it; decode: tokens cached
+};
+
+struct AppendParams {
+  SequenceBatch batch;
+  const int64_t* token_offsets = nullptr;  // [count + 1]: entry i's new tokens are rows [offsets[i], offsets[i + 1])
+  const void* keys = nullptr;              // [rows][kv_heads][D]; pre-RoPE keys when the configuration says so
+  const void* values = nullptr;
+  ElementType input = ElementType::kFloat32;
+  PagedTensor key_cache, value_cache;
+  Quantization key_quantization, value_quantization;
+  Rotation key_rotation, value_rotation;
+  OutlierAllocator key_outliers, value_outliers;
+};
+
+struct DecodeParams {
+  SequenceBatch batch;  // one query per entry, at position lengths[i] - 1
+  const void* queries = nullptr;  // [count][num_heads][D], post-RoPE
+  void* output = nullptr;         // [count][num_heads][D], in the model's basis (values rotated back)
+  ElementType io = ElementType::kFloat32;
+  int32_t num_heads = 0;
+  float softmax_scale = 0;
+  int32_t tokens_per_split = 0;  // flash-decoding splits of the context; 0: one split
+  PagedTensor key_cache, value_cache;
+  Dequantization key_dequantization, value_dequantization;
+  Rotation key_rotation, value_rotation;  // queries are rotated by the keys', outputs back by the values'
+  bool keys_pre_rope = false;
+  const float* rope_inverse_frequencies = nullptr;  // [D/2], the model's (float32)
+  void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
+};
+
+}  // namespace kvforge::kernels

@@ -1,0 +1,157 @@
+#pragma once
+// The runtime KV cache of one model under one artifact configuration: it
+// checks the configuration against the model's dimensions and the runtime's
+// layouts (one-line std::invalid_argument naming the configuration and the
+// field), owns the paged pools (docs/runtime-layout.md), the sequences' page
+// tables and the page allocators for a batch of sequences of different
+// lengths, and runs append and decode_attention through a kernel backend:
+// the CPU reference now; the CUDA kernels plug into the same slot
+// (KernelBackend: memory and the two kernels over decode_params.h's
+// structs).
+//
+// Sequences are appended layer by layer, as a model's forward pass does: each
+// layer keeps its own length per sequence, and a page is allocated when the
+// first layer needs it (page ids are shared by every layer and both kinds).
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "formats/quantizer_config.h"
+#include "kernels/cpu_reference.h"
+#include "kernels/decode_params.h"
+
+namespace kvforge::kernels {
+
+struct ModelDimensions {
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  // The model's RoPE inverse frequencies [head_dim / 2] (model/rope.h's
+  // rope_inverse_frequencies): pre-RoPE keys are rotated with them.
+  std::vector<float> rope_inverse_frequencies;
+};
+
+struct CacheOptions {
+  int64_t page_size = 16;                    // tokens per page
+  int64_t max_sequences = 8;                 // sequence slots
+  int64_t max_context = 4096;                // tokens per sequence
+  int64_t max_pages = 0;                     // pages of every pool; 0: max_sequences full sequences
+  ElementType element = ElementType::kFloat16;  // exact tokens, outliers, group (min, max)
+  int64_t outlier_page_entries = 256;        // entries per outlier page
+  int64_t max_outlier_pages = 0;             // per layer and tensor kind; 0: from the nominal outlier share
+  int64_t max_outlier_pages_per_sequence = 0;  // one sequence's outlier page table; 0: from the nominal share
+  int64_t tokens_per_split = 256;            // decode_attention's context splits (0: one)
+  float softmax_scale = 0;                   // 0: 1 / sqrt(head_dim)
+};
+
+enum class TensorKind { kKeys, kValues };
+
+// Memory the kernels can address and the two kernels. A device backend
+// allocates device memory and copies the host's small tables in before
+// each call.
+class KernelBackend {
+ public:
+  virtual ~KernelBackend() = default;
+  // Zeroed bytes the kernels can address; null only for 0 bytes.
+  virtual void* allocate(int64_t bytes) = 0;
+  virtual void release(void* memory) = 0;
+  virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
+  virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
+  // Whether the host may read backend memory directly (read_token needs it).
+  virtual bool host_addressable() const = 0;
+  virtual void append(const AppendParams& params) = 0;
+  virtual void decode_attention(const DecodeParams& params) = 0;
+};
+
+// The CPU reference (cpu_reference.h) on host memory.
+class CpuReferenceBackend final : public KernelBackend {
+ public:
+  void* allocate(int64_t bytes) override;
+  void release(void* memory) override;
+  void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
+  void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
+  bool host_addressable() const override { return true; }
+  void append(const AppendParams& params) override { append_reference(params); }
+  void decode_attention(const DecodeParams& params) override { decode_attention_reference(params); }
+};
+
+// New tokens of some sequences for one layer.
+struct AppendBatch {
+  std::vector<int32_t> sequences;
+  std::vector<int64_t> positions;  // each sequence's first new position: its length for the layer so far
+  std::vector<int64_t> tokens;     // new tokens per sequence (0 allowed)
+  // [sum of tokens][kv_heads][head_dim] float32, in sequence order; keys
+  // before RoPE when the configuration's keys_pre_rope, else after.
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
+class QuantizedKVCache {
+ public:
+  QuantizedKVCache(const QuantizerConfig& config, ModelDimensions model, CacheOptions options = {},
+                   std::unique_ptr<KernelBackend> backend = nullptr);  // null: the CPU reference
+  ~QuantizedKVCache();
+  QuantizedKVCache(const QuantizedKVCache&) = delete;
+  QuantizedKVCache& operator=(const QuantizedKVCache&) = delete;
+
+  // A free sequence slot, empty (std::length_error when all are in use).
+  int32_t add_sequence();
+  // Frees the sequence's pages and outlier pages.
+  void remove_sequence(int32_t sequence);
+  int64_t length(int32_t sequence, int64_t layer) const;
+
+  // Quantize-on-append of one layer's new tokens; std::invalid_argument for a
+  // position that is not the sequence's length, std::length_error when a
+  // sequence would exceed max_context or a pool is exhausted.
+  void append(int64_t layer, const AppendBatch& batch);
+
+  // One query per sequence at its last position: queries and output
+  // [sequences][num_heads][head_dim] float32, post-RoPE queries, outputs in
+  // the model's basis. `tally` (optional) records the bytes read.
+  void decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries, float* output,
+                        ReadTally* tally = nullptr);
+
+  const TensorPageLayout& layout(TensorKind kind) const;
+  const std::string& name() const { return name_; }
+  // Token `token` of the sequence as attention reads it at the layer's
+  // current length, in the stored basis (host-addressable backends).
+  TokenReadout read_token(int64_t layer, TensorKind kind, int32_t sequence, int64_t token) const;
+  // Outlier entries stored for the sequence's layer and kind (window tokens
+  // included: they are quantized on arrival).
+  int64_t outlier_entries(int64_t layer, TensorKind kind, int32_t sequence) const;
+  int64_t pages_held(int32_t sequence) const;
+  // What the sequence holds for the layer and kind, counted from the
+  // allocators' state (runtime_layout.h's bytes_held() is the formula).
+  TensorBytes held_bytes(int64_t layer, TensorKind kind, int32_t sequence) const;
+  int64_t free_pages() const { return static_cast<int64_t>(free_pages_.size()); }
+
+ private:
+  struct Buffer;
+  struct TensorState;
+  struct LayerState;
+
+  TensorState& tensor(int64_t layer, TensorKind kind);
+  const TensorState& tensor(int64_t layer, TensorKind kind) const;
+  void check_sequence(int32_t sequence, const char* what) const;
+  void ensure_pages(int32_t sequence, int64_t tokens);
+  void upload_tables();
+
+  std::string name_;
+  ModelDimensions model_;
+  CacheOptions options_;
+  bool keys_pre_rope_ = false;
+  std::unique_ptr<KernelBackend> backend_;
+  int64_t page_table_stride_ = 0;
+  std::vector<int32_t> page_table_;  // host: [max_sequences][stride], -1 where unallocated
+  std::vector<int64_t> pages_of_;    // pages each slot holds
+  std::vector<int32_t> free_pages_;  // host page allocator (a stack)
+  std::vector<uint8_t> in_use_;
+  std::vector<std::vector<int64_t>> lengths_;  // [slot][layer]
+  std::unique_ptr<Buffer> device_page_table_;
+  std::vector<LayerState> layers_;
+};
+
+}  // namespace kvforge::kernels

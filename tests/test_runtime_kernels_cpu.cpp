@@ -1,0 +1,1072 @@
+// The runtime KV cache on the CPU (kernels/): for every layout calibrate and
+// rotate write, streamed in prefill chunks and single decoding steps over a
+// batch of sequences of different lengths,
+//   - what the pages read back equals calib's float64 oracle
+//     (simulate_quantization over the whole prefix) after every append:
+//     codes equal calib's codes exactly, outliers are calib's, exact tokens
+//     and outliers bit for bit, and dequantized values within the float32
+//     rounding of the dequantization formula (the bound is derived below);
+//   - decode_attention equals float64 attention over that oracle's read-back
+//     within 1e-5 of the values' magnitude (derived below);
+//   - the bytes a decoding step reads are the layout's formula, which differs
+//     from calib's effective-bits accounting by exactly the documented terms;
+//   - bad configurations and bad calls are refused with one line.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <numbers>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "calib/effective_bits.h"
+#include "calib/group_quantizer.h"
+#include "calib/kv_rotation.h"
+#include "calib/quantize_simulation.h"
+#include "calib/quantizer_fit.h"
+#include "eval/simulated_quantized_cache.h"
+#include "kernels/element_conversion.h"
+#include "kernels/quantized_kv_cache.h"
+#include "model/rope.h"
+
+namespace kvforge {
+namespace {
+
+using kernels::ElementType;
+using kernels::TensorKind;
+
+constexpr double kUnit = 0x1p-24;  // float32 unit roundoff (round to nearest)
+
+// ------------------------------------------------------------ element conversions
+
+TEST(RuntimeElementConversion, FloatInputsRoundAsTorchDoes) {
+  // c10::Half and c10::BFloat16 round a float to nearest, ties to even: an
+  // independent implementation of the same conversion.
+  std::mt19937 rng(5);
+  std::vector<float> values{0.0f, -0.0f, 1.0f, 65504.0f, 65519.0f, 65520.0f, 1e-8f, 5.96e-8f, 2.98e-8f, 6.1e-5f,
+                            3.0e38f, -1.7e38f, 1.0f + 0x1p-11f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-11f,
+                            std::numeric_limits<float>::infinity(), 1e-40f};
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t word = bits(rng);
+    float value;
+    std::memcpy(&value, &word, 4);
+    if (!std::isnan(value)) values.push_back(value);
+  }
+  for (float value : values) {
+    ASSERT_EQ(kernels::half_bits(value), c10::Half(value).x) << value;
+    ASSERT_EQ(kernels::bfloat16_bits(value), c10::BFloat16(value).x) << value;
+    ASSERT_EQ(kernels::half_value(kernels::half_bits(value)), static_cast<float>(c10::Half(value))) << value;
+  }
+}
+
+TEST(RuntimeElementConversion, DoubleInputsRoundOnceToTheNearestElement) {
+  // Brute force: the result is a representable value no farther from x than
+  // its neighbours, and on a tie the one with an even last bit. 1 + 2^-11 +
+  // 2^-40 is just above a half tie: through float (which drops 2^-40) it
+  // would round down to 1.
+  EXPECT_EQ(kernels::half_value(kernels::half_bits(1.0 + 0x1p-11 + 0x1p-40)), 1.0f + 0x1p-10f);
+  EXPECT_EQ(kernels::bfloat16_value(kernels::bfloat16_bits(1.0 + 0x1p-8 + 0x1p-40)), 1.0f + 0x1p-7f);
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<double> mantissa(-2, 2);
+  std::uniform_int_distribution<int> exponent(-30, 18);
+  for (int i = 0; i < 100000; ++i) {
+    const double x = std::ldexp(mantissa(rng), exponent(rng));
+    for (bool half : {true, false}) {
+      const uint16_t b = half ? kernels::half_bits(x) : kernels::bfloat16_bits(x);
+      const auto value = [&](uint16_t bits) {
+        return static_cast<double>(half ? kernels::half_value(bits) : kernels::bfloat16_value(bits));
+      };
+      const double r = value(b), error = std::fabs(x - r);
+      if (std::isinf(r)) continue;
+      for (uint16_t neighbour : {static_cast<uint16_t>(b - 1), static_cast<uint16_t>(b + 1)}) {
+        const double n = value(neighbour);
+        if (std::isnan(n) || ((neighbour ^ b) & 0x8000)) continue;  // across the sign or into NaN
+        ASSERT_LE(error, std::fabs(x - n)) << x;
+        if (error == std::fabs(x - n)) ASSERT_EQ(b & 1, 0) << "tie not to even at " << x;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------ layouts
+
+kernels::TensorLayoutSpec spec(kernels::ScaleGrouping grouping, int32_t group, bool outliers = false) {
+  kernels::TensorLayoutSpec s;
+  s.kv_heads = 2;
+  s.head_dim = 128;
+  s.bits = 2;
+  s.page_size = 16;
+  s.grouping = grouping;
+  s.group = group;
+  s.outliers = outliers;
+  return s;
+}
+
+TEST(RuntimeLayout, PagesOfTheWorkedExamples) {
+  // docs/runtime-layout.md's examples: Hkv = 2, D = 128, 2 bits, 16 tokens, fp16.
+  const auto rtn = kernels::page_layout(spec(kernels::ScaleGrouping::kPerToken, 128));
+  EXPECT_EQ(rtn.codes_bytes, 2 * 16 * 32);
+  EXPECT_EQ(rtn.params_offset, 1024);
+  EXPECT_EQ(rtn.params_bytes, 2 * 16 * 4);
+  EXPECT_EQ(rtn.page_bytes, 1152);  // 1152 * 8 / (16 * 256) = 2.25 bits, calib's 2 + 32/128
+  const auto kivi = kernels::page_layout(spec(kernels::ScaleGrouping::kPerChannelTokens, 32));
+  EXPECT_EQ(kivi.pairs_per_slot, 8);  // 256 channels / 32 tokens
+  EXPECT_EQ(kivi.page_bytes, 1024 + 16 * 8 * 4);  // 3 bits per element: 2 + 32/32
+  const auto values = kernels::page_layout(spec(kernels::ScaleGrouping::kPerTokenAllHeads, 0, true));
+  EXPECT_EQ(values.outlier_spans, 1);
+  EXPECT_EQ(values.outlier_span_size, 256);
+  EXPECT_EQ(values.row_pointers_offset, 1024 + 64);
+  EXPECT_EQ(values.row_pointers_bytes, (16 + 1) * 4);
+  EXPECT_EQ(values.page_bytes, 1168);  // 1156 rounded up to 16
+  EXPECT_EQ(values.outlier_page_bytes, 256 * 4);
+  const auto keys = kernels::page_layout(spec(kernels::ScaleGrouping::kPerChannelOffline, 0, true));
+  EXPECT_EQ(keys.params_bytes, 0);
+  EXPECT_EQ(keys.row_pointers_bytes, (16 * 2 + 1) * 4);
+}
+
+TEST(RuntimeLayout, WindowsFollowTheArtifactRule) {
+  // docs/artifact.md's worked example: KIVI, sink 0, R = 128, G = 32, T = 300.
+  auto keys = spec(kernels::ScaleGrouping::kPerChannelTokens, 32);
+  keys.residual_tokens = 128;
+  keys.window_rule = kernels::WindowRule::kBlockFlush;
+  EXPECT_EQ(kernels::quantized_end(keys, 300), 256);
+  EXPECT_EQ(kernels::quantized_end(keys, 383), 256);
+  EXPECT_EQ(kernels::quantized_end(keys, 384), 384);
+  auto values = spec(kernels::ScaleGrouping::kPerToken, 32);
+  values.residual_tokens = 128;
+  EXPECT_EQ(kernels::quantized_end(values, 300), 172);
+  auto sliding_keys = keys;
+  sliding_keys.window_rule = kernels::WindowRule::kSliding;
+  EXPECT_EQ(kernels::quantized_end(sliding_keys, 300), 160);
+  EXPECT_EQ(kernels::page_layout(sliding_keys).ring_capacity, 128 + 31);
+  EXPECT_EQ(kernels::page_layout(keys).ring_capacity, 128);
+  // Against calib's rule for every T of a few settings.
+  QuantizerSettings settings;
+  settings.sink_tokens = 3;
+  settings.residual_tokens = 8;
+  for (auto [grouping, group, rule] : {std::tuple{Grouping::kPerChannelTokens, 4, ResidualRule::kBlockFlush},
+                                       std::tuple{Grouping::kPerChannelTokens, 3, ResidualRule::kSliding},
+                                       std::tuple{Grouping::kPerToken, 128, ResidualRule::kSliding},
+                                       std::tuple{Grouping::kPerToken, 128, ResidualRule::kBlockFlush}}) {
+    TensorQuantizerSettings tensor{grouping, group};
+    tensor.residual_rule = rule;
+    auto s = spec(grouping == Grouping::kPerToken ? kernels::ScaleGrouping::kPerToken
+                                                  : kernels::ScaleGrouping::kPerChannelTokens,
+                  group);
+    s.sink_tokens = 3;
+    s.residual_tokens = 8;
+    s.window_rule = rule == ResidualRule::kBlockFlush ? kernels::WindowRule::kBlockFlush : kernels::WindowRule::kSliding;
+    for (int64_t t = 0; t < 60; ++t) {
+      const TokenSpan expected = quantized_tokens(settings, tensor, t);
+      ASSERT_EQ(kernels::quantized_begin(s, t), expected.begin) << t;
+      ASSERT_EQ(kernels::quantized_end(s, t), expected.end) << t;
+      ASSERT_LE(t - expected.end, kernels::page_layout(s).ring_capacity) << "the ring holds the window at " << t;
+    }
+  }
+}
+
+// ------------------------------------------------------------ configurations
+
+struct Case {
+  std::string name;
+  FitOptions fit;
+  int64_t head_dim = 128;
+  int64_t heads = 2;  // query heads; kv_heads is 2
+  int64_t page_size = 16;
+  ElementType element = ElementType::kFloat16;
+  RotationForm key_rotation = RotationForm::kNone;
+  RotationForm value_rotation = RotationForm::kNone;
+  bool key_centre = false;
+  int64_t tokens_per_split = 16;
+  bool long_context = false;  // thousands of tokens in chunks of 1000 instead of the short schedule
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads);
+
+constexpr int64_t kKvHeads = 2, kLayers = 2;
+
+at::Tensor to_element(const at::Tensor& x, ElementType element) {
+  switch (element) {
+    case ElementType::kFloat16: return x.to(at::kHalf).to(at::kFloat);
+    case ElementType::kBFloat16: return x.to(at::kBFloat16).to(at::kFloat);
+    case ElementType::kFloat32: return x.to(at::kFloat);
+  }
+  return x;
+}
+
+// Rounds every element of a float64 tensor to the cache's element type, once
+// (torch would round double -> float -> half, twice).
+at::Tensor round_each(const at::Tensor& x, ElementType element) {
+  at::Tensor out = x.to(at::kDouble).contiguous().clone();
+  double* data = out.data_ptr<double>();
+  for (int64_t i = 0; i < out.numel(); ++i) data[i] = kernels::round_to_element(element, data[i]);
+  return out;
+}
+
+// Keys (pre- and post-RoPE) and values of one layer, [N, kv_heads, T, D]
+// float32, every value an element-type number: channels of different scales
+// and offsets for keys (an outlier channel every 11), occasional spikes in
+// values.
+struct Activations {
+  at::Tensor keys_pre, keys, values;
+};
+
+Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer_scale, ElementType element,
+                      const RotaryEmbedding& rope) {
+  const at::Tensor channel = at::arange(dim, at::kDouble);
+  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kDouble);
+  const at::Tensor offset = 0.5 * at::sin(channel);
+  Activations a;
+  const at::Tensor pre = (at::randn({windows, kKvHeads, tokens, dim}, at::kDouble) * scale + offset) * layer_scale;
+  a.keys_pre = to_element(pre, element);
+  a.keys = to_element(RotaryEmbedding::apply(a.keys_pre.to(at::kFloat), rope.tables(0, tokens, at::kFloat)), element);
+  at::Tensor values = at::randn({windows, kKvHeads, tokens, dim}, at::kDouble);
+  values = values + (at::rand(values.sizes(), at::kDouble) < 0.01).to(at::kDouble) * at::randn(values.sizes(), at::kDouble) * 6;
+  a.values = to_element(values * layer_scale, element);
+  return a;
+}
+
+Float32Array array_of(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+}
+
+at::Tensor random_orthogonal(int64_t heads, int64_t dim) {
+  return std::get<0>(at::linalg_qr(at::randn({heads, dim, dim}, at::kDouble)));
+}
+
+kernels::ModelDimensions dimensions(const Case& c, const RopeConfig& rope) {
+  kernels::ModelDimensions d;
+  d.num_layers = kLayers;
+  d.num_heads = c.heads;
+  d.num_kv_heads = kKvHeads;
+  d.head_dim = c.head_dim;
+  const at::Tensor inv = rope_inverse_frequencies(rope, c.head_dim).contiguous();
+  d.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
+  return d;
+}
+
+// The configuration of a case, fitted by calib's fit_layer on synthetic
+// calibration windows (rotated ones for a rotated case: the quantizer is
+// fitted to the tensors it quantizes).
+QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
+  QuantizerConfig config;
+  config.name = c.name;
+  config.settings = resolve_settings(c.fit, c.head_dim);
+  const bool rotated = c.key_rotation != RotationForm::kNone || c.value_rotation != RotationForm::kNone;
+  if (rotated) {
+    RotationSettings r;
+    r.keys = c.key_rotation;
+    r.values = c.value_rotation;
+    r.key_centred = c.key_centre;
+    r.steps = 0;
+    config.rotation = r;
+  }
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    const Activations calibration = synthetic(2, 96, c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
+    LayerRotation rotation;
+    const auto options = at::TensorOptions().dtype(at::kDouble);
+    if (c.key_rotation == RotationForm::kMatrix) {
+      rotation.keys.matrix = array_of(random_orthogonal(kKvHeads, c.head_dim));
+      if (c.key_centre) rotation.keys.centre = array_of(at::randn({kKvHeads, c.head_dim}, at::kDouble) * 0.3);
+    } else if (c.key_rotation == RotationForm::kPairAngles) {
+      rotation.keys.angles = array_of((at::rand({kKvHeads, c.head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
+    }
+    if (c.value_rotation == RotationForm::kMatrix) rotation.values.matrix = array_of(random_orthogonal(kKvHeads, c.head_dim));
+    LayerActivations a;
+    a.keys = (config.settings.keys_pre_rope ? calibration.keys_pre : calibration.keys).to(at::kDouble);
+    a.values = calibration.values.to(at::kDouble);
+    if (c.key_rotation != RotationForm::kNone) {
+      const at::Tensor m = rotation_matrices(rotation.keys, c.key_rotation, kKvHeads, c.head_dim, options);
+      const at::Tensor centre = rotation_centre(rotation.keys, kKvHeads, c.head_dim, options);
+      a.keys = rotate(centre.defined() ? a.keys - centre : a.keys, m);
+    }
+    if (c.value_rotation != RotationForm::kNone) {
+      a.values = rotate(a.values, rotation_matrices(rotation.values, c.value_rotation, kKvHeads, c.head_dim, options));
+    }
+    a.keys = a.keys.to(at::kFloat);
+    a.values = a.values.to(at::kFloat);
+    LayerQuantizers fitted = fit_layer(config.settings, a, c.fit);
+    fitted.rotation = rotation;
+    config.layers.push_back(fitted);
+  }
+  return config;
+}
+
+// ------------------------------------------------------------ the oracle
+
+const TensorQuantizerSettings& settings_of(const QuantizerConfig& c, TensorKind kind) {
+  return kind == TensorKind::kKeys ? c.settings.keys : c.settings.values;
+}
+const TensorQuantizer& quantizer_of(const QuantizerConfig& c, int64_t layer, TensorKind kind) {
+  return kind == TensorKind::kKeys ? c.layers[layer].keys : c.layers[layer].values;
+}
+RotationForm form_of(const QuantizerConfig& c, TensorKind kind) {
+  if (!c.rotation) return RotationForm::kNone;
+  return kind == TensorKind::kKeys ? c.rotation->keys : c.rotation->values;
+}
+const TensorRotation& rotation_of(const QuantizerConfig& c, int64_t layer, TensorKind kind) {
+  return kind == TensorKind::kKeys ? c.layers[layer].rotation.keys : c.layers[layer].rotation.values;
+}
+
+// x [1, kv_heads, T, D] in the configuration's domain -> the tensors the
+// cache quantizes: calib's rotation (float64), rounded to the element type.
+at::Tensor stored_basis(const QuantizerConfig& c, int64_t layer, TensorKind kind, const at::Tensor& x,
+                        ElementType element) {
+  const RotationForm form = form_of(c, kind);
+  at::Tensor y = x.to(at::kDouble);
+  if (form == RotationForm::kNone) return y;
+  const int64_t dim = x.size(-1);
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor centre = rotation_centre(rotation_of(c, layer, kind), kKvHeads, dim, options);
+  if (centre.defined()) y = y - centre;
+  return round_each(rotate(y, rotation_matrices(rotation_of(c, layer, kind), form, kKvHeads, dim, options)), element);
+}
+
+// The stored basis back in the model's (calib's unrotate and centre).
+at::Tensor model_basis(const QuantizerConfig& c, int64_t layer, TensorKind kind, const at::Tensor& y) {
+  const RotationForm form = form_of(c, kind);
+  if (form == RotationForm::kNone) return y;
+  const int64_t dim = y.size(-1);
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor x = unrotate(y, rotation_matrices(rotation_of(c, layer, kind), form, kKvHeads, dim, options));
+  const at::Tensor centre = rotation_centre(rotation_of(c, layer, kind), kKvHeads, dim, options);
+  return centre.defined() ? x + centre : x;
+}
+
+// calib's codes of the quantized span y [1, kv_heads, S, D] and, per element,
+// the float32 dequantization bound: (a, b) are formed from the stored
+// (min, max) with at most 4 float32 roundings each and x^ = fma(b, L, a)
+// rounds once more, so |x^32 - x^64| <= 5.1 u (|lo| + |hi|) for uniform and
+// <= 3 u (|lo| + |hi|) max(1, |grid|) for grids (docs/runtime-layout.md,
+// "Dequantization"); 8 u (|lo| + |hi|) max(1, |grid|) covers both, and a
+// flipped code moves x^ by a whole level, (hi - lo) / 15 or more.
+// kPerChannelOffline: x^ = fma(scale, L, offset) with exact scale and offset
+// and L rounded to float32 once: <= 2 u (|offset| + |scale| max|L|); 4 u used.
+struct OracleCodes {
+  at::Tensor codes;  // int64
+  at::Tensor bound;  // float64
+  at::Tensor kept;   // bool: groups kept as they are
+};
+
+OracleCodes oracle_codes(const QuantizerSettings& settings, const TensorQuantizerSettings& tensor,
+                         const TensorQuantizer& q, const at::Tensor& span, const at::Tensor& outliers) {
+  double level_max = 1;
+  for (float g : q.grid) level_max = std::max(level_max, std::fabs(static_cast<double>(g)));
+  const int64_t heads = span.size(-3), dim = span.size(-1);
+  OracleCodes o;
+  if (tensor.grouping == Grouping::kPerChannelOffline) {
+    o.codes = offline_codes(settings, q, span);
+    const at::Tensor offset = channel_tensor(q.channel_offset, heads, dim, "offset", span.device());
+    const at::Tensor scale = channel_tensor(q.channel_scale, heads, dim, "scale", span.device());
+    o.bound = (4 * kUnit * (offset.abs() + scale.abs() * level_max)).expand(span.sizes());
+    o.kept = at::zeros(span.sizes(), at::kBool);
+    return o;
+  }
+  const GroupQuantizer group{settings.bits, q.clip_ratio, q.grid, q.encode_grid};
+  const at::Tensor inliers = tensor.outlier_fraction > 0 ? outliers.logical_not() : at::Tensor();
+  if (tensor.grouping == Grouping::kPerTokenAllHeads) {
+    const at::Tensor rows = to_all_head_rows(span);
+    const GroupCodes g = group_codes(rows, -1, group, inliers.defined() ? to_all_head_rows(inliers) : at::Tensor());
+    o.codes = from_all_head_rows(g.codes, span);
+    o.bound = from_all_head_rows((8 * kUnit * level_max * (g.lo.abs() + g.hi.abs())).expand(rows.sizes()), span);
+    o.kept = from_all_head_rows(g.kept.expand(rows.sizes()), span);
+    return o;
+  }
+  int64_t axis = 0;
+  const std::vector<int64_t> shape = group_shape(span, tensor.grouping, tensor.group, axis);
+  const GroupCodes g = group_codes(span.reshape(shape), axis, group, inliers.defined() ? inliers.reshape(shape) : at::Tensor());
+  o.codes = g.codes.reshape(span.sizes());
+  o.bound = (8 * kUnit * level_max * (g.lo.abs() + g.hi.abs())).expand(shape).reshape(span.sizes());
+  o.kept = g.kept.expand(shape).reshape(span.sizes());
+  return o;
+}
+
+// ------------------------------------------------------------ streaming
+
+// The inputs a sequence is fed, per layer: [1, kv_heads, total, D] float32.
+struct SequenceInputs {
+  std::vector<Activations> layers;
+};
+
+struct Step {
+  std::vector<std::pair<int, int64_t>> appends;  // (sequence index, tokens)
+};
+
+// A prefill of A and B, decoding steps, B's second chunk while C arrives,
+// more decoding, a long chunk of A across flushes and page boundaries.
+std::vector<Step> schedule(bool long_context) {
+  std::vector<Step> steps;
+  if (long_context) {  // two sequences, prefill chunks of 1000 and 700, then decoding
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    steps.push_back({{{0, 1000}, {1, 1}}});
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    for (int i = 0; i < 3; ++i) steps.push_back({{{0, 1}, {1, 1}}});
+    return steps;
+  }
+  steps.push_back({{{0, 37}, {1, 5}}});
+  for (int i = 0; i < 4; ++i) steps.push_back({{{0, 1}, {1, 1}}});
+  steps.push_back({{{1, 20}, {0, 1}, {2, 33}}});
+  for (int i = 0; i < 8; ++i) steps.push_back({{{2, 1}, {0, 1}, {1, 1}}});
+  steps.push_back({{{0, 41}, {2, 1}}});
+  for (int i = 0; i < 6; ++i) steps.push_back({{{0, 1}, {1, 1}, {2, 1}}});
+  return steps;
+}
+
+struct StreamResult {
+  double worst_attention = 0;   // max |o - o64| / max |v|
+  double worst_value_ratio = 0; // max |x^32 - x^64| / bound
+  int64_t quantized_compared = 0, outliers_seen = 0, tokens_checked = 0;
+};
+
+class Stream {
+ public:
+  Stream(const Case& c, const RopeConfig& rope_config)
+      : case_(c), rope_(rope_config, c.head_dim, at::kCPU), dims_(dimensions(c, rope_config)) {}
+
+  StreamResult run(const QuantizerConfig& config) {
+    kernels::CacheOptions options;
+    options.page_size = case_.page_size;
+    options.max_sequences = 4;
+    options.max_context = case_.long_context ? 4096 : 256;
+    options.element = case_.element;
+    options.tokens_per_split = case_.tokens_per_split;
+    options.outlier_page_entries = 64;
+    kernels::QuantizedKVCache cache(config, dims_, options);
+    const std::vector<Step> steps = schedule(case_.long_context);
+    std::vector<int64_t> totals(3, 0);
+    for (const Step& step : steps) {
+      for (auto [seq, n] : step.appends) totals[seq] += n;
+    }
+    for (int s = 0; s < 3; ++s) {
+      if (totals[s] == 0) totals[s] = 1;  // unused
+      SequenceInputs in;
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        in.layers.push_back(synthetic(1, totals[s], case_.head_dim, 1.0 + 0.5 * layer, case_.element, rope_));
+      }
+      inputs_.push_back(std::move(in));
+    }
+    std::vector<int32_t> ids(3, -1);
+    std::vector<int64_t> lengths(3, 0);
+    StreamResult result;
+    for (const Step& step : steps) {
+      kernels::AppendBatch batch;
+      for (auto [seq, n] : step.appends) {
+        if (ids[seq] < 0) ids[seq] = cache.add_sequence();
+        batch.sequences.push_back(ids[seq]);
+        batch.positions.push_back(lengths[seq]);
+        batch.tokens.push_back(n);
+      }
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        std::vector<float> keys, values;
+        for (auto [seq, n] : step.appends) {
+          const Activations& a = inputs_[seq].layers[layer];
+          const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
+          const at::Tensor v = a.values.narrow(2, lengths[seq], n);
+          // [1, Hkv, n, D] -> rows [n][Hkv][D]
+          const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
+          keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
+          values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+        }
+        batch.keys = keys.data();
+        batch.values = values.data();
+        cache.append(layer, batch);
+      }
+      for (auto [seq, n] : step.appends) lengths[seq] += n;
+      std::vector<int32_t> active;
+      std::vector<int> indices;
+      for (int s = 0; s < 3; ++s) {
+        if (ids[s] >= 0) {
+          active.push_back(ids[s]);
+          indices.push_back(s);
+        }
+      }
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        std::vector<at::Tensor> keys_model, values_model;
+        for (size_t i = 0; i < active.size(); ++i) {
+          const int s = indices[i];
+          const Activations& a = inputs_[s].layers[layer];
+          const int64_t t = lengths[s];
+          const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, 0, t);
+          keys_model.push_back(check_readback(cache, config, layer, TensorKind::kKeys, active[i], k, result));
+          values_model.push_back(
+              check_readback(cache, config, layer, TensorKind::kValues, active[i], a.values.narrow(2, 0, t), result));
+          if (config.settings.keys_pre_rope) {
+            keys_model.back() = RotaryEmbedding::apply(keys_model.back(), rope_.tables(0, t, at::kDouble));
+          }
+        }
+        check_attention(cache, layer, active, keys_model, values_model, result);
+        check_bytes(cache, config, layer, active, lengths, indices);
+      }
+    }
+    return result;
+  }
+
+ private:
+  // Compares what the pages read back for every token with calib's oracle
+  // over the whole prefix; returns the oracle's read-back in the model's
+  // basis (float64 [1, Hkv, T, D]).
+  at::Tensor check_readback(const kernels::QuantizedKVCache& cache, const QuantizerConfig& config, int64_t layer,
+                            TensorKind kind, int32_t id, const at::Tensor& x, StreamResult& result) {
+    const int64_t tokens = x.size(2), dim = case_.head_dim;
+    const at::Tensor y = stored_basis(config, layer, kind, x, case_.element);
+    const TensorQuantizerSettings& tensor = settings_of(config, kind);
+    const TensorQuantizer& q = quantizer_of(config, layer, kind);
+    const SimulatedTensor simulated = simulate_quantization(config.settings, tensor, q, y);
+    const TokenSpan span = quantized_tokens(config.settings, tensor, tokens);
+    OracleCodes codes;
+    if (span.size() > 0) {
+      codes = oracle_codes(config.settings, tensor, q, y.narrow(2, span.begin, span.size()),
+                           simulated.outliers.narrow(2, span.begin, span.size()));
+    }
+    at::Tensor oracle_codes_, oracle_bound, oracle_kept;
+    if (span.size() > 0) {
+      oracle_codes_ = codes.codes.contiguous();
+      oracle_bound = codes.bound.contiguous();
+      oracle_kept = codes.kept.contiguous();
+    } else {
+      oracle_codes_ = at::zeros({1, 1, 1, 1}, at::kLong);
+      oracle_bound = at::zeros({1, 1, 1, 1}, at::kDouble);
+      oracle_kept = at::zeros({1, 1, 1, 1}, at::kBool);
+    }
+    const auto ca = oracle_codes_.accessor<int64_t, 4>();
+    const auto ba = oracle_bound.accessor<double, 4>();
+    const auto ka = oracle_kept.accessor<bool, 4>();
+    const auto ya = y.accessor<double, 4>();
+    const auto sa = simulated.dequantized.accessor<double, 4>();
+    const auto oa = simulated.outliers.accessor<bool, 4>();
+    std::string first_failure;
+    int64_t failures = 0;
+    const auto fail = [&](const std::string& what) {
+      if (failures++ == 0) first_failure = what;
+    };
+    const std::string where = case_.name + (kind == TensorKind::kKeys ? " keys" : " values") + " layer " +
+                              std::to_string(layer) + " at T=" + std::to_string(tokens);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const kernels::TokenReadout r = cache.read_token(layer, kind, id, t);
+      const bool quantized = t >= span.begin && t < span.end;
+      ++result.tokens_checked;
+      if (r.quantized != quantized) fail(where + ": token " + std::to_string(t) + " quantized flag");
+      for (int64_t h = 0; h < kKvHeads; ++h) {
+        for (int64_t d = 0; d < dim; ++d) {
+          const int64_t e = h * dim + d;
+          const double got = r.values[e], exact = ya[0][h][t][d];
+          if (!quantized) {
+            if (got != exact) fail(where + ": exact token " + std::to_string(t) + " differs");
+            continue;
+          }
+          const int64_t i = t - span.begin;
+          const bool outlier = oa[0][h][t][d];
+          result.outliers_seen += outlier;
+          if (static_cast<bool>(r.outliers[e]) != outlier) fail(where + ": outlier flag of token " + std::to_string(t));
+          if (outlier || ka[0][h][i][d]) {
+            if (got != exact) fail(where + ": kept value of token " + std::to_string(t));
+            continue;
+          }
+          ++result.quantized_compared;
+          if (r.codes[e] != ca[0][h][i][d]) {
+            fail(where + ": code of token " + std::to_string(t) + " head " + std::to_string(h) + " channel " +
+                 std::to_string(d) + ": " + std::to_string(r.codes[e]) + " vs calib's " +
+                 std::to_string(ca[0][h][i][d]));
+          }
+          const double bound = ba[0][h][i][d];
+          const double error = std::fabs(got - sa[0][h][t][d]);
+          if (bound > 0) result.worst_value_ratio = std::max(result.worst_value_ratio, error / bound);
+          if (error > bound) fail(where + ": value of token " + std::to_string(t) + " off by " + std::to_string(error));
+        }
+      }
+    }
+    EXPECT_EQ(failures, 0) << first_failure << " (" << failures << " mismatches)";
+    return model_basis(config, layer, kind, simulated.dequantized);
+  }
+
+  // decode_attention of the whole batch against float64 attention over the
+  // oracle's read-back.
+  //
+  // Tolerance 1e-5 of max|v|, derived: the read-back differs from the
+  // oracle's by < 8u of the groups' range (above), a logit error of
+  // about 8u * scale * sum|q_d| |k_d| < 1e-5 * |s| for these data; float32
+  // then rounds each logit's D-term dot product (16 lanes of D/16 fmas, a
+  // 4-level tree: (D/16 + 4) roundings), exp, the online rescaling (2 per
+  // token of a split of S tokens) and the merge of the splits. With
+  // independent rounding errors (Higham & Mary's probabilistic bound,
+  // lambda = 3 sqrt(n) u, holding with probability > 1 - 2e-4 per sum) the
+  // logits err by 3 sqrt(12) u * sum|q_d k_d| scale ~ 1.8e-6 (sum ~ 15 here)
+  // and the output, a convex combination, by |delta s| * max|v - o| +
+  // 3 sqrt(2S + splits) u * max|v| ~ 2e-6 max|v| (S = 16..64): under
+  // 1e-5 max|v| with a margin of 4. (The worst-case bound, n u instead of
+  // sqrt(n) u, would be ~5e-5: never reached by rounding that does not
+  // conspire.)
+  void check_attention(kernels::QuantizedKVCache& cache, int64_t layer, const std::vector<int32_t>& active,
+                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                       StreamResult& result) {
+    const int64_t heads = case_.heads, dim = case_.head_dim, group = heads / kKvHeads;
+    const auto count = static_cast<int64_t>(active.size());
+    const at::Tensor queries = at::randn({count, heads, dim}, at::kFloat).contiguous();
+    std::vector<float> output(static_cast<size_t>(count * heads * dim));
+    cache.decode_attention(layer, active, queries.data_ptr<float>(), output.data());
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    for (int64_t i = 0; i < count; ++i) {
+      const at::Tensor k = keys[i][0], v = values[i][0];  // [Hkv, T, D] float64
+      const double vmax = v.abs().max().item<double>();
+      for (int64_t g = 0; g < heads; ++g) {
+        const at::Tensor q = queries[i][g].to(at::kDouble);
+        const at::Tensor p = at::softmax(at::matmul(k[g / group], q) * scale, 0);
+        const at::Tensor expected = at::matmul(p, v[g / group]);
+        const at::Tensor got = at::from_blob(output.data() + (i * heads + g) * dim, {dim}, at::kFloat).to(at::kDouble);
+        const double error = (got - expected).abs().max().item<double>() / vmax;
+        result.worst_attention = std::max(result.worst_attention, error);
+        EXPECT_LE(error, 1e-5) << case_.name << " layer " << layer << " sequence " << active[i] << " head " << g
+                               << " at T=" << k.size(1);
+      }
+    }
+  }
+
+  // What one sequence holds (the allocators' pages) is bytes_held(); the
+  // bytes one sequence's decoding step reads (ReadTally) equal the layout's
+  // formula; the formula minus calib's effective-bits accounting is
+  // exactly the documented difference.
+  void check_bytes(kernels::QuantizedKVCache& cache, const QuantizerConfig& config, int64_t layer,
+                   const std::vector<int32_t>& active, const std::vector<int64_t>& lengths,
+                   const std::vector<int>& indices) {
+    const int64_t dim = case_.head_dim;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const int64_t tokens = lengths[indices[i]];
+      kernels::ReadTally tally;
+      const at::Tensor query = at::randn({1, case_.heads, dim}, at::kFloat).contiguous();
+      std::vector<float> output(static_cast<size_t>(case_.heads * dim));
+      cache.decode_attention(layer, std::span<const int32_t>(&active[i], 1), query.data_ptr<float>(), output.data(),
+                             &tally);
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const kernels::TensorBytes held = cache.held_bytes(layer, kind, active[i]);
+        const kernels::TensorBytes expected =
+            kernels::bytes_held(cache.layout(kind), tokens, cache.outlier_entries(layer, kind, active[i]));
+        EXPECT_EQ(held.total(), expected.total()) << case_.name << " layer " << layer << " T=" << tokens;
+        EXPECT_EQ(held.codes, expected.codes) << case_.name << " layer " << layer << " T=" << tokens;
+      }
+      int64_t formula = 0, shared_page_table = std::numeric_limits<int64_t>::max(), extra = 0;
+      double accounting = 0;
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const kernels::TensorPageLayout& l = cache.layout(kind);
+        const int64_t begin = kernels::quantized_begin(l.spec, tokens), end = kernels::quantized_end(l.spec, tokens);
+        int64_t visible = 0;
+        for (int64_t t = begin; t < end; ++t) {
+          for (uint8_t flag : cache.read_token(layer, kind, active[i], t).outliers) visible += flag;
+        }
+        const kernels::TensorBytes b = kernels::bytes_read(l, tokens, visible);
+        formula += b.total();
+        shared_page_table = std::min(shared_page_table, b.page_table);
+        const TensorQuantizerSettings& tensor = settings_of(config, kind);
+        const int64_t elements = (end - begin) * kKvHeads * dim;
+        const std::optional<double> measured =
+            tensor.outlier_fraction > 0 && elements > 0
+                ? std::optional<double>(static_cast<double>(visible) / static_cast<double>(elements))
+                : std::nullopt;
+        accounting += tensor_effective_bits(config.settings, tensor, kKvHeads, dim, tokens, measured) *
+                      static_cast<double>(tokens * kKvHeads * dim) / 8;
+        // What the accounting does not count: page ids, each page's closing
+        // row pointer, outlier page ids; and it counts the offline channel
+        // parameters (4 bytes per channel at 16 bits), a per-layer constant
+        // here.
+        extra += b.page_table + b.outlier_page_table;
+        if (b.row_pointers > 0) extra += kernels::ceil_div(end - begin, l.spec.page_size) * kernels::kRowPointerBytes;
+        if (tensor.grouping == Grouping::kPerChannelOffline) extra -= 4 * kKvHeads * dim;
+      }
+      formula -= shared_page_table;  // keys and values read one page table
+      extra -= shared_page_table;
+      EXPECT_EQ(tally.distinct_bytes(), formula) << case_.name << " layer " << layer << " T=" << tokens;
+      if (case_.element != ElementType::kFloat32) {
+        EXPECT_NEAR(static_cast<double>(formula - extra), accounting, 1e-6 * accounting)
+            << case_.name << " layer " << layer << " T=" << tokens;
+      }
+    }
+  }
+
+  Case case_;
+  RotaryEmbedding rope_;
+  kernels::ModelDimensions dims_;
+  std::vector<SequenceInputs> inputs_;
+};
+
+class RuntimeKernelsCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RuntimeKernelsCpu, StreamedBatchReadsBackTheOracleAndAttendsLikeFloat64) {
+  const Case& c = GetParam();
+  at::manual_seed(1234);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const auto start = std::chrono::steady_clock::now();
+  const QuantizerConfig config = fitted_config(c, rope);
+  Stream stream(c, rope_config);
+  const StreamResult r = stream.run(config);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("[ %s ] %lld quantized elements compared, %lld outliers, worst value error %.3f of its bound, worst "
+              "attention error %.2e of max|v|, %.1f s\n",
+              c.name.c_str(), static_cast<long long>(r.quantized_compared), static_cast<long long>(r.outliers_seen),
+              r.worst_value_ratio, r.worst_attention, seconds);
+  EXPECT_GT(r.quantized_compared, 10000) << "the case must quantize";
+  if (config.settings.keys.outlier_fraction > 0 || config.settings.values.outlier_fraction > 0) {
+    EXPECT_GT(r.outliers_seen, 50) << "the case must find outliers";
+  }
+}
+
+Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
+  Case c;
+  c.name = std::move(name);
+  c.fit.method = method;
+  c.fit.bits = bits;
+  c.fit.fisher = false;
+  c.fit.max_calibration_tokens = 0;
+  c.head_dim = head_dim;
+  c.heads = heads;
+  return c;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  {  // KVQuant: offline pre-RoPE keys with thresholds, all-heads values with top/bottom outliers, Q-Norm, sink 1.
+    Case c = make_case("kvquant_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.04;
+    all.push_back(c);
+  }
+  {  // Rotated: pair angles on the pre-RoPE keys, a matrix on the values; 4 bits, a page of 12.
+    Case c = make_case("kvquant_rotated_4bit_d64_gqa1_page12", QuantMethod::kKvquant, 4, 64, 2);
+    c.fit.outlier_fraction = 0.04;
+    c.page_size = 12;
+    c.key_rotation = RotationForm::kPairAngles;
+    c.value_rotation = RotationForm::kMatrix;
+    c.tokens_per_split = 0;
+    all.push_back(c);
+  }
+  {  // KVQuant's tau variant: per-head values with token_tau outliers; bf16 elements.
+    Case c = make_case("kvquant_tau_2bit_d64_gqa4_bf16", QuantMethod::kKvquant, 2, 64, 8);
+    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
+    c.fit.outlier_fraction = 0.03;
+    c.element = ElementType::kBFloat16;
+    all.push_back(c);
+  }
+  {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
+    Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
+    c.fit.residual_tokens = 32;
+    all.push_back(c);
+  }
+  {  // KIVI at 4 bits with a sink, a page (12) that divides no group of 32, sliding keys.
+    Case c = make_case("kivi_sliding_sink_4bit_d64_gqa1_page12", QuantMethod::kKivi, 4, 64, 2);
+    c.fit.residual_tokens = 32;
+    c.fit.sink_tokens = 2;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    c.page_size = 12;
+    c.tokens_per_split = 32;
+    all.push_back(c);
+  }
+  {  // KIVI with a page (64) holding two groups, no residual for... values slide over 32.
+    Case c = make_case("kivi_4bit_d128_gqa1_page64_fp32", QuantMethod::kKivi, 4, 128, 2);
+    c.fit.residual_tokens = 64;
+    c.fit.key_group = 32;
+    c.page_size = 64;
+    c.element = ElementType::kFloat32;
+    all.push_back(c);
+  }
+  {  // int2-rot with its learned-rotation form: a matrix (with a centre) on the keys and the values.
+    Case c = make_case("int2rot_rotated_2bit_d128_gqa4", QuantMethod::kInt2Rot, 2, 128, 8);
+    c.fit.sink_tokens = 4;
+    c.fit.residual_tokens = 16;
+    c.key_rotation = RotationForm::kMatrix;
+    c.value_rotation = RotationForm::kMatrix;
+    c.key_centre = true;
+    all.push_back(c);
+  }
+  {  // int2-rot unrotated at 4 bits, page 12.
+    Case c = make_case("int2rot_4bit_d64_gqa1_page12", QuantMethod::kInt2Rot, 4, 64, 2);
+    c.fit.sink_tokens = 4;
+    c.fit.residual_tokens = 16;
+    c.page_size = 12;
+    all.push_back(c);
+  }
+  {  // RTN, no windows.
+    all.push_back(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2));
+    Case c = make_case("rtn_4bit_d64_gqa4_split64", QuantMethod::kRtn, 4, 64, 8);
+    c.tokens_per_split = 64;
+    all.push_back(c);
+  }
+  {  // Long contexts (3003 and 1404 tokens), splits of 256: KVQuant, and int2-rot rotated.
+    Case c = make_case("kvquant_long_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.02;
+    c.tokens_per_split = 256;
+    c.long_context = true;
+    all.push_back(c);
+    Case r = make_case("int2rot_rotated_long_4bit_d128_gqa4", QuantMethod::kInt2Rot, 4, 128, 8);
+    r.fit.sink_tokens = 4;
+    r.fit.residual_tokens = 64;
+    r.key_rotation = r.value_rotation = RotationForm::kMatrix;
+    r.tokens_per_split = 256;
+    r.long_context = true;
+    all.push_back(r);
+  }
+  {  // RTN with groups of 32 channels and top/bottom outliers per head.
+    Case c = make_case("rtn_groups32_outliers_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
+    c.fit.key_group = 32;
+    c.fit.value_group = 32;
+    c.fit.outlier_fraction = 0.05;
+    all.push_back(c);
+  }
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, RuntimeKernelsCpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ------------------------------------------------------------ the eval's cache
+
+// The same stream through SimulatedQuantizedCache (what kvforge eval runs the
+// model through) and the runtime cache: after every chunk of every layer
+// the runtime reads back what the simulated cache returns, post-RoPE keys
+// included. Bound: the float32 dequantization error, 8 u (|lo| + |hi|)
+// max(1, |grid|) <= 8 u * 2 max|x| * 1.5 < 32 u max|x| (grids lie within
+// +-1.5 here); a wrong code or a missed outlier moves a value by a level.
+void expect_runtime_reads_what_eval_simulates(const Case& c) {
+  at::manual_seed(77);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  for (const LayerQuantizers& layer : config.layers) {
+    for (float g : layer.keys.grid) ASSERT_LE(std::fabs(g), 1.5f);
+    for (float g : layer.values.grid) ASSERT_LE(std::fabs(g), 1.5f);
+  }
+  ModelConfig model;
+  model.num_layers = kLayers;
+  model.num_heads = c.heads;
+  model.num_kv_heads = kKvHeads;
+  model.head_dim = c.head_dim;
+  model.rope = rope_config;
+  const int64_t total = 80;
+  SimulatedQuantizedCache simulated(model, config, rope, 1, total, at::kCPU, at::kDouble);
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.element = c.element;
+  options.max_context = total;
+  kernels::QuantizedKVCache runtime(config, dimensions(c, rope_config), options);
+  const int32_t id = runtime.add_sequence();
+  std::vector<Activations> data;
+  for (int64_t layer = 0; layer < kLayers; ++layer) data.push_back(synthetic(1, total, c.head_dim, 1.0 + layer, c.element, rope));
+  int64_t position = 0, quantized_steps = 0;
+  for (int64_t chunk : {7, 1, 1, 12, 1, 1, 1, 30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const Activations& a = data[layer];
+      NewKeysValues block;
+      block.layer = layer;
+      block.position_start = position;
+      block.keys_pre_rope = a.keys_pre.narrow(2, position, chunk).to(at::kDouble);
+      block.keys = a.keys.narrow(2, position, chunk).to(at::kDouble);
+      block.values = a.values.narrow(2, position, chunk).to(at::kDouble);
+      const CachedKeysValues expected = simulated.append(block);
+      const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, chunk)[0]
+                               .permute({1, 0, 2}).contiguous();
+      const at::Tensor v = a.values.narrow(2, position, chunk)[0].permute({1, 0, 2}).contiguous();
+      runtime.append(layer, {{id}, {position}, {chunk}, k.data_ptr<float>(), v.data_ptr<float>()});
+      const int64_t length = position + chunk;
+      at::Tensor keys = at::empty({1, kKvHeads, length, c.head_dim}, at::kDouble);
+      at::Tensor values = at::empty_like(keys);
+      for (int64_t t = 0; t < length; ++t) {
+        const kernels::TokenReadout rk = runtime.read_token(layer, TensorKind::kKeys, id, t);
+        const kernels::TokenReadout rv = runtime.read_token(layer, TensorKind::kValues, id, t);
+        keys.select(2, t).copy_(at::tensor(rk.values, at::kFloat).view({1, kKvHeads, c.head_dim}));
+        values.select(2, t).copy_(at::tensor(rv.values, at::kFloat).view({1, kKvHeads, c.head_dim}));
+      }
+      if (config.settings.keys_pre_rope) keys = RotaryEmbedding::apply(keys, rope.tables(0, length, at::kDouble));
+      const double key_bound = 32 * kUnit * expected.keys.abs().max().item<double>();
+      const double value_bound = 32 * kUnit * expected.values.abs().max().item<double>();
+      EXPECT_LE((keys - expected.keys).abs().max().item<double>(), key_bound) << c.name << " layer " << layer << " T=" << length;
+      EXPECT_LE((values - expected.values).abs().max().item<double>(), value_bound) << c.name << " layer " << layer << " T=" << length;
+      quantized_steps += !at::equal(expected.values, a.values.narrow(2, 0, length).to(at::kDouble));
+    }
+    simulated.commit(chunk);
+    position += chunk;
+  }
+  ASSERT_EQ(position, total);
+  EXPECT_GT(quantized_steps, 40) << "the simulated cache must quantize";
+}
+
+TEST(RuntimeKernelsCpuAgainstEval, KvquantReadsWhatTheSimulatedCacheReturns) {
+  Case c = make_case("kvquant_vs_eval", QuantMethod::kKvquant, 2, 64, 4);
+  c.fit.outlier_fraction = 0.05;
+  expect_runtime_reads_what_eval_simulates(c);
+}
+
+TEST(RuntimeKernelsCpuAgainstEval, SlidingKiviWithASinkReadsWhatTheSimulatedCacheReturns) {
+  Case c = make_case("kivi_vs_eval", QuantMethod::kKivi, 2, 64, 4);
+  c.fit.residual_tokens = 8;
+  c.fit.key_group = 8;
+  c.fit.value_group = 16;
+  c.fit.sink_tokens = 3;
+  c.fit.key_residual_rule = ResidualRule::kSliding;
+  c.page_size = 5;
+  expect_runtime_reads_what_eval_simulates(c);
+}
+
+// ------------------------------------------------------------ refusals
+
+QuantizerConfig small_rtn(int64_t layers, int64_t head_dim) {
+  QuantizerConfig c;
+  c.name = "small-rtn";
+  c.settings.method = QuantMethod::kRtn;
+  c.settings.keys = {Grouping::kPerToken, head_dim};
+  c.settings.values = {Grouping::kPerToken, head_dim};
+  c.layers.resize(static_cast<size_t>(layers));
+  return c;
+}
+
+kernels::ModelDimensions small_dims(int64_t head_dim = 64) {
+  kernels::ModelDimensions d;
+  d.num_layers = 2;
+  d.num_heads = 4;
+  d.num_kv_heads = 2;
+  d.head_dim = head_dim;
+  return d;
+}
+
+void expect_refusal(const QuantizerConfig& config, const kernels::ModelDimensions& dims,
+                    const kernels::CacheOptions& options, const std::string& field) {
+  try {
+    kernels::QuantizedKVCache cache(config, dims, options);
+    ADD_FAILURE() << "accepted; expected a refusal naming " << field;
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    EXPECT_EQ(what.rfind("quantizer config '" + config.name + "': ", 0), 0u) << what;
+    EXPECT_NE(what.find(field), std::string::npos) << what << " should name " << field;
+  }
+}
+
+TEST(RuntimeKernelsCpuRefusals, BadConfigurationsAreOneLineNamingTheField) {
+  const kernels::CacheOptions options;
+  kernels::QuantizedKVCache accepted(small_rtn(2, 64), small_dims(), options);
+  expect_refusal(small_rtn(3, 64), small_dims(), options, "layers");
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.bits = 3;
+  expect_refusal(c, small_dims(), options, "bits");
+  c = small_rtn(2, 64);
+  c.settings.keys.group = 48;
+  expect_refusal(c, small_dims(), options, "keys_group");
+  c = small_rtn(2, 64);
+  c.settings.keys = {Grouping::kPerChannelTokens, 32};
+  c.settings.keys.residual_rule = ResidualRule::kBlockFlush;
+  c.settings.residual_tokens = 40;
+  expect_refusal(c, small_dims(), options, "keys_residual_rule");
+  c = small_rtn(2, 64);
+  c.settings.keys = {Grouping::kPerChannelOffline, 0};
+  for (LayerQuantizers& l : c.layers) {
+    l.keys.channel_scale = {{2, 64}, std::vector<float>(128, 1.5f)};
+    l.keys.channel_offset = {{2, 64}, std::vector<float>(128, 0.0f)};
+  }
+  c.layers[1].keys.channel_scale = {{2, 32}, std::vector<float>(64, 1.5f)};
+  expect_refusal(c, small_dims(), options, "layers/1/keys/channel_scale");
+  c = small_rtn(2, 64);
+  c.settings.values.non_uniform = true;
+  for (LayerQuantizers& l : c.layers) l.values.grid = {-1.0f, -0.2f, 0.3f, 1.0f};
+  c.layers[1].values.grid = {-1.0f, 0.0f, 1.0f};
+  expect_refusal(c, small_dims(), options, "layers/1/values/grid");
+  c = small_rtn(2, 64);
+  c.settings.values.outlier_fraction = 0.01;
+  expect_refusal(c, small_dims(), options, "values_outlier_rule");
+  c = small_rtn(2, 64);
+  c.settings.values = {Grouping::kPerTokenAllHeads, 0, false, 0.01, OutlierRule::kTokenTau};
+  for (LayerQuantizers& l : c.layers) l.values.outlier_tau = 2.0f;
+  expect_refusal(c, small_dims(), options, "token_tau");
+  c = small_rtn(2, 64);
+  c.settings.keys_pre_rope = true;
+  expect_refusal(c, small_dims(), options, "keys_pre_rope");  // no RoPE frequencies given
+  c = small_rtn(2, 64);
+  c.settings.keys_pre_rope = true;
+  RotationSettings rotation;
+  rotation.keys = RotationForm::kMatrix;
+  c.rotation = rotation;
+  kernels::ModelDimensions with_rope = small_dims();
+  with_rope.rope_inverse_frequencies.assign(32, 1.0f);
+  expect_refusal(c, with_rope, options, "keys_form matrix");
+  c = small_rtn(2, 64);
+  c.rotation = rotation;
+  c.settings.keys_pre_rope = false;
+  for (LayerQuantizers& l : c.layers) l.rotation.keys.matrix = {{2, 64, 64}, std::vector<float>(2 * 64 * 64, 0.0f)};
+  c.layers[0].rotation.keys.matrix = {{2, 64, 32}, std::vector<float>(2 * 64 * 32, 0.0f)};
+  expect_refusal(c, small_dims(), options, "layers/0/rotation/keys/matrix");
+  expect_refusal(small_rtn(2, 36), small_dims(36), options, "head_dim");
+  kernels::CacheOptions bad = options;
+  bad.page_size = 0;
+  expect_refusal(small_rtn(2, 64), small_dims(), bad, "page_size");
+}
+
+TEST(RuntimeKernelsCpuRefusals, BadCallsAreOneLine) {
+  kernels::CacheOptions options;
+  options.max_context = 40;
+  options.max_sequences = 2;
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options);
+  const int32_t a = cache.add_sequence();
+  std::vector<float> rows(50 * 2 * 64, 0.5f);
+  kernels::AppendBatch batch{{a}, {3}, {2}, rows.data(), rows.data()};
+  const auto one_line = [](const std::exception& e) { return std::string(e.what()).find('\n') == std::string::npos; };
+  try {
+    cache.append(0, batch);
+    ADD_FAILURE() << "a block at position 3 of an empty sequence was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_TRUE(one_line(e)) << e.what();
+    EXPECT_NE(std::string(e.what()).find("expected its length 0"), std::string::npos) << e.what();
+  }
+  batch = {{a}, {0}, {41}, rows.data(), rows.data()};
+  try {
+    cache.append(0, batch);
+    ADD_FAILURE() << "41 tokens past max_context 40 were accepted";
+  } catch (const std::length_error& e) {
+    EXPECT_TRUE(one_line(e)) << e.what();
+  }
+  batch = {{a, a}, {0, 0}, {1, 1}, rows.data(), rows.data()};
+  EXPECT_THROW(cache.append(0, batch), std::invalid_argument);
+  float q[4 * 64] = {}, o[4 * 64];
+  EXPECT_THROW(cache.decode_attention(0, std::span<const int32_t>(&a, 1), q, o), std::invalid_argument);
+  cache.add_sequence();
+  EXPECT_THROW(cache.add_sequence(), std::length_error);
+}
+
+TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveTheirPagesBack) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.values.outlier_fraction = 0.02;
+  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  options.outlier_page_entries = 16;
+  options.max_outlier_pages = 3;  // 48 entries; each token has 2 heads x 2k = 4 (k = 1 of 64 at 2%)
+  kernels::QuantizedKVCache cache(c, small_dims(), options);
+  const int32_t a = cache.add_sequence();
+  const at::Tensor rows = at::randn({20, 2, 64}, at::kFloat).contiguous();
+  kernels::AppendBatch batch{{a}, {0}, {12}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  cache.append(0, batch);
+  EXPECT_EQ(cache.outlier_entries(0, TensorKind::kValues, a), 12 * 4);
+  batch = {{a}, {12}, {1}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  try {
+    cache.append(0, batch);
+    ADD_FAILURE() << "the 49th outlier entry found a page";
+  } catch (const std::length_error& e) {
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("max_outlier_pages"), std::string::npos) << e.what();
+  }
+  const int64_t free_before = cache.free_pages();
+  EXPECT_EQ(cache.pages_held(a), 1);
+  cache.remove_sequence(a);
+  EXPECT_EQ(cache.free_pages(), free_before + 1);
+  const int32_t b = cache.add_sequence();
+  batch = {{b}, {0}, {12}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  cache.append(0, batch);  // the outlier pages came back too
+  EXPECT_EQ(cache.outlier_entries(0, TensorKind::kValues, b), 48);
+}
+
+}  // namespace
+}  // namespace kvforge
