@@ -39,7 +39,9 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
   -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" > "$LOGS/configure.log" 2>&1 || { tail -30 "$LOGS/configure.log"; exit 1; }
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
-if [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
+if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
+  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda"
+elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   targets="--target kvforge test_cache_perplexity test_needle_probe"
 elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
   targets="--target kvforge kvforge_bench_rotation test_rotation_fit test_rotation_objective test_differentiable_quantizer test_quantizers test_rotate_cli"
@@ -90,6 +92,31 @@ eval_checks() {
   cp /tmp/run/eval.json /tmp/run/report.html "$OUT/" 2>/dev/null
   grep -E "done in|stage" "$LOGS/run.log" | tail -12
 }
+kernel_checks() {
+  step "kernels: CUDA append and decode attention against the CPU reference"
+  for t in test_append_cuda test_decode_attention_cuda; do
+    if [ -x ./build-gpu/tests/$t ]; then
+      ./build-gpu/tests/$t > "$LOGS/$t.log" 2>&1 || status=1
+      grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure" "$LOGS/$t.log" | head -40
+    else
+      echo "FAILED: $t was not built"; status=1
+    fi
+  done
+  if command -v compute-sanitizer > /dev/null; then
+    step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 ./build-gpu/tests/test_decode_attention_cuda \
+        --gtest_filter='*Small*' > "$LOGS/sanitizer_$tool.log" 2>&1 || { echo "FAILED: $tool"; status=1; }
+      tail -2 "$LOGS/sanitizer_$tool.log"
+    done
+  fi
+}
+if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
+  kernel_checks
+  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  echo; echo "gpu_checks (kernels): $([ $status = 0 ] && echo PASSED || echo FAILED)"
+  exit $status
+fi
 if [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   eval_checks
   tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
