@@ -113,6 +113,10 @@ kernel_checks() {
 }
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   kernel_checks
+  step "decode baselines: SDPA bf16, FlashInfer (if installed), copy bandwidth"
+  timeout 150 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" > "$LOGS/decode_baselines.log" 2>&1 \
+    || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
+  tail -4 "$LOGS/decode_baselines.log"
   tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
   echo; echo "gpu_checks (kernels): $([ $status = 0 ] && echo PASSED || echo FAILED)"
   exit $status
