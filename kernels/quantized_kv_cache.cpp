@@ -359,6 +359,9 @@ QuantizedKVCache::QuantizedKVCache(const QuantizerConfig& config, ModelDimension
   for (int64_t page = options_.max_pages - 1; page >= 0; --page) free_pages_.push_back(static_cast<int32_t>(page));
   device_page_table_ = std::make_unique<Buffer>(*backend_, static_cast<int64_t>(page_table_.size()) * 4);
   upload_tables();
+  rope_frequencies_ =
+      std::make_unique<Buffer>(*backend_, static_cast<int64_t>(model_.rope_inverse_frequencies.size()) * 4);
+  backend_->copy_in(rope_frequencies_->data, model_.rope_inverse_frequencies.data(), rope_frequencies_->bytes);
 
   const auto upload = [&](const void* host, int64_t bytes) {
     auto buffer = std::make_unique<Buffer>(*backend_, bytes);
@@ -691,14 +694,25 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   const int64_t io_bytes = count * model_.num_heads * model_.head_dim * 4;
   Buffer device_queries(*backend_, io_bytes), device_output(*backend_, io_bytes);
   backend_->copy_in(device_queries.data, queries, io_bytes);
-  Buffer frequencies(*backend_, static_cast<int64_t>(model_.rope_inverse_frequencies.size()) * 4);
-  backend_->copy_in(frequencies.data, model_.rope_inverse_frequencies.data(), frequencies.bytes);
 
-  DecodeParams params;
-  params.batch = {static_cast<int32_t>(count), slots.as<int32_t>(), device_page_table_->as<int32_t>(),
-                  page_table_stride_, device_lengths.as<int64_t>()};
+  DecodeParams params = decode_params(layer);
+  params.batch.count = static_cast<int32_t>(count);
+  params.batch.slots = slots.as<int32_t>();
+  params.batch.lengths = device_lengths.as<int64_t>();
   params.queries = device_queries.data;
   params.output = device_output.data;
+  params.read_tally = tally;
+  backend_->decode_attention(params);
+  backend_->copy_out(output, device_output.data, io_bytes);
+}
+
+DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {
+  if (layer < 0 || layer >= model_.num_layers) {
+    throw std::invalid_argument("quantized KV cache '" + name_ + "': decode_params: no layer " + std::to_string(layer));
+  }
+  DecodeParams params;
+  params.batch.page_table = device_page_table_->as<int32_t>();
+  params.batch.page_table_stride = page_table_stride_;
   params.io = ElementType::kFloat32;
   params.num_heads = static_cast<int32_t>(model_.num_heads);
   params.softmax_scale = options_.softmax_scale;
@@ -712,10 +726,8 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   params.key_rotation = k.rotation;
   params.value_rotation = v.rotation;
   params.keys_pre_rope = keys_pre_rope_;
-  params.rope_inverse_frequencies = frequencies.as<float>();
-  params.read_tally = tally;
-  backend_->decode_attention(params);
-  backend_->copy_out(output, device_output.data, io_bytes);
+  params.rope_inverse_frequencies = rope_frequencies_->as<float>();
+  return params;
 }
 
 // ------------------------------------------------------------ inspection

@@ -114,6 +114,12 @@ class QuantizedKVCache {
   void decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries, float* output,
                         ReadTally* tally = nullptr);
 
+  // The DecodeParams decode_attention passes its backend for `layer`, in
+  // backend memory, except the call's own arrays: batch.count, batch.slots,
+  // batch.lengths (length(sequence, layer) of each), queries and output are
+  // the caller's (read_tally null).
+  DecodeParams decode_params(int64_t layer) const;
+
   const TensorPageLayout& layout(TensorKind kind) const;
   const std::string& name() const { return name_; }
   // Token `token` of the sequence as attention reads it at the layer's
@@ -151,6 +157,7 @@ class QuantizedKVCache {
   std::vector<uint8_t> in_use_;
   std::vector<std::vector<int64_t>> lengths_;  // [slot][layer]
   std::unique_ptr<Buffer> device_page_table_;
+  std::unique_ptr<Buffer> rope_frequencies_;  // the model's, in backend memory
   std::vector<LayerState> layers_;
 };
 

@@ -1,0 +1,390 @@
+#pragma once
+// The device code of decode_attention (docs/runtime-layout.md, section 6.3):
+// one query token per sequence over its paged, quantized KV cache, split
+// over the context as flash-decoding, the splits merged by a second kernel.
+//
+//   decode_split_kernel<D, kBits, kWarps>: one block per (split, KV head,
+//     sequence). The block dequantizes a tile of kTileTokens tokens of keys
+//     and values into shared memory once (codes as 32-bit words, the level
+//     table in shared memory, (min, max) pairs or offline channel
+//     parameters, then the outlier entries of the tokens' CSR rows, then
+//     RoPE for pre-RoPE keys), and warp w < group computes query head
+//     kv_head * group + w over it: lane j scores token j of the tile, the
+//     warp keeps the running max, sum and D/32 accumulators per lane
+//     (online softmax in float32, updated once per tile). It writes the
+//     split's (max, sum, acc[D]) state.
+//   decode_merge_kernel<D>: one block of D threads per (query head,
+//     sequence) merges the splits in split order (the reference's
+//     arithmetic and order), rotates the output back by the values'
+//     rotation and stores it in the io type.
+//
+// Every page of a split is read once for all query heads of its KV head.
+// Inside a split the order of the sums differs from the CPU reference's
+// (tile-wise rescaling, sequential dot products per lane); the splits, the
+// merge and the dequantization arithmetic are the reference's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/decode_params.h"
+
+namespace kvforge::kernels::decode_attention_device {
+
+inline constexpr int kTileTokens = 32;  // tokens dequantized per pass: one per lane when scoring
+inline constexpr int kWarpSize = 32;
+inline constexpr int kMaxLevels = 16;   // 2^4
+
+// ---------------------------------------------------------------- bytes
+
+__device__ inline float load_element(ElementType element, const uint8_t* at) {
+  switch (element) {
+    case ElementType::kFloat16:
+      return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(at)));
+    case ElementType::kBFloat16:
+      return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(at)) << 16);
+    case ElementType::kFloat32:
+      break;
+  }
+  return *reinterpret_cast<const float*>(at);
+}
+
+__device__ inline float load_io(ElementType io, const void* base, int64_t index) {
+  return load_element(io, static_cast<const uint8_t*>(base) + index * element_bytes(io));
+}
+
+// Rounds to nearest, ties to even, once (as the reference's store_element of
+// a float widened to double).
+__device__ inline void store_io(ElementType io, void* base, int64_t index, float value) {
+  switch (io) {
+    case ElementType::kFloat16:
+      static_cast<__half*>(base)[index] = __float2half_rn(value);
+      return;
+    case ElementType::kBFloat16:
+      static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(value);
+      return;
+    case ElementType::kFloat32:
+      break;
+  }
+  static_cast<float*>(base)[index] = value;
+}
+
+__device__ inline uint32_t load_u32(const uint8_t* at) { return *reinterpret_cast<const uint32_t*>(at); }
+
+__device__ inline uint32_t load_index(const uint8_t* at, int32_t bytes) {
+  return bytes == 4 ? load_u32(at) : static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(at));
+}
+
+__device__ inline float warp_max(float x) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+__device__ inline float warp_sum(float x) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// ---------------------------------------------------------------- dequantization
+
+// (a, b) of x^ = fma(b, L[code], a) from a stored (min, max): the
+// reference's float32 operations (docs/runtime-layout.md 6.2).
+struct Affine {
+  float a = 0, b = 0;
+};
+
+__device__ inline Affine affine_of_pair(const TensorPageLayout& l, const Dequantization& dq, const uint8_t* pair,
+                                        int top) {
+  const ElementType element = l.spec.element;
+  const float min = load_element(element, pair), max = load_element(element, pair + element_bytes(element));
+  if (min == max) return {min, 0.0f};  // kept as it is
+  const float lo = __fmul_rn(dq.clip_ratio, min), hi = __fmul_rn(dq.clip_ratio, max);
+  if (dq.non_uniform) return {__fmul_rn(__fadd_rn(lo, hi), 0.5f), __fmul_rn(__fsub_rn(hi, lo), 0.5f)};
+  return {lo, __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top))};
+}
+
+// Where token t of a sequence with `tokens` cached is read from.
+struct TokenPlace {
+  bool quantized = false;
+  int64_t exact_row = 0;  // exact store row (not quantized)
+  int64_t slot_index = 0;  // s = t - sink (quantized)
+};
+
+__device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens, int64_t token) {
+  const TensorLayoutSpec& spec = l.spec;
+  const int64_t begin = quantized_begin(spec, tokens), end = quantized_end(spec, tokens);
+  TokenPlace p;
+  if (token < begin) {
+    p.exact_row = token;
+  } else if (token >= end) {
+    p.exact_row = spec.sink_tokens + (token - spec.sink_tokens) % l.ring_capacity;
+  } else {
+    p.quantized = true;
+    p.slot_index = token - spec.sink_tokens;
+  }
+  return p;
+}
+
+// Head `head` of tokens [first, first + count) into tile[j * stride + d], in
+// the stored basis, without the outliers: every thread of the block takes
+// (token, 32-bit code word) units.
+template <int D, int kBits>
+__device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& dq, const float* levels, int32_t slot,
+                                const int32_t* page_row, int64_t tokens, int64_t first, int count, int head,
+                                float* tile, int stride) {
+  constexpr int kPerWord = 32 / kBits;
+  constexpr int kWords = D / kPerWord;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  constexpr int kTop = (1 << kBits) - 1;
+  const TensorPageLayout& l = cache.layout;
+  const TensorLayoutSpec& spec = l.spec;
+  const int64_t element = element_bytes(spec.element);
+  for (int unit = threadIdx.x; unit < count * kWords; unit += blockDim.x) {
+    const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
+    const int64_t token = first + j;
+    float* out = tile + j * stride + d0;
+    const TokenPlace place = place_of(l, tokens, token);
+    if (!place.quantized) {
+      const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
+#pragma unroll
+      for (int c = 0; c < kPerWord; ++c) out[c] = load_element(spec.element, in + (d0 + c) * element);
+      continue;
+    }
+    const int64_t s = place.slot_index, in_page = s % spec.page_size;
+    const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / spec.page_size]) * l.page_bytes;
+    const uint32_t word = load_u32(page + code_row_offset(l, head, in_page) + word_index * 4);
+    Affine affine;
+    if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
+      affine = affine_of_pair(l, dq, page + token_pair_offset(l, 0, in_page, 0), kTop);
+    }
+#pragma unroll
+    for (int c = 0; c < kPerWord; ++c) {
+      const int d = d0 + c;
+      switch (spec.grouping) {
+        case ScaleGrouping::kPerToken:
+          if (c == 0 || d % spec.group == 0) {
+            affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page, d / spec.group), kTop);
+          }
+          break;
+        case ScaleGrouping::kPerChannelTokens: {
+          const int64_t sigma = channel_pair_stream_index(l, s / spec.group, static_cast<int64_t>(head) * D + d);
+          const int64_t per_page = pairs_per_page(l);
+          const uint8_t* params =
+              cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
+          affine = affine_of_pair(l, dq, params + (sigma % per_page) * l.pair_bytes, kTop);
+          break;
+        }
+        case ScaleGrouping::kPerChannelOffline:
+          affine = {dq.channel_offset[head * D + d], dq.channel_scale[head * D + d]};
+          break;
+        case ScaleGrouping::kPerTokenAllHeads:
+          break;
+      }
+      const uint32_t code = (word >> (c * kBits)) & kMask;
+      out[c] = __fmaf_rn(affine.b, levels[code], affine.a);
+    }
+  }
+}
+
+// The outlier entries of the quantized tokens of the tile replace their
+// elements (one warp per token, lanes over the row's entries).
+template <int D>
+__device__ void put_back_outliers(const PagedTensor& cache, int32_t slot, const int32_t* page_row, int64_t tokens,
+                                  int64_t first, int count, int head, float* tile, int stride) {
+  const TensorPageLayout& l = cache.layout;
+  if (l.outlier_spans == 0) return;
+  const TensorLayoutSpec& spec = l.spec;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
+  const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
+  const int64_t entries = spec.outlier_page_entries;
+  for (int j = warp; j < count; j += warps) {
+    const TokenPlace place = place_of(l, tokens, first + j);
+    if (!place.quantized) continue;
+    const int64_t s = place.slot_index, in_page = s % spec.page_size;
+    const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / spec.page_size]) * l.page_bytes;
+    const int64_t span = l.outlier_spans == 1 ? 0 : head;
+    const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
+    const uint32_t begin = load_u32(pointer), end = load_u32(pointer + kRowPointerBytes);
+    for (int64_t e = static_cast<int64_t>(begin) + lane; e < end; e += kWarpSize) {
+      const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[e / entries]) * l.outlier_page_bytes;
+      int64_t index = load_index(outlier_page + outlier_index_offset(l, e % entries), l.outlier_index_bytes);
+      if (l.outlier_spans == 1) {  // all heads: index = head * D + d
+        if (index / D != head) continue;
+        index %= D;
+      }
+      tile[j * stride + index] = load_element(spec.element, outlier_page + outlier_value_offset(l, e % entries));
+    }
+  }
+}
+
+// RoPE at each token's position, float32 as the reference: angle =
+// float(t) * inv_freq[i], x cos + rotate_half(x) sin.
+template <int D>
+__device__ void rope_tile(const float* inverse_frequencies, int64_t first, int count, float* tile, int stride) {
+  constexpr int kHalf = D / 2;
+  for (int unit = threadIdx.x; unit < count * kHalf; unit += blockDim.x) {
+    const int j = unit / kHalf, i = unit % kHalf;
+    const float angle = __fmul_rn(static_cast<float>(first + j), inverse_frequencies[i]);
+    float sin_angle, cos_angle;
+    sincosf(angle, &sin_angle, &cos_angle);
+    float* row = tile + j * stride;
+    const float a = row[i], b = row[i + kHalf];
+    row[i] = a * cos_angle + (-b) * sin_angle;
+    row[i + kHalf] = b * cos_angle + a * sin_angle;
+  }
+}
+
+// ---------------------------------------------------------------- kernels
+
+// The split's state of query head h of sequence entry: max and sum at
+// ml[2 i], ml[2 i + 1] and acc at acc[i * D], i = (entry * H + h) * splits + split.
+struct SplitWorkspace {
+  float* max_sum = nullptr;
+  float* acc = nullptr;
+  int32_t max_splits = 0;
+};
+
+template <int D, int kBits, int kWarps>
+__global__ void __launch_bounds__(kWarps * kWarpSize)
+    decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+  constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
+  constexpr int kPerLane = D / kWarpSize;
+  __shared__ float keys[kTileTokens * kKeyStride];
+  __shared__ float values[kTileTokens * D];
+  __shared__ float query[kWarps * D];
+  static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
+  float* raw_query = values;  // before the first tile
+  __shared__ float key_levels[kMaxLevels], value_levels[kMaxLevels];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t tokens = p.batch.lengths[entry];
+  const int64_t split_tokens = p.tokens_per_split > 0 ? p.tokens_per_split : tokens;
+  const int64_t first = static_cast<int64_t>(split) * split_tokens;
+  if (first >= tokens) return;
+  const int64_t last = first + split_tokens < tokens ? first + split_tokens : tokens;
+  const int kv_heads = p.key_cache.layout.spec.kv_heads;
+  const int group = p.num_heads / kv_heads;
+  const int32_t slot = p.batch.slots[entry];
+  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
+
+  // Level tables and the GQA group's queries, rotated by the keys' rotation.
+  if (threadIdx.x < (1 << kBits)) {
+    key_levels[threadIdx.x] = p.key_dequantization.levels[threadIdx.x];
+    value_levels[threadIdx.x] = p.value_dequantization.levels[threadIdx.x];
+  }
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    raw_query[i] = load_io(p.io, p.queries, (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + g) * D + d);
+  }
+  __syncthreads();
+  const Rotation& rotation = p.key_rotation;
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int g = i / D, j = i % D;
+    const float* q = raw_query + g * D;
+    float out = q[j];
+    if (rotation.kind == RotationKind::kMatrix) {
+      const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+      out = 0.0f;
+      for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
+    } else if (rotation.kind == RotationKind::kPairAngles) {
+      constexpr int kHalf = D / 2;
+      const int pair = j % kHalf;
+      const float c = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
+      const float s = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
+      const float a = q[pair], b = q[pair + kHalf];
+      out = j < kHalf ? __fmaf_rn(a, c, -__fmul_rn(b, s)) : __fmaf_rn(a, s, __fmul_rn(b, c));
+    }
+    query[i] = out;
+  }
+
+  const bool scoring = warp < group;
+  float running_max = -INFINITY, running_sum = 0.0f;
+  float acc[kPerLane];
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) acc[k] = 0.0f;
+  const float* q = query + warp * D;
+
+  for (int64_t tile_first = first; tile_first < last; tile_first += kTileTokens) {
+    const int count = static_cast<int>(last - tile_first < kTileTokens ? last - tile_first : kTileTokens);
+    __syncthreads();  // the previous tile is consumed (and the queries written)
+    dequantize_tile<D, kBits>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens, tile_first, count,
+                              kv_head, keys, kKeyStride);
+    dequantize_tile<D, kBits>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens, tile_first,
+                              count, kv_head, values, D);
+    __syncthreads();
+    put_back_outliers<D>(p.key_cache, slot, page_row, tokens, tile_first, count, kv_head, keys, kKeyStride);
+    put_back_outliers<D>(p.value_cache, slot, page_row, tokens, tile_first, count, kv_head, values, D);
+    if (p.keys_pre_rope) {
+      __syncthreads();
+      rope_tile<D>(p.rope_inverse_frequencies, tile_first, count, keys, kKeyStride);
+    }
+    __syncthreads();
+    if (!scoring) continue;
+    float score = -INFINITY;
+    if (lane < count) {
+      const float* k = keys + lane * kKeyStride;
+      float dot = 0.0f;
+#pragma unroll 16
+      for (int d = 0; d < D; ++d) dot = __fmaf_rn(q[d], k[d], dot);
+      score = __fmul_rn(dot, p.softmax_scale);
+    }
+    const float tile_max = warp_max(score);
+    const float new_max = fmaxf(running_max, tile_max);
+    const float rescale = expf(running_max - new_max);  // 0 on the first tile (running_max was -inf)
+    const float weight = lane < count ? expf(score - new_max) : 0.0f;
+    running_sum = running_sum * rescale + warp_sum(weight);
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) acc[k] *= rescale;
+    for (int j = 0; j < count; ++j) {
+      const float w = __shfl_sync(0xffffffffu, weight, j);
+      const float* v = values + j * D;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) acc[k] = __fmaf_rn(w, v[lane + k * kWarpSize], acc[k]);
+    }
+    running_max = new_max;
+  }
+  if (!scoring) return;
+  const int64_t index =
+      (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + warp) * workspace.max_splits + split;
+  if (lane == 0) {
+    workspace.max_sum[2 * index] = running_max;
+    workspace.max_sum[2 * index + 1] = running_sum;
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + lane + k * kWarpSize] = acc[k];
+}
+
+// One block of D threads per (query head, sequence entry): the splits merged
+// in split order as the reference (M = max m_k, L = sum l_k e^(m_k - M),
+// o' = sum acc_k e^(m_k - M) / L), then o = o' R_v^T.
+template <int D>
+__global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+  __shared__ float merged[D];
+  const int head = blockIdx.x, entry = blockIdx.y, d = threadIdx.x;
+  const int64_t tokens = p.batch.lengths[entry];
+  const int64_t splits =
+      p.tokens_per_split > 0 ? (tokens + p.tokens_per_split - 1) / p.tokens_per_split : (tokens > 0 ? 1 : 0);
+  const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * workspace.max_splits;
+  float max = -INFINITY;
+  for (int64_t k = 0; k < splits; ++k) max = fmaxf(max, workspace.max_sum[2 * (base + k)]);
+  float sum = 0.0f, out = 0.0f;
+  for (int64_t k = 0; k < splits; ++k) {
+    const float rescale = expf(workspace.max_sum[2 * (base + k)] - max);
+    sum = __fadd_rn(sum, __fmul_rn(workspace.max_sum[2 * (base + k) + 1], rescale));
+    out = __fmaf_rn(workspace.acc[(base + k) * D + d], rescale, out);
+  }
+  out = __fdiv_rn(out, sum);
+  const Rotation& rotation = p.value_rotation;
+  const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
+  if (rotation.kind == RotationKind::kMatrix) {
+    merged[d] = out;
+    __syncthreads();
+    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D + static_cast<int64_t>(d) * D;
+    out = 0.0f;
+    for (int i = 0; i < D; ++i) out = __fmaf_rn(merged[i], matrix[i], out);
+  }
+  store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + d, out);
+}
+
+}  // namespace kvforge::kernels::decode_attention_device
