@@ -399,6 +399,20 @@ std::vector<Case> cases() {
   return all;
 }
 
+// Runs without a GPU: every case is a configuration the runtime serves (so
+// that a GPU run compares kernels, not refusals).
+TEST(AppendCudaCases, EveryCaseIsServedByTheRuntime) {
+  for (const Case& c : cases()) {
+    const RopeConfig rope_config;
+    const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+    const QuantizerConfig config = fitted_config(c, rope);
+    kernels::CacheOptions options;
+    options.page_size = c.page_size;
+    options.element = c.element;
+    EXPECT_NO_THROW(kernels::QuantizedKVCache(config, dimensions(c, rope_config), options)) << c.name;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, AppendCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
