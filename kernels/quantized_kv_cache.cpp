@@ -7,6 +7,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace kvforge::kernels {
 
@@ -734,17 +735,51 @@ DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {
 
 TokenReadout QuantizedKVCache::read_token(int64_t layer, TensorKind kind, int32_t sequence, int64_t token) const {
   check_sequence(sequence, "read_token");
-  if (!backend_->host_addressable()) {
-    throw std::logic_error("quantized KV cache '" + name_ + "': read_token needs a host-addressable backend");
-  }
   const int64_t tokens = length(sequence, layer);
   if (token < 0 || token >= tokens) {
     throw std::invalid_argument("quantized KV cache '" + name_ + "': read_token: token " + std::to_string(token) +
                                 " of a sequence of " + std::to_string(tokens));
   }
   const TensorState& t = tensor(layer, kind);
-  return read_token_reference(t.paged(), t.dequantization, sequence,
-                              page_table_.data() + static_cast<size_t>(sequence) * page_table_stride_, tokens, token);
+  const int32_t* page_row = page_table_.data() + static_cast<size_t>(sequence) * page_table_stride_;
+  if (backend_->host_addressable()) return read_token_reference(t.paged(), t.dequantization, sequence, page_row, tokens, token);
+  // A device backend: the reference reads host copies of the pools and of
+  // the dequantization constants.
+  const TensorPoolCopy pools = copy_pools(layer, kind);
+  PagedTensor paged = t.paged();
+  paged.pages = const_cast<uint8_t*>(pools.pages.data());
+  paged.exact = const_cast<uint8_t*>(pools.exact.data());
+  paged.outlier_pages = pools.outlier_pages.empty() ? nullptr : const_cast<uint8_t*>(pools.outlier_pages.data());
+  paged.outlier_page_table = pools.outlier_page_table.empty() ? nullptr : const_cast<int32_t*>(pools.outlier_page_table.data());
+  const auto host_floats = [&](const std::unique_ptr<Buffer>& buffer) {
+    std::vector<float> values(buffer ? static_cast<size_t>(buffer->bytes / 4) : 0);
+    if (buffer) backend_->copy_out(values.data(), buffer->data, buffer->bytes);
+    return values;
+  };
+  const std::vector<float> levels = host_floats(t.levels), scale = host_floats(t.channel_scale),
+                           offset = host_floats(t.channel_offset);
+  Dequantization dequantization = t.dequantization;
+  dequantization.levels = levels.data();
+  dequantization.channel_scale = scale.empty() ? nullptr : scale.data();
+  dequantization.channel_offset = offset.empty() ? nullptr : offset.data();
+  return read_token_reference(paged, dequantization, sequence, page_row, tokens, token);
+}
+
+TensorPoolCopy QuantizedKVCache::copy_pools(int64_t layer, TensorKind kind) const {
+  const TensorState& t = tensor(layer, kind);
+  const auto host_copy = [&](const std::unique_ptr<Buffer>& buffer, auto& out) {
+    using Value = typename std::decay_t<decltype(out)>::value_type;
+    out.assign(buffer ? static_cast<size_t>(buffer->bytes / static_cast<int64_t>(sizeof(Value))) : 0, Value{});
+    if (buffer) backend_->copy_out(out.data(), buffer->data, static_cast<int64_t>(out.size() * sizeof(Value)));
+  };
+  TensorPoolCopy copy;
+  host_copy(t.pages, copy.pages);
+  host_copy(t.exact, copy.exact);
+  host_copy(t.outlier_pages, copy.outlier_pages);
+  host_copy(t.outlier_table, copy.outlier_page_table);
+  host_copy(t.entry_counts, copy.entry_counts);
+  host_copy(t.pages_used, copy.outlier_pages_used);
+  return copy;
 }
 
 TensorBytes QuantizedKVCache::held_bytes(int64_t layer, TensorKind kind, int32_t sequence) const {

@@ -60,7 +60,8 @@ class KernelBackend {
   virtual void release(void* memory) = 0;
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
   virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
-  // Whether the host may read backend memory directly (read_token needs it).
+  // Whether the host may read backend memory directly (else read_token
+  // copies the pools out first).
   virtual bool host_addressable() const = 0;
   virtual void append(const AppendParams& params) = 0;
   virtual void decode_attention(const DecodeParams& params) = 0;
@@ -76,6 +77,17 @@ class CpuReferenceBackend final : public KernelBackend {
   bool host_addressable() const override { return true; }
   void append(const AppendParams& params) override { append_reference(params); }
   void decode_attention(const DecodeParams& params) override { decode_attention_reference(params); }
+};
+
+// One layer's pools of one tensor kind copied to the host (tests, inspection):
+// docs/runtime-layout.md's bytes as the backend holds them.
+struct TensorPoolCopy {
+  std::vector<uint8_t> pages;          // [max_pages][page_bytes]
+  std::vector<uint8_t> exact;          // [max_sequences][exact_slot_bytes]
+  std::vector<uint8_t> outlier_pages;  // [outlier pages][outlier_page_bytes] (empty without outliers)
+  std::vector<int32_t> outlier_page_table;  // [max_sequences][stride]
+  std::vector<uint32_t> entry_counts;       // [max_sequences]
+  std::vector<int32_t> outlier_pages_used;  // [max_sequences]
 };
 
 // New tokens of some sequences for one layer.
@@ -123,8 +135,11 @@ class QuantizedKVCache {
   const TensorPageLayout& layout(TensorKind kind) const;
   const std::string& name() const { return name_; }
   // Token `token` of the sequence as attention reads it at the layer's
-  // current length, in the stored basis (host-addressable backends).
+  // current length, in the stored basis. A device backend's pools and
+  // constants are copied to the host first (slow: for tests and inspection).
   TokenReadout read_token(int64_t layer, TensorKind kind, int32_t sequence, int64_t token) const;
+  // The layer's pools of `kind`, copied out through the backend.
+  TensorPoolCopy copy_pools(int64_t layer, TensorKind kind) const;
   // Outlier entries stored for the sequence's layer and kind (window tokens
   // included: they are quantized on arrival).
   int64_t outlier_entries(int64_t layer, TensorKind kind, int32_t sequence) const;

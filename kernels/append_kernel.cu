@@ -1,0 +1,101 @@
+// The append launcher: host checks of the params, the dispatch on grouping
+// and bits, the shared-memory size, and one launch per tensor kind (keys,
+// then values, on one stream; the kinds share no memory).
+#include <stdexcept>
+#include <string>
+
+#include "kernels/append_kernel.cuh"
+#include "kernels/append_launch.h"
+#include "kernels/cuda_runtime_check.h"
+
+namespace kvforge::kernels {
+namespace {
+
+using append_device::TensorAppendArgs;
+
+[[noreturn]] void refuse(const char* kind, const std::string& what) {
+  throw std::invalid_argument(std::string("append (CUDA): ") + kind + " " + what);
+}
+
+void check(const TensorAppendArgs& args, const char* kind) {
+  const TensorLayoutSpec& s = args.cache.layout.spec;
+  if (s.bits != 2 && s.bits != 4) refuse(kind, "bits " + std::to_string(s.bits) + ": expected 2 or 4");
+  if (s.kv_heads < 1 || s.head_dim < 1 || (static_cast<int64_t>(s.head_dim) * s.bits) % 32 != 0) {
+    refuse(kind, "head_dim " + std::to_string(s.head_dim) + " x bits: expected a multiple of 32 bits per row");
+  }
+  if (args.quantization.bits != s.bits) refuse(kind, "quantization bits differ from the layout's");
+  if (s.grouping == ScaleGrouping::kPerToken && (s.group < 1 || s.head_dim % s.group != 0)) {
+    refuse(kind, "per_token group " + std::to_string(s.group) + ": expected a divisor of head_dim");
+  }
+  if (s.grouping == ScaleGrouping::kPerChannelTokens && s.group < 1) refuse(kind, "per_channel_tokens group < 1");
+  if (s.grouping == ScaleGrouping::kPerChannelTokens && s.group > 1 && args.cache.layout.ring_capacity < s.group - 1) {
+    refuse(kind, "ring of " + std::to_string(args.cache.layout.ring_capacity) + " tokens: expected group - 1 or more");
+  }
+  if ((args.quantization.outliers != OutlierSelection::kNone) != (args.cache.layout.outlier_spans > 0)) {
+    refuse(kind, "outlier selection and layout disagree");
+  }
+  if (args.quantization.non_uniform && args.quantization.encode_midpoints == nullptr) {
+    refuse(kind, "non-uniform quantization without encode midpoints");
+  }
+  if (s.grouping == ScaleGrouping::kPerChannelOffline &&
+      (args.quantization.channel_scale == nullptr || args.quantization.channel_offset == nullptr)) {
+    refuse(kind, "per_channel_offline without channel scale and offset");
+  }
+}
+
+template <ScaleGrouping kGrouping, int kBits>
+void launch(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
+  const auto shared = append_device::shared_layout(args.cache.layout, args.quantization).bytes;
+  const auto kernel = append_device::append_kernel<kGrouping, kBits>;
+  if (shared > 48 * 1024) {
+    int device = 0, limit = 0;
+    KVFORGE_CUDA_CHECK(cudaGetDevice(&device));
+    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (shared > limit) {
+      throw std::invalid_argument("append (CUDA): " + std::to_string(shared) +
+                                  " bytes of shared memory per block (kv_heads * head_dim, group): the device has " +
+                                  std::to_string(limit));
+    }
+    KVFORGE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  }
+  kernel<<<count, append_device::kThreads, static_cast<size_t>(shared), stream>>>(args);
+  KVFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int kBits>
+void launch_bits(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
+  switch (args.cache.layout.spec.grouping) {
+    case ScaleGrouping::kPerToken: return launch<ScaleGrouping::kPerToken, kBits>(args, count, stream);
+    case ScaleGrouping::kPerChannelTokens: return launch<ScaleGrouping::kPerChannelTokens, kBits>(args, count, stream);
+    case ScaleGrouping::kPerChannelOffline:
+      return launch<ScaleGrouping::kPerChannelOffline, kBits>(args, count, stream);
+    case ScaleGrouping::kPerTokenAllHeads: return launch<ScaleGrouping::kPerTokenAllHeads, kBits>(args, count, stream);
+  }
+  refuse("", "unknown grouping");
+}
+
+void launch_tensor(const TensorAppendArgs& args, int32_t count, const char* kind, cudaStream_t stream) {
+  check(args, kind);
+  if (args.cache.layout.spec.bits == 2) {
+    launch_bits<2>(args, count, stream);
+  } else {
+    launch_bits<4>(args, count, stream);
+  }
+}
+
+}  // namespace
+
+void launch_append(const AppendParams& params, cudaStream_t stream) {
+  if (params.batch.count <= 0) return;
+  TensorAppendArgs keys{params.batch,          params.token_offsets,     params.keys,
+                        params.input,          params.key_cache,         params.key_quantization,
+                        params.key_rotation,   params.key_outliers};
+  TensorAppendArgs values{params.batch,          params.token_offsets,       params.values,
+                          params.input,          params.value_cache,         params.value_quantization,
+                          params.value_rotation, params.value_outliers};
+  launch_tensor(keys, params.batch.count, "keys", stream);
+  launch_tensor(values, params.batch.count, "values", stream);
+}
+
+}  // namespace kvforge::kernels

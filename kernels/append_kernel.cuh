@@ -1,0 +1,601 @@
+#pragma once
+// Device code of quantize-on-append (docs/runtime-layout.md, section 6.1):
+// one thread block per sequence of the batch and tensor kind, walking the
+// sequence's new tokens in order (a token's outlier entries are numbered
+// after the previous token's, and a per_channel_tokens group reads its
+// earlier tokens back from the ring), the threads sharing each token's
+// channels. Every decision is the CPU reference's (kernels/cpu_reference.cpp)
+// in float64 with the same operations in the same order, so codes, pairs,
+// row pointers, exact rows and outlier entries are bit for bit the
+// reference's (outlier page ids may differ: the blocks pop the free-page
+// stack concurrently). The file is compiled without FMA contraction
+// (--fmad=false): every fma below is written out as the reference's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/decode_params.h"
+
+namespace kvforge::kernels::append_device {
+
+inline constexpr int kThreads = 256;
+inline constexpr int kWarps = kThreads / 32;
+
+// One tensor kind's view of AppendParams.
+struct TensorAppendArgs {
+  SequenceBatch batch;
+  const int64_t* token_offsets = nullptr;
+  const void* input = nullptr;
+  ElementType input_type = ElementType::kFloat32;
+  PagedTensor cache;
+  Quantization quantization;
+  Rotation rotation;
+  OutlierAllocator outliers;
+};
+
+// ------------------------------------------------------------ shared memory
+
+// The dynamic shared memory of one block (byte offsets; doubles first):
+// the token (y), a scratch token (the input before rotation, or a ring token
+// read back), the per-token groups' inlier minima and maxima, the KV heads'
+// token_tau statistics and the outlier bit masks (one per token of a
+// per_channel_tokens group, else one).
+struct SharedLayout {
+  int64_t y = 0, scratch = 0, group_min = 0, group_max = 0, head_stats = 0, masks = 0, bytes = 0;
+  int32_t groups = 0, mask_tokens = 0, mask_words = 0;
+};
+
+KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l, const Quantization& q) {
+  const TensorLayoutSpec& s = l.spec;
+  const int64_t width = static_cast<int64_t>(s.kv_heads) * s.head_dim;
+  SharedLayout m;
+  m.groups = s.grouping == ScaleGrouping::kPerToken           ? static_cast<int32_t>(width / s.group)
+             : s.grouping == ScaleGrouping::kPerTokenAllHeads ? 1
+                                                              : 0;
+  const bool outliers = q.outliers != OutlierSelection::kNone;
+  m.mask_tokens = !outliers ? 0 : s.grouping == ScaleGrouping::kPerChannelTokens ? s.group : 1;
+  m.mask_words = static_cast<int32_t>((width + 31) / 32);
+  m.y = 0;
+  m.scratch = m.y + width * 8;
+  m.group_min = m.scratch + width * 8;
+  m.group_max = m.group_min + m.groups * 8;
+  m.head_stats = m.group_max + m.groups * 8;
+  m.masks = m.head_stats + 2 * static_cast<int64_t>(s.kv_heads) * 8;
+  m.bytes = m.masks + static_cast<int64_t>(m.mask_tokens) * m.mask_words * 4;
+  return m;
+}
+
+// ------------------------------------------------------------ elements
+
+__device__ inline double load_element(ElementType type, const uint8_t* at) {
+  switch (type) {
+    case ElementType::kFloat16: return static_cast<double>(__half2float(*reinterpret_cast<const __half*>(at)));
+    case ElementType::kBFloat16:
+      return static_cast<double>(__bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at)));
+    case ElementType::kFloat32: break;
+  }
+  return static_cast<double>(*reinterpret_cast<const float*>(at));
+}
+
+// Rounded to nearest even in one step from double (cvt.rn.f16.f64 and
+// cvt.rn.bf16.f64), as element_conversion.cpp does on the host.
+__device__ inline void store_element(ElementType type, double value, uint8_t* at) {
+  switch (type) {
+    case ElementType::kFloat16: *reinterpret_cast<__half*>(at) = __double2half(value); return;
+    case ElementType::kBFloat16: *reinterpret_cast<__nv_bfloat16*>(at) = __double2bfloat16(value); return;
+    case ElementType::kFloat32: break;
+  }
+  *reinterpret_cast<float*>(at) = __double2float_rn(value);
+}
+
+__device__ inline double round_to_element(ElementType type, double value) {
+  switch (type) {
+    case ElementType::kFloat16: return static_cast<double>(__half2float(__double2half(value)));
+    case ElementType::kBFloat16: return static_cast<double>(__bfloat162float(__double2bfloat16(value)));
+    case ElementType::kFloat32: break;
+  }
+  return static_cast<double>(__double2float_rn(value));
+}
+
+__device__ inline void store_u32(uint8_t* at, uint32_t value) { *reinterpret_cast<uint32_t*>(at) = value; }
+
+// ------------------------------------------------------------ codes
+
+// The index of the encode level nearest to `normalized`: the midpoints
+// strictly below it (ties to the lower level).
+__device__ inline int level_code(double normalized, const double* midpoints, int levels) {
+  int code = 0;
+  while (code < levels - 1 && midpoints[code] < normalized) ++code;
+  return code;
+}
+
+__device__ inline int clamp_code(double rounded, int top) {
+  return static_cast<int>(rounded < 0.0 ? 0.0 : (static_cast<double>(top) < rounded ? static_cast<double>(top) : rounded));
+}
+
+// A runtime group's code of x given the group's inlier (min, max).
+template <int kBits>
+__device__ inline int runtime_code(const Quantization& q, double x, double min, double max) {
+  constexpr int top = (1 << kBits) - 1;
+  const double lo = __dmul_rn(min, q.clip_ratio), hi = __dmul_rn(max, q.clip_ratio);
+  if (!(hi > lo)) return 0;
+  if (!q.non_uniform) {
+    const double scale = __ddiv_rn(__dsub_rn(hi, lo), static_cast<double>(top));
+    return clamp_code(rint(__ddiv_rn(__dsub_rn(x, lo), scale)), top);
+  }
+  const double center = __ddiv_rn(__dadd_rn(lo, hi), 2.0), half = __ddiv_rn(__dsub_rn(hi, lo), 2.0);
+  return level_code(__ddiv_rn(__dsub_rn(x, center), half), q.encode_midpoints, top + 1);
+}
+
+template <int kBits>
+__device__ inline int offline_code(const Quantization& q, double x, int64_t channel) {
+  constexpr int top = (1 << kBits) - 1;
+  const double normalized = __ddiv_rn(__dsub_rn(x, static_cast<double>(q.channel_offset[channel])),
+                                      static_cast<double>(q.channel_scale[channel]));
+  if (q.non_uniform) return level_code(normalized, q.encode_midpoints, top + 1);
+  return clamp_code(rint(__ddiv_rn(__dmul_rn(__dadd_rn(normalized, 1.0), static_cast<double>(top)), 2.0)), top);
+}
+
+// ------------------------------------------------------------ the block
+
+// The inlier range of a group as the reference's GroupRange builds it in
+// index order: the first inlier, then min = (v < min ? v : min) and
+// max = (max < v ? v : max), so among equal extremes (+0 and -0) the first
+// in index order is kept; `at` carries that index through the reduction.
+struct Extreme {
+  double value;
+  int32_t at;  // -1: no inlier yet
+};
+
+__device__ inline Extreme lower(Extreme a, Extreme b) {
+  if (a.at < 0) return b;
+  if (b.at < 0) return a;
+  if (b.value < a.value) return b;
+  if (a.value < b.value) return a;
+  return a.at <= b.at ? a : b;
+}
+
+__device__ inline Extreme higher(Extreme a, Extreme b) {
+  if (a.at < 0) return b;
+  if (b.at < 0) return a;
+  if (a.value < b.value) return b;
+  if (b.value < a.value) return a;
+  return a.at <= b.at ? a : b;
+}
+
+__device__ inline Extreme shuffle_down(Extreme e, int offset) {
+  return {__shfl_down_sync(0xffffffffu, e.value, offset), __shfl_down_sync(0xffffffffu, e.at, offset)};
+}
+
+template <ScaleGrouping kGrouping, int kBits>
+class BlockAppender {
+ public:
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+
+  __device__ BlockAppender(const TensorAppendArgs& args, uint8_t* shared, typename Scan::TempStorage& scan,
+                           uint32_t& entry_count, int32_t& pages_used, int32_t& abort)
+      : a_(args),
+        l_(args.cache.layout),
+        q_(args.quantization),
+        m_(shared_layout(args.cache.layout, args.quantization)),
+        y_(reinterpret_cast<double*>(shared + m_.y)),
+        scratch_(reinterpret_cast<double*>(shared + m_.scratch)),
+        group_min_(reinterpret_cast<double*>(shared + m_.group_min)),
+        group_max_(reinterpret_cast<double*>(shared + m_.group_max)),
+        head_stats_(reinterpret_cast<double*>(shared + m_.head_stats)),
+        masks_(reinterpret_cast<uint32_t*>(shared + m_.masks)),
+        scan_(scan),
+        entry_count_(entry_count),
+        pages_used_(pages_used),
+        abort_(abort),
+        dim_(l_.spec.head_dim),
+        width_(static_cast<int64_t>(l_.spec.kv_heads) * l_.spec.head_dim),
+        element_(l_.spec.element),
+        element_bytes_(kvforge::kernels::element_bytes(l_.spec.element)) {}
+
+  // The block's sequence: its new tokens in order.
+  __device__ void run(int32_t entry) {
+    slot_ = a_.batch.slots[entry];
+    page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
+    const bool outliers = l_.outlier_spans > 0;
+    if (threadIdx.x == 0) {
+      entry_count_ = outliers ? a_.outliers.entry_counts[slot_] : 0;
+      pages_used_ = outliers ? a_.outliers.pages_used[slot_] : 0;
+      abort_ = 0;
+    }
+    __syncthreads();
+    const int64_t first = a_.token_offsets[entry], last = a_.token_offsets[entry + 1];
+    const int64_t length = a_.batch.lengths[entry];
+    const int64_t sink = l_.spec.sink_tokens, ring = l_.ring_capacity;
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t token = length + (row - first);
+      prepare_token(row);
+      if (token < sink) {
+        store_exact(token, y_);
+        __syncthreads();
+        continue;
+      }
+      const int64_t s = token - sink;
+      bool ok = true;
+      if constexpr (kGrouping != ScaleGrouping::kPerChannelTokens) {
+        ok = quantize_token(s);
+      } else if ((s + 1) % l_.spec.group == 0) {
+        ok = quantize_channel_group(s / l_.spec.group);
+      }
+      if (!ok) break;
+      // After the group: with a ring of G - 1 tokens the completing token
+      // takes the row of its group's first token, read above.
+      if (ring > 0) store_exact(sink + s % ring, y_);
+      __syncthreads();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && outliers) {
+      a_.outliers.entry_counts[slot_] = entry_count_;
+      a_.outliers.pages_used[slot_] = pages_used_;
+    }
+  }
+
+ private:
+  // y = E(rotate(E(input))) of input row `row`, in shared memory.
+  __device__ void prepare_token(int64_t row) {
+    const int64_t in_bytes = kvforge::kernels::element_bytes(a_.input_type);
+    const auto* input = static_cast<const uint8_t*>(a_.input) + row * width_ * in_bytes;
+    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+      scratch_[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
+    }
+    __syncthreads();
+    const Rotation& r = a_.rotation;
+    if (r.kind == RotationKind::kMatrix) {
+      // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term.
+      for (int64_t j = threadIdx.x; j < width_; j += kThreads) {
+        const int64_t head = j / dim_, jj = j % dim_;
+        const double* x = scratch_ + head * dim_;
+        const float* matrix = r.matrix + head * dim_ * dim_;
+        const float* centre = r.centre != nullptr ? r.centre + head * dim_ : nullptr;
+        double sum = 0;
+        for (int64_t i = 0; i < dim_; ++i) {
+          const double shifted = centre != nullptr ? __dsub_rn(x[i], static_cast<double>(centre[i])) : x[i];
+          sum = fma(shifted, static_cast<double>(matrix[i * dim_ + jj]), sum);
+        }
+        y_[j] = round_to_element(element_, sum);
+      }
+    } else if (r.kind == RotationKind::kPairAngles) {
+      const int64_t half = dim_ / 2;
+      for (int64_t p = threadIdx.x; p < width_ / 2; p += kThreads) {
+        const int64_t head = p / half, j = p % half;
+        const double c = r.pair_cos[head * half + j], s = r.pair_sin[head * half + j];
+        const double a = scratch_[head * dim_ + j], b = scratch_[head * dim_ + j + half];
+        y_[head * dim_ + j] = round_to_element(element_, fma(a, c, -__dmul_rn(b, s)));
+        y_[head * dim_ + j + half] = round_to_element(element_, fma(a, s, __dmul_rn(b, c)));
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < width_; i += kThreads) y_[i] = scratch_[i];
+    }
+    __syncthreads();
+  }
+
+  __device__ uint8_t* exact_row(int64_t head, int64_t row) const {
+    return a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes + exact_row_offset(l_, head, row);
+  }
+
+  __device__ void store_exact(int64_t row, const double* y) const {
+    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+      store_element(element_, y[i], exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
+    }
+  }
+
+  // Ring row `row` into `out` (shared); the caller synchronizes.
+  __device__ void load_exact(int64_t row, double* out) const {
+    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+      out[i] = load_element(element_, exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
+    }
+  }
+
+  __device__ uint8_t* page_of_slot(int64_t s) const {
+    return a_.cache.pages + static_cast<int64_t>(page_row_[s / l_.spec.page_size]) * l_.page_bytes;
+  }
+
+  __device__ static bool is_marked(const uint32_t* mask, int64_t i) {
+    return mask != nullptr && ((mask[i / 32] >> (i % 32)) & 1u) != 0;
+  }
+
+  // The token's outliers (docs/artifact.md rule 3) as bits of `mask`.
+  __device__ void mark_outliers(const double* y, uint32_t* mask) {
+    for (int32_t w = threadIdx.x; w < m_.mask_words; w += kThreads) mask[w] = 0;
+    if (q_.outliers == OutlierSelection::kTokenTau) {
+      // Sums in channel order, as the reference: one thread per head.
+      for (int64_t head = threadIdx.x; head < l_.spec.kv_heads; head += kThreads) {
+        const double* v = y + head * dim_;
+        double sum = 0;
+        for (int64_t d = 0; d < dim_; ++d) sum = __dadd_rn(sum, v[d]);
+        const double mean = __ddiv_rn(sum, static_cast<double>(dim_));
+        double squares = 0;
+        for (int64_t d = 0; d < dim_; ++d) {
+          const double deviation = __dsub_rn(v[d], mean);
+          squares = __dadd_rn(squares, __dmul_rn(deviation, deviation));
+        }
+        head_stats_[2 * head] = mean;
+        head_stats_[2 * head + 1] = __dsqrt_rn(__ddiv_rn(squares, static_cast<double>(dim_)));
+      }
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+      bool outlier = false;
+      switch (q_.outliers) {
+        case OutlierSelection::kNone:
+          break;
+        case OutlierSelection::kChannelThresholds:
+          outlier = y[i] < static_cast<double>(q_.outlier_low[i]) || y[i] > static_cast<double>(q_.outlier_high[i]);
+          break;
+        case OutlierSelection::kTokenTopBottom: {
+          // i is among the k largest when fewer than k elements precede it
+          // in (value descending, index ascending), likewise the smallest.
+          const int64_t n = l_.outlier_span_size, k = q_.top_bottom_count;
+          if (k <= 0) break;
+          if (2 * k >= n) {
+            outlier = true;
+            break;
+          }
+          const int64_t begin = i / n * n;
+          const double v = y[i];
+          int64_t above = 0, below = 0;
+          for (int64_t j = begin; j < begin + n; ++j) {
+            const double u = y[j];
+            above += (u > v || (u == v && j < i)) ? 1 : 0;
+            below += (u < v || (u == v && j < i)) ? 1 : 0;
+          }
+          outlier = above < k || below < k;
+          break;
+        }
+        case OutlierSelection::kTokenTau: {
+          const int64_t head = i / dim_;
+          outlier = fabs(__dsub_rn(y[i], head_stats_[2 * head])) > __dmul_rn(head_stats_[2 * head + 1], q_.outlier_tau);
+          break;
+        }
+      }
+      if (outlier) atomicOr(&mask[i / 32], 1u << (i % 32));
+    }
+    __syncthreads();
+  }
+
+  // Outlier page `number` of the slot exists (thread 0; false and
+  // `exhausted` set when no page is free or the slot's table is full).
+  __device__ bool reserve_outlier_pages(int64_t entries_end) {
+    const int64_t per_page = l_.spec.outlier_page_entries;
+    const int64_t needed = (entries_end + per_page - 1) / per_page;
+    int32_t* table = a_.cache.outlier_page_table + static_cast<int64_t>(slot_) * a_.cache.outlier_table_stride;
+    while (pages_used_ < needed) {
+      if (pages_used_ >= a_.cache.outlier_table_stride) return false;
+      const int32_t height = atomicSub(a_.outliers.free_count, 1);
+      if (height <= 0) {
+        atomicAdd(a_.outliers.free_count, 1);
+        return false;
+      }
+      table[pages_used_] = a_.outliers.free_pages[height - 1];
+      ++pages_used_;
+    }
+    return true;
+  }
+
+  // The token's CSR rows (spans in order, entries in ascending index):
+  // entries numbered by a block-wide prefix count of the mask, each row's end
+  // pointer written by the thread holding the row's last element.
+  __device__ bool write_outlier_rows(uint8_t* page, int64_t in_page, const double* y, const uint32_t* mask) {
+    const int64_t span = l_.outlier_span_size, spans = l_.outlier_spans;
+    const int64_t chunk = (width_ + kThreads - 1) / kThreads;
+    const int64_t begin = threadIdx.x * chunk, end = begin + chunk < width_ ? begin + chunk : width_;
+    int32_t count = 0;
+    for (int64_t i = begin; i < end; ++i) count += is_marked(mask, i) ? 1 : 0;
+    int32_t before = 0, total = 0;
+    Scan(scan_).ExclusiveSum(count, before, total);
+    const uint32_t base = entry_count_;
+    if (threadIdx.x == 0 && !reserve_outlier_pages(static_cast<int64_t>(base) + total)) {
+      *a_.outliers.exhausted = 1;
+      abort_ = 1;
+    }
+    __syncthreads();
+    if (abort_ != 0) return false;
+    const int64_t per_page = l_.spec.outlier_page_entries;
+    const int32_t* table = a_.cache.outlier_page_table + static_cast<int64_t>(slot_) * a_.cache.outlier_table_stride;
+    uint32_t next = base + static_cast<uint32_t>(before);
+    for (int64_t i = begin; i < end; ++i) {
+      if (is_marked(mask, i)) {
+        const int64_t e = next++;
+        uint8_t* outlier_page = a_.cache.outlier_pages + static_cast<int64_t>(table[e / per_page]) * l_.outlier_page_bytes;
+        const auto index = static_cast<uint32_t>(i % span);
+        uint8_t* index_at = outlier_page + outlier_index_offset(l_, e % per_page);
+        if (l_.outlier_index_bytes == 4) {
+          store_u32(index_at, index);
+        } else {
+          *reinterpret_cast<uint16_t*>(index_at) = static_cast<uint16_t>(index);
+        }
+        store_element(element_, y[i], outlier_page + outlier_value_offset(l_, e % per_page));
+      }
+      if ((i + 1) % span == 0) store_u32(page + row_pointer_offset(l_, in_page * spans + i / span + 1), next);
+    }
+    if (threadIdx.x == 0 && in_page == 0) store_u32(page + row_pointer_offset(l_, 0), base);
+    __syncthreads();
+    if (threadIdx.x == 0) entry_count_ = base + static_cast<uint32_t>(total);
+    __syncthreads();
+    return true;
+  }
+
+  // Per-token groupings and per_channel_offline: token slot s.
+  __device__ bool quantize_token(int64_t s) {
+    uint8_t* page = page_of_slot(s);
+    const int64_t in_page = s % l_.spec.page_size;
+    const bool outliers = q_.outliers != OutlierSelection::kNone;
+    uint32_t* mask = outliers ? masks_ : nullptr;
+    if (outliers) mark_outliers(y_, mask);
+    if constexpr (kGrouping == ScaleGrouping::kPerToken || kGrouping == ScaleGrouping::kPerTokenAllHeads) {
+      // A warp per group: the inlier minimum and maximum, then the pair.
+      const int64_t size = width_ / m_.groups;
+      const int lane = threadIdx.x % 32;
+      for (int32_t g = threadIdx.x / 32; g < m_.groups; g += kWarps) {
+        Extreme low{0, -1}, high{0, -1};
+        for (int64_t i = g * size + lane; i < (g + 1) * size; i += 32) {
+          if (is_marked(mask, i)) continue;
+          const Extreme here{y_[i], static_cast<int32_t>(i)};
+          low = lower(low, here);
+          high = higher(high, here);
+        }
+        for (int offset = 16; offset > 0; offset /= 2) {
+          low = lower(low, shuffle_down(low, offset));
+          high = higher(high, shuffle_down(high, offset));
+        }
+        if (lane == 0) {
+          const double min = low.at < 0 ? 0.0 : low.value, max = high.at < 0 ? 0.0 : high.value;
+          group_min_[g] = min;
+          group_max_[g] = max;
+          const int64_t per_head = dim_ / size;  // kPerToken: groups of one head
+          uint8_t* pair = kGrouping == ScaleGrouping::kPerToken
+                              ? page + token_pair_offset(l_, g / per_head, in_page, g % per_head)
+                              : page + token_pair_offset(l_, 0, in_page, 0);
+          store_element(element_, min, pair);
+          store_element(element_, max, pair + element_bytes_);
+        }
+      }
+      __syncthreads();
+    }
+    // A thread per 32-bit word of codes (32 / bits channels of one head).
+    constexpr int per_word = 32 / kBits;
+    const int64_t words_per_row = l_.row_bytes / 4;
+    for (int64_t word = threadIdx.x; word < l_.spec.kv_heads * words_per_row; word += kThreads) {
+      const int64_t head = word / words_per_row, w = word % words_per_row;
+      uint32_t bits = 0;
+      for (int k = 0; k < per_word; ++k) {
+        const int64_t channel = head * dim_ + w * per_word + k;
+        int code = 0;
+        if constexpr (kGrouping == ScaleGrouping::kPerChannelOffline) {
+          code = offline_code<kBits>(q_, y_[channel], channel);
+        } else {
+          const int64_t g = kGrouping == ScaleGrouping::kPerToken ? channel / (width_ / m_.groups) : 0;
+          code = runtime_code<kBits>(q_, y_[channel], group_min_[g], group_max_[g]);
+        }
+        bits |= static_cast<uint32_t>(code) << (k * kBits);
+      }
+      store_u32(page + code_row_offset(l_, head, in_page) + 4 * w, bits);
+    }
+    if (!outliers) return true;
+    return write_outlier_rows(page, in_page, y_, mask);
+  }
+
+  // per_channel_tokens: group g of token slots [g G, (g + 1) G), complete
+  // with the new token (in y); the others are read back from the ring.
+  __device__ double group_token_value(int64_t g, int64_t i, int64_t channel) const {
+    const int64_t group = l_.spec.group;
+    if (i == group - 1) return y_[channel];
+    const int64_t row = l_.spec.sink_tokens + (g * group + i) % l_.ring_capacity;
+    return load_element(element_, exact_row(channel / dim_, row) + (channel % dim_) * element_bytes_);
+  }
+
+  // Token i of group g into scratch (the last one is y).
+  __device__ const double* load_group_token(int64_t g, int64_t i) {
+    if (i == l_.spec.group - 1) return y_;
+    load_exact(l_.spec.sink_tokens + (g * l_.spec.group + i) % l_.ring_capacity, scratch_);
+    __syncthreads();
+    return scratch_;
+  }
+
+  __device__ bool quantize_channel_group(int64_t g) {
+    const int64_t group = l_.spec.group;
+    const bool outliers = q_.outliers != OutlierSelection::kNone;
+    if (outliers) {
+      for (int64_t i = 0; i < group; ++i) {
+        mark_outliers(load_group_token(g, i), masks_ + i * m_.mask_words);
+      }
+    }
+    // A thread per 32-bit word of codes: its channels' ranges over the group's
+    // tokens in token order (as the reference), their pairs, then each
+    // token's word.
+    constexpr int per_word = 32 / kBits;
+    const int64_t words_per_row = l_.row_bytes / 4;
+    const int64_t pairs = pairs_per_page(l_);
+    for (int64_t word = threadIdx.x; word < l_.spec.kv_heads * words_per_row; word += kThreads) {
+      const int64_t head = word / words_per_row, w = word % words_per_row;
+      double min[per_word], max[per_word];
+      bool any[per_word];
+      for (int k = 0; k < per_word; ++k) any[k] = false;
+      for (int64_t i = 0; i < group; ++i) {
+        const uint32_t* mask = outliers ? masks_ + i * m_.mask_words : nullptr;
+        for (int k = 0; k < per_word; ++k) {
+          const int64_t channel = head * dim_ + w * per_word + k;
+          if (is_marked(mask, channel)) continue;
+          const double v = group_token_value(g, i, channel);
+          if (!any[k]) {
+            min[k] = max[k] = v;
+            any[k] = true;
+          } else {
+            min[k] = v < min[k] ? v : min[k];
+            max[k] = max[k] < v ? v : max[k];
+          }
+        }
+      }
+      for (int k = 0; k < per_word; ++k) {
+        if (!any[k]) min[k] = max[k] = 0.0;
+        const int64_t channel = head * dim_ + w * per_word + k;
+        const int64_t sigma = channel_pair_stream_index(l_, g, channel);
+        uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[sigma / pairs]) * l_.page_bytes +
+                        l_.params_offset + (sigma % pairs) * l_.pair_bytes;
+        store_element(element_, min[k], pair);
+        store_element(element_, max[k], pair + element_bytes_);
+      }
+      for (int64_t i = 0; i < group; ++i) {
+        uint32_t bits = 0;
+        for (int k = 0; k < per_word; ++k) {
+          const int64_t channel = head * dim_ + w * per_word + k;
+          bits |= static_cast<uint32_t>(runtime_code<kBits>(q_, group_token_value(g, i, channel), min[k], max[k]))
+                  << (k * kBits);
+        }
+        const int64_t s = g * group + i;
+        store_u32(page_of_slot(s) + code_row_offset(l_, head, s % l_.spec.page_size) + 4 * w, bits);
+      }
+    }
+    __syncthreads();
+    if (!outliers) return true;
+    for (int64_t i = 0; i < group; ++i) {
+      const int64_t s = g * group + i;
+      if (!write_outlier_rows(page_of_slot(s), s % l_.spec.page_size, load_group_token(g, i),
+                              masks_ + i * m_.mask_words)) {
+        return false;
+      }
+      __syncthreads();  // scratch is reloaded for the next token
+    }
+    return true;
+  }
+
+  const TensorAppendArgs& a_;
+  const TensorPageLayout& l_;
+  const Quantization& q_;
+  const SharedLayout m_;
+  double* y_;
+  double* scratch_;
+  double* group_min_;
+  double* group_max_;
+  double* head_stats_;
+  uint32_t* masks_;
+  typename Scan::TempStorage& scan_;
+  uint32_t& entry_count_;
+  int32_t& pages_used_;
+  int32_t& abort_;
+  const int64_t dim_, width_;
+  const ElementType element_;
+  const int64_t element_bytes_;
+  int32_t slot_ = 0;
+  const int32_t* page_row_ = nullptr;
+};
+
+// One block per batch entry (blockIdx.x) for one tensor kind.
+template <ScaleGrouping kGrouping, int kBits>
+__global__ void __launch_bounds__(kThreads) append_kernel(const __grid_constant__ TensorAppendArgs args) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  __shared__ typename BlockAppender<kGrouping, kBits>::Scan::TempStorage scan;
+  __shared__ uint32_t entry_count;
+  __shared__ int32_t pages_used, abort;
+  BlockAppender<kGrouping, kBits> appender(args, shared, scan, entry_count, pages_used, abort);
+  appender.run(static_cast<int32_t>(blockIdx.x));
+}
+
+}  // namespace kvforge::kernels::append_device

@@ -1,0 +1,41 @@
+#pragma once
+// The CUDA kernel backend of QuantizedKVCache: device memory (zeroed on
+// allocation), copies on the backend's stream, and the two kernels:
+// append (kernels/append_kernel.cu) and decode_attention
+// (kernels/decode_attention.cu). Host code in C++20 (a .cpp: QuantizedKVCache
+// is C++20, the CUDA sources C++17). Device memory is not host-addressable:
+// QuantizedKVCache copies what it inspects out through copy_out.
+#include <cuda_runtime.h>
+
+#include "kernels/quantized_kv_cache.h"
+
+namespace kvforge::kernels {
+
+class CudaBackend final : public KernelBackend {
+ public:
+  // Uses `device` (std::runtime_error naming the CUDA call when it fails) and
+  // a stream of its own.
+  explicit CudaBackend(int device = 0);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  void* allocate(int64_t bytes) override;
+  void release(void* memory) override;
+  // Both copies return when the bytes have arrived (the host side may be a
+  // temporary).
+  void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
+  void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
+  bool host_addressable() const override { return false; }
+  // Launch on the stream; the params' pointers are device pointers.
+  void append(const AppendParams& params) override;
+  void decode_attention(const DecodeParams& params) override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace kvforge::kernels

@@ -1,0 +1,454 @@
+// The CUDA append kernel against the CPU reference (kernels/append_kernel.cuh,
+// kernels/cpu_reference.cpp): for every layout, two QuantizedKVCache
+// instances, one on the CPU reference backend and one on CudaBackend, are
+// fed the same prefill chunks and decoding tokens for a batch of sequences
+// of mixed lengths; after every append of every layer
+//   - the pages (codes, group (min, max) pairs, outlier row pointers), the
+//     exact store (sink and ring) and the outlier entry counts are equal
+//     byte for byte: the kernel computes in float64 in the reference's
+//     order, so there is nothing to tolerate;
+//   - every token reads back equal through read_token (values, codes and
+//     outlier positions bit for bit), which compares the outlier entries
+//     whatever outlier pages each cache gave them (the blocks pop the free
+//     stack concurrently, so page ids may differ).
+// A layout with a tiny outlier pool checks that both backends report
+// exhaustion. Skipped without a GPU.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "calib/kv_rotation.h"
+#include "calib/quantizer_fit.h"
+#include "kernels/cuda_backend.h"
+#include "kernels/cuda_runtime_check.h"
+#include "kernels/quantized_kv_cache.h"
+#include "model/rope.h"
+
+namespace kvforge {
+namespace {
+
+using kernels::ElementType;
+using kernels::TensorKind;
+
+constexpr int64_t kKvHeads = 2, kLayers = 2;
+
+struct Case {
+  std::string name;
+  FitOptions fit;
+  int64_t head_dim = 128;
+  int64_t heads = 2;
+  int64_t page_size = 16;
+  ElementType element = ElementType::kFloat16;
+  RotationForm key_rotation = RotationForm::kNone;
+  RotationForm value_rotation = RotationForm::kNone;
+  bool key_centre = false;
+  bool long_context = false;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
+  Case c;
+  c.name = std::move(name);
+  c.fit.method = method;
+  c.fit.bits = bits;
+  c.fit.fisher = false;
+  c.fit.max_calibration_tokens = 0;
+  c.head_dim = head_dim;
+  c.heads = heads;
+  return c;
+}
+
+at::Tensor to_element(const at::Tensor& x, ElementType element) {
+  switch (element) {
+    case ElementType::kFloat16: return x.to(at::kHalf).to(at::kFloat);
+    case ElementType::kBFloat16: return x.to(at::kBFloat16).to(at::kFloat);
+    case ElementType::kFloat32: return x.to(at::kFloat);
+  }
+  return x;
+}
+
+// Keys (pre- and post-RoPE) and values [N, kv_heads, T, D] float32: channels
+// of different scales and offsets, occasional spikes in values.
+struct Activations {
+  at::Tensor keys_pre, keys, values;
+};
+
+Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer_scale, ElementType element,
+                      const RotaryEmbedding& rope) {
+  const at::Tensor channel = at::arange(dim, at::kDouble);
+  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kDouble);
+  const at::Tensor offset = 0.5 * at::sin(channel);
+  Activations a;
+  const at::Tensor pre = (at::randn({windows, kKvHeads, tokens, dim}, at::kDouble) * scale + offset) * layer_scale;
+  a.keys_pre = to_element(pre, element);
+  a.keys = to_element(RotaryEmbedding::apply(a.keys_pre.to(at::kFloat), rope.tables(0, tokens, at::kFloat)), element);
+  at::Tensor values = at::randn({windows, kKvHeads, tokens, dim}, at::kDouble);
+  values = values + (at::rand(values.sizes(), at::kDouble) < 0.01).to(at::kDouble) * at::randn(values.sizes(), at::kDouble) * 6;
+  a.values = to_element(values * layer_scale, element);
+  return a;
+}
+
+Float32Array array_of(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+}
+
+kernels::ModelDimensions dimensions(const Case& c, const RopeConfig& rope) {
+  kernels::ModelDimensions d;
+  d.num_layers = kLayers;
+  d.num_heads = c.heads;
+  d.num_kv_heads = kKvHeads;
+  d.head_dim = c.head_dim;
+  const at::Tensor inv = rope_inverse_frequencies(rope, c.head_dim).contiguous();
+  d.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
+  return d;
+}
+
+// The case's configuration, fitted by calib on synthetic windows (rotated
+// ones for a rotated case), as test_runtime_kernels_cpu builds it.
+QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
+  QuantizerConfig config;
+  config.name = c.name;
+  config.settings = resolve_settings(c.fit, c.head_dim);
+  if (c.key_rotation != RotationForm::kNone || c.value_rotation != RotationForm::kNone) {
+    RotationSettings r;
+    r.keys = c.key_rotation;
+    r.values = c.value_rotation;
+    r.key_centred = c.key_centre;
+    r.steps = 0;
+    config.rotation = r;
+  }
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    const Activations calibration = synthetic(2, 96, c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
+    LayerRotation rotation;
+    if (c.key_rotation == RotationForm::kMatrix) {
+      rotation.keys.matrix = array_of(std::get<0>(at::linalg_qr(at::randn({kKvHeads, c.head_dim, c.head_dim}, at::kDouble))));
+      if (c.key_centre) rotation.keys.centre = array_of(at::randn({kKvHeads, c.head_dim}, at::kDouble) * 0.3);
+    } else if (c.key_rotation == RotationForm::kPairAngles) {
+      rotation.keys.angles = array_of((at::rand({kKvHeads, c.head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
+    }
+    if (c.value_rotation == RotationForm::kMatrix) {
+      rotation.values.matrix = array_of(std::get<0>(at::linalg_qr(at::randn({kKvHeads, c.head_dim, c.head_dim}, at::kDouble))));
+    }
+    LayerActivations a;
+    a.keys = (config.settings.keys_pre_rope ? calibration.keys_pre : calibration.keys).to(at::kDouble);
+    a.values = calibration.values.to(at::kDouble);
+    if (c.key_rotation != RotationForm::kNone) {
+      const at::Tensor m = rotation_matrices(rotation.keys, c.key_rotation, kKvHeads, c.head_dim, options);
+      const at::Tensor centre = rotation_centre(rotation.keys, kKvHeads, c.head_dim, options);
+      a.keys = rotate(centre.defined() ? a.keys - centre : a.keys, m);
+    }
+    if (c.value_rotation != RotationForm::kNone) {
+      a.values = rotate(a.values, rotation_matrices(rotation.values, c.value_rotation, kKvHeads, c.head_dim, options));
+    }
+    a.keys = a.keys.to(at::kFloat);
+    a.values = a.values.to(at::kFloat);
+    LayerQuantizers fitted = fit_layer(config.settings, a, c.fit);
+    fitted.rotation = rotation;
+    config.layers.push_back(fitted);
+  }
+  return config;
+}
+
+struct Step {
+  std::vector<std::pair<int, int64_t>> appends;  // (sequence index, tokens)
+};
+
+// Prefill chunks and decoding steps over three sequences of mixed lengths,
+// across flushes, groups and page boundaries; the long schedule reaches
+// 3003 and 1404 tokens.
+std::vector<Step> schedule(bool long_context) {
+  std::vector<Step> steps;
+  if (long_context) {
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    steps.push_back({{{0, 1000}, {1, 1}}});
+    steps.push_back({{{0, 1000}, {1, 700}}});
+    for (int i = 0; i < 3; ++i) steps.push_back({{{0, 1}, {1, 1}}});
+    return steps;
+  }
+  steps.push_back({{{0, 37}, {1, 5}}});
+  for (int i = 0; i < 4; ++i) steps.push_back({{{0, 1}, {1, 1}}});
+  steps.push_back({{{1, 20}, {0, 1}, {2, 33}}});
+  for (int i = 0; i < 8; ++i) steps.push_back({{{2, 1}, {0, 1}, {1, 1}}});
+  steps.push_back({{{0, 41}, {2, 1}}});
+  for (int i = 0; i < 6; ++i) steps.push_back({{{0, 1}, {1, 1}, {2, 1}}});
+  return steps;
+}
+
+// The first differing byte of two pools, for the failure message.
+std::string first_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " and " + std::to_string(b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) {
+      return "byte " + std::to_string(i) + ": cpu " + std::to_string(a[i]) + ", cuda " + std::to_string(b[i]);
+    }
+  }
+  return "none";
+}
+
+class AppendCuda : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  at::manual_seed(11);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.max_sequences = 4;
+  options.max_context = c.long_context ? 4096 : 256;
+  options.element = c.element;
+  options.outlier_page_entries = 64;
+  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
+  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
+
+  const std::vector<Step> steps = schedule(c.long_context);
+  std::vector<int64_t> totals(3, 1);
+  for (const Step& step : steps) {
+    for (auto [seq, n] : step.appends) totals[seq] += n;
+  }
+  std::vector<std::vector<Activations>> inputs(3);
+  for (int s = 0; s < 3; ++s) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      inputs[s].push_back(synthetic(1, totals[s], c.head_dim, 1.0 + 0.5 * layer, c.element, rope));
+    }
+  }
+  std::vector<int32_t> ids(3, -1);
+  std::vector<int64_t> lengths(3, 0);
+  int64_t outliers_compared = 0, tokens_compared = 0;
+  for (size_t step_index = 0; step_index < steps.size(); ++step_index) {
+    const Step& step = steps[step_index];
+    kernels::AppendBatch batch;
+    for (auto [seq, n] : step.appends) {
+      if (ids[seq] < 0) {
+        ids[seq] = cpu.add_sequence();
+        ASSERT_EQ(cuda.add_sequence(), ids[seq]);
+      }
+      batch.sequences.push_back(ids[seq]);
+      batch.positions.push_back(lengths[seq]);
+      batch.tokens.push_back(n);
+    }
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      std::vector<float> keys, values;
+      for (auto [seq, n] : step.appends) {
+        const Activations& a = inputs[seq][layer];
+        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
+        const at::Tensor v = a.values.narrow(2, lengths[seq], n);
+        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
+        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
+        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+      }
+      batch.keys = keys.data();
+      batch.values = values.data();
+      cpu.append(layer, batch);
+      cuda.append(layer, batch);
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const std::string where = c.name + " step " + std::to_string(step_index) + " layer " + std::to_string(layer) +
+                                  (kind == TensorKind::kKeys ? " keys" : " values");
+        const kernels::TensorPoolCopy expected = cpu.copy_pools(layer, kind), actual = cuda.copy_pools(layer, kind);
+        ASSERT_TRUE(expected.pages == actual.pages) << where << ": pages differ at " << first_difference(expected.pages, actual.pages);
+        ASSERT_TRUE(expected.exact == actual.exact) << where << ": exact store differs at " << first_difference(expected.exact, actual.exact);
+        ASSERT_EQ(expected.entry_counts, actual.entry_counts) << where;
+        ASSERT_EQ(expected.outlier_pages_used, actual.outlier_pages_used) << where;
+      }
+    }
+    for (auto [seq, n] : step.appends) lengths[seq] += n;
+    // Every token of every sequence reads back the same (outliers through
+    // each cache's own outlier pages); long contexts: the newest 300.
+    for (int s = 0; s < 3; ++s) {
+      if (ids[s] < 0) continue;
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+          for (int64_t t = c.long_context ? std::max<int64_t>(0, lengths[s] - 300) : 0; t < lengths[s]; ++t) {
+            const kernels::TokenReadout e = cpu.read_token(layer, kind, ids[s], t);
+            const kernels::TokenReadout a = cuda.read_token(layer, kind, ids[s], t);
+            ASSERT_EQ(e.quantized, a.quantized);
+            ASSERT_EQ(e.codes, a.codes) << c.name << " token " << t;
+            ASSERT_EQ(e.outliers, a.outliers) << c.name << " token " << t;
+            ASSERT_EQ(0, std::memcmp(e.values.data(), a.values.data(), e.values.size() * sizeof(float)))
+                << c.name << " token " << t;
+            for (uint8_t o : e.outliers) outliers_compared += o;
+            ++tokens_compared;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(tokens_compared, 0);
+  const bool any_outliers = cpu.layout(TensorKind::kKeys).outlier_spans > 0 || cpu.layout(TensorKind::kValues).outlier_spans > 0;
+  if (any_outliers) EXPECT_GT(outliers_compared, 0) << "the case must exercise the outlier rows";
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  {  // KVQuant: offline pre-RoPE keys with thresholds, all-heads values with top/bottom outliers, sink 1.
+    Case c = make_case("kvquant_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.04;
+    all.push_back(c);
+  }
+  {  // Rotated: pair angles on the pre-RoPE keys, a matrix on the values; 4 bits, a page of 12.
+    Case c = make_case("kvquant_rotated_4bit_d64_gqa1_page12", QuantMethod::kKvquant, 4, 64, 2);
+    c.fit.outlier_fraction = 0.04;
+    c.page_size = 12;
+    c.key_rotation = RotationForm::kPairAngles;
+    c.value_rotation = RotationForm::kMatrix;
+    all.push_back(c);
+  }
+  {  // KVQuant's tau variant (per-head values, token_tau outliers); bf16.
+    Case c = make_case("kvquant_tau_2bit_d64_gqa4_bf16", QuantMethod::kKvquant, 2, 64, 8);
+    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
+    c.fit.outlier_fraction = 0.03;
+    c.element = ElementType::kBFloat16;
+    all.push_back(c);
+  }
+  {  // KVQuant with per-head top/bottom values.
+    Case c = make_case("kvquant_per_head_values_4bit_d128_gqa8", QuantMethod::kKvquant, 4, 128, 16);
+    c.fit.value_grouping = Grouping::kPerToken;
+    c.fit.outlier_fraction = 0.05;
+    all.push_back(c);
+  }
+  {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
+    Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
+    c.fit.residual_tokens = 32;
+    all.push_back(c);
+  }
+  {  // KIVI at 4 bits with a sink, a page (12) that divides no group, sliding keys.
+    Case c = make_case("kivi_sliding_sink_4bit_d64_gqa1_page12", QuantMethod::kKivi, 4, 64, 2);
+    c.fit.residual_tokens = 32;
+    c.fit.sink_tokens = 2;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    c.page_size = 12;
+    all.push_back(c);
+  }
+  {  // KIVI sliding without a residual: a ring of G - 1 tokens, the completing token takes the first one's row.
+    Case c = make_case("kivi_sliding_no_residual_2bit_d64_gqa4", QuantMethod::kKivi, 2, 64, 8);
+    c.fit.residual_tokens = 0;
+    c.fit.key_group = 16;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    all.push_back(c);
+  }
+  {  // KIVI with a page of 64 holding two groups; fp32 elements.
+    Case c = make_case("kivi_4bit_d128_gqa1_page64_fp32", QuantMethod::kKivi, 4, 128, 2);
+    c.fit.residual_tokens = 64;
+    c.fit.key_group = 32;
+    c.page_size = 64;
+    c.element = ElementType::kFloat32;
+    all.push_back(c);
+  }
+  {  // int2-rot: a matrix with a centre on the keys, a matrix on the values.
+    Case c = make_case("int2rot_rotated_2bit_d128_gqa4", QuantMethod::kInt2Rot, 2, 128, 8);
+    c.fit.sink_tokens = 4;
+    c.fit.residual_tokens = 16;
+    c.key_rotation = RotationForm::kMatrix;
+    c.value_rotation = RotationForm::kMatrix;
+    c.key_centre = true;
+    all.push_back(c);
+  }
+  {  // int2-rot unrotated at 4 bits, page 12.
+    Case c = make_case("int2rot_4bit_d64_gqa1_page12", QuantMethod::kInt2Rot, 4, 64, 2);
+    c.fit.sink_tokens = 4;
+    c.fit.residual_tokens = 16;
+    c.page_size = 12;
+    all.push_back(c);
+  }
+  all.push_back(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2));
+  all.push_back(make_case("rtn_4bit_d64_gqa4", QuantMethod::kRtn, 4, 64, 8));
+  {  // RTN with groups of 32 channels and top/bottom outliers per head.
+    Case c = make_case("rtn_groups32_outliers_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
+    c.fit.key_group = 32;
+    c.fit.value_group = 32;
+    c.fit.outlier_fraction = 0.05;
+    all.push_back(c);
+  }
+  {  // Long contexts (3003 and 1404 tokens): KVQuant and int2-rot rotated.
+    Case c = make_case("kvquant_long_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.02;
+    c.long_context = true;
+    all.push_back(c);
+    Case r = make_case("int2rot_rotated_long_4bit_d128_gqa4", QuantMethod::kInt2Rot, 4, 128, 8);
+    r.fit.sink_tokens = 4;
+    r.fit.residual_tokens = 64;
+    r.key_rotation = r.value_rotation = RotationForm::kMatrix;
+    r.long_context = true;
+    all.push_back(r);
+    Case k = make_case("kivi_long_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
+    k.fit.residual_tokens = 128;
+    k.long_context = true;
+    all.push_back(k);
+  }
+  return all;
+}
+
+// Runs without a GPU: every case is a configuration the runtime serves (so
+// that a GPU run compares kernels, not refusals).
+TEST(AppendCudaCases, EveryCaseIsServedByTheRuntime) {
+  for (const Case& c : cases()) {
+    const RopeConfig rope_config;
+    const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+    const QuantizerConfig config = fitted_config(c, rope);
+    kernels::CacheOptions options;
+    options.page_size = c.page_size;
+    options.element = c.element;
+    EXPECT_NO_THROW(kernels::QuantizedKVCache(config, dimensions(c, rope_config), options)) << c.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, AppendCuda, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// A pool of one outlier page per layer and kind: both backends run out on
+// the same append and say so (std::length_error, the exhausted flag).
+TEST(AppendCudaOutlierPool, ExhaustionIsReportedAsOnTheCpu) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  Case c = make_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
+  c.fit.outlier_fraction = 0.05;
+  at::manual_seed(3);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  kernels::CacheOptions options;
+  options.max_sequences = 2;
+  options.max_context = 256;
+  options.outlier_page_entries = 16;
+  options.max_outlier_pages = 1;
+  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
+  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
+  const Activations a = synthetic(1, 200, c.head_dim, 1.0, c.element, rope);
+  int64_t position = 0;
+  const int32_t id = cpu.add_sequence();
+  ASSERT_EQ(cuda.add_sequence(), id);
+  bool cpu_failed = false, cuda_failed = false;
+  for (int64_t n : {1, 1, 1, 1, 8, 8, 32, 64}) {
+    kernels::AppendBatch batch{{id}, {position}, {n}, nullptr, nullptr};
+    const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
+    const at::Tensor v = a.values.narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
+    batch.keys = k.data_ptr<float>();
+    batch.values = v.data_ptr<float>();
+    try {
+      cpu.append(0, batch);
+    } catch (const std::length_error&) {
+      cpu_failed = true;
+    }
+    try {
+      cuda.append(0, batch);
+    } catch (const std::length_error&) {
+      cuda_failed = true;
+    }
+    ASSERT_EQ(cpu_failed, cuda_failed) << "after " << position + n << " tokens";
+    if (cpu_failed) break;
+    position += n;
+  }
+  EXPECT_TRUE(cpu_failed) << "the pool of one page of 16 entries must run out";
+}
+
+}  // namespace
+}  // namespace kvforge
