@@ -209,7 +209,7 @@ CachePerplexityResult evaluate_cache_perplexity(const Transformer& model, std::s
     }
     for (size_t i = 0; i < configurations.size(); ++i) {
       const auto started = Clock::now();
-      const std::unique_ptr<KVCachePolicy> cache = make_cache_policy(model, configurations[i], rows, length);
+      const std::unique_ptr<KVCachePolicy> cache = make_cache_policy(model, configurations[i], rows, length, options.cache);
       prefill_in_chunks(model, *cache, batch.ids, options.chunk, [&](int64_t begin, const at::Tensor& logits) {
         score_chunk(batch, begin, logits, reference, accumulators[i + 1]);
       });

@@ -36,6 +36,7 @@
 #include <span>
 #include <vector>
 
+#include "eval/cache_policy_factory.h"
 #include "eval/evaluation.h"
 #include "eval/perplexity.h"
 #include "formats/quantizer_config.h"
@@ -48,6 +49,7 @@ struct CachePerplexityOptions {
   // as for evaluate_perplexity.
   PerplexityOptions windows;
   int64_t chunk = 512;  // prefill chunk in positions (>= context: one pass)
+  QuantizedCacheKind cache = QuantizedCacheKind::kSimulated;  // how the configurations run
 };
 
 struct CachePerplexityResult {

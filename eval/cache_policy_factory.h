@@ -12,9 +12,16 @@
 
 namespace kvforge {
 
-// config == nullptr: the 16-bit cache. std::invalid_argument when the
-// configuration does not fit the model (layer count).
+// How a configuration's quantized cache is run: simulated
+// (simulated_quantized_cache.h, the reference quantizer) or through the
+// runtime kernels (kernel_kv_cache.h: `eval --through-kernels`).
+enum class QuantizedCacheKind { kSimulated, kKernels };
+
+// config == nullptr: the 16-bit cache (whatever `kind`). std::invalid_argument
+// when the configuration does not fit the model (layer count) or the
+// runtime cannot serve it.
 std::unique_ptr<KVCachePolicy> make_cache_policy(const Transformer& model, const QuantizerConfig* config,
-                                                 int64_t batch, int64_t capacity);
+                                                 int64_t batch, int64_t capacity,
+                                                 QuantizedCacheKind kind = QuantizedCacheKind::kSimulated);
 
 }  // namespace kvforge

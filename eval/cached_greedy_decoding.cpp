@@ -31,9 +31,9 @@ at::Tensor prompt_matrix(const std::vector<std::vector<int32_t>>& prompts) {
 
 }  // namespace
 
-CachePolicyMaker cache_policy_maker(const Transformer& model, const QuantizerConfig* config) {
-  return [&model, config](int64_t batch, int64_t capacity) {
-    return make_cache_policy(model, config, batch, capacity);
+CachePolicyMaker cache_policy_maker(const Transformer& model, const QuantizerConfig* config, QuantizedCacheKind kind) {
+  return [&model, config, kind](int64_t batch, int64_t capacity) {
+    return make_cache_policy(model, config, batch, capacity, kind);
   };
 }
 

@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "eval/cache_policy_factory.h"
 #include "formats/quantizer_config.h"
 #include "model/kv_cache_policy.h"
 #include "model/transformer.h"
@@ -25,7 +26,8 @@ using CachePolicyMaker = std::function<std::unique_ptr<KVCachePolicy>(int64_t ba
 // make_cache_policy (eval/cache_policy_factory.h) of one configuration:
 // config == nullptr is the 16-bit cache. `model` and `config` must outlive
 // the maker.
-CachePolicyMaker cache_policy_maker(const Transformer& model, const QuantizerConfig* config);
+CachePolicyMaker cache_policy_maker(const Transformer& model, const QuantizerConfig* config,
+                                    QuantizedCacheKind kind = QuantizedCacheKind::kSimulated);
 
 struct CachedGreedyOptions {
   int64_t chunk = 512;         // prompt tokens per prefill pass (>= 1)

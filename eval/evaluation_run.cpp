@@ -51,7 +51,7 @@ Evaluation evaluate_cache_configurations(const Transformer& model, const Tokeniz
     for (size_t i = 0; i < all.size(); ++i) {
       const auto start = Clock::now();
       evaluation.configurations[i].needles =
-          score_needle_probes(model, probes, cache_policy_maker(model, all[i]), plan.needles->scoring);
+          score_needle_probes(model, probes, cache_policy_maker(model, all[i], plan.cache), plan.needles->scoring);
       evaluation.configurations[i].seconds += seconds_since(start);
       log::info("needles through ", name_of(all[i]), ": accuracy ", evaluation.configurations[i].needle_accuracy(),
                 " (", seconds_since(start), " s)");
@@ -61,7 +61,7 @@ Evaluation evaluate_cache_configurations(const Transformer& model, const Tokeniz
     for (size_t i = 0; i < all.size(); ++i) {
       const auto start = Clock::now();
       evaluation.configurations[i].tasks =
-          answer_user_tasks(model, tokenizer, plan.tasks, cache_policy_maker(model, all[i]), plan.task_options);
+          answer_user_tasks(model, tokenizer, plan.tasks, cache_policy_maker(model, all[i], plan.cache), plan.task_options);
       evaluation.configurations[i].seconds += seconds_since(start);
       log::info("tasks through ", name_of(all[i]), ": ", evaluation.configurations[i].task_accuracy() * 100,
                 "% contain the answer");

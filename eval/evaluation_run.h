@@ -46,6 +46,9 @@ struct EvaluationPlan {
   TaskScoringOptions task_options;
   std::optional<AttentionErrorPlan> attention;
   int64_t bits_context = 2048;  // the context effective bits and bytes per token are counted at
+  // Needles and tasks through the runtime kernels instead of the simulated
+  // cache (perplexity: CachePerplexityOptions::cache).
+  QuantizedCacheKind cache = QuantizedCacheKind::kSimulated;
 };
 
 // configurations: the artifact's, in the order to report (each must fit the

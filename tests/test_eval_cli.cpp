@@ -130,6 +130,31 @@ TEST(EvalCli, AZeroedCacheFailsTheGateWithExit3AndThe16BitCachePasses) {
   EXPECT_EQ(alone.exit_code, 0) << alone.stderr_text;
 }
 
+// --through-kernels on the CPU runs the runtime kernels' CPU reference
+// (kernels/cpu_reference.h; the CUDA kernels equal it, tests/
+// test_*_cuda.cpp): perplexity with every token a decoding step equals the
+// simulated cache's at --chunk 1. The two compute attention in float32 in
+// different orders (split-K flash decoding against the model's attention over
+// dequantized keys and values) and dequantize with float32 fma against the
+// float64 simulation rounded once: the logits differ by a few float32 ulps
+// (u = 6e-8 relative), so the mean NLL by ~1e-6 and the perplexity by well
+// under 1e-5 relative (measured 3e-7).
+TEST(EvalCli, ThroughTheKernelsPerplexityEqualsTheSimulatedCacheAtChunkOne) {
+  const fs::path simulated = inputs().dir / "simulated.json", kernels = inputs().dir / "kernels.json";
+  const std::string common = "--configs kivi-2bit,rtn-2bit --no-needles --ctx 192 --max-windows 1 --chunk 1 --json ";
+  const auto a = testing::run_kvforge(eval_flags(common + quoted(simulated)));
+  ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
+  const auto b = testing::run_kvforge(eval_flags(common + quoted(kernels) + " --through-kernels"));
+  ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
+  const nlohmann::json x = read_json(simulated), y = read_json(kernels);
+  ASSERT_EQ(x.at("configurations").size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const double p = x.at("configurations").at(i).at("perplexity").at("perplexity").get<double>();
+    const double q = y.at("configurations").at(i).at("perplexity").at("perplexity").get<double>();
+    EXPECT_NEAR(q, p, 1e-5 * p) << x.at("configurations").at(i).at("name");
+  }
+}
+
 TEST(EvalCli, BadInputIsOneLineAndLeavesNoOutput) {
   const fs::path json = inputs().dir / "bad.json", report = inputs().dir / "bad.html";
   const std::string outputs = " --json " + quoted(json) + " --report " + quoted(report);

@@ -55,6 +55,7 @@ struct EvalFlags {
   std::string report;
   std::string gate;
   std::vector<std::string> gate_configs;
+  bool through_kernels = false;
 };
 
 // The artifact's configurations named by --configs (all by default), in
@@ -99,6 +100,7 @@ EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const 
     perplexity.windows.batch = flags.batch;
     if (flags.max_windows > 0) perplexity.windows.max_windows = flags.max_windows;
     perplexity.chunk = flags.chunk;
+    if (flags.through_kernels) perplexity.cache = QuantizedCacheKind::kKernels;
     plan.perplexity = perplexity;
   }
   if (!flags.no_needles) {
@@ -131,6 +133,7 @@ EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const 
     plan.attention = attention;
   }
   plan.bits_context = flags.context;
+  if (flags.through_kernels) plan.cache = QuantizedCacheKind::kKernels;
   return plan;
 }
 
@@ -300,6 +303,9 @@ Command add_eval_command(CLI::App& app) {
   command->add_option("--report", flags->report, "Write a self-contained HTML report to this file");
   command->add_option("--gate", flags->gate,
                       "Rollout thresholds, e.g. 'needle>=0.98*fp16,ppl<=1.03*fp16,kl_p99<=0.5' (exit 3 on failure)");
+  command->add_flag("--through-kernels", flags->through_kernels,
+                    "Run the quantized caches through the runtime kernels (CUDA on a GPU, their CPU reference "
+                    "otherwise) instead of the simulated quantizer; every token is a decoding step");
   command->add_option("--gate-configs", flags->gate_configs,
                       "Configurations the gate checks (default: every evaluated one but fp16; fp16 may be named)")
       ->delimiter(',');
