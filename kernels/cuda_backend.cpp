@@ -60,4 +60,6 @@ void CudaBackend::decode_attention(const DecodeParams& params) {
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
+void CudaBackend::synchronize() { KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
 }  // namespace kvforge::kernels

@@ -30,6 +30,7 @@ class CudaBackend final : public KernelBackend {
   // Launch on the stream; the params' pointers are device pointers.
   void append(const AppendParams& params) override;
   void decode_attention(const DecodeParams& params) override;
+  void synchronize() override;  // the backend's stream
 
   cudaStream_t stream() const { return stream_; }
 

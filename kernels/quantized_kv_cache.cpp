@@ -633,7 +633,10 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   backend_->copy_in(slots.data, batch.sequences.data(), static_cast<int64_t>(count) * 4);
   backend_->copy_in(device_lengths.data, lengths.data(), static_cast<int64_t>(count) * 8);
   backend_->copy_in(device_offsets.data, offsets.data(), static_cast<int64_t>(offsets.size()) * 8);
-  const int64_t rows_bytes = offsets.back() * model_.num_kv_heads * model_.head_dim * 4;
+  // Rows in host memory are staged through backend buffers; rows already in
+  // backend memory go to the kernel as they are.
+  const int64_t rows_bytes =
+      batch.backend_memory ? 0 : offsets.back() * model_.num_kv_heads * model_.head_dim * 4;
   Buffer keys(*backend_, rows_bytes), values(*backend_, rows_bytes);
   backend_->copy_in(keys.data, batch.keys, rows_bytes);
   backend_->copy_in(values.data, batch.values, rows_bytes);
@@ -642,8 +645,8 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.batch = {static_cast<int32_t>(count), slots.as<int32_t>(), device_page_table_->as<int32_t>(),
                   page_table_stride_, device_lengths.as<int64_t>()};
   params.token_offsets = device_offsets.as<int64_t>();
-  params.keys = keys.data;
-  params.values = values.data;
+  params.keys = batch.backend_memory ? static_cast<const void*>(batch.keys) : keys.data;
+  params.values = batch.backend_memory ? static_cast<const void*>(batch.values) : values.data;
   params.input = ElementType::kFloat32;
   const TensorState& k = tensor(layer, TensorKind::kKeys);
   const TensorState& v = tensor(layer, TensorKind::kValues);
@@ -677,7 +680,7 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
 }
 
 void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries,
-                                        float* output, ReadTally* tally) {
+                                        float* output, ReadTally* tally, bool backend_memory) {
   const std::string context = "quantized KV cache '" + name_ + "': decode_attention on layer " + std::to_string(layer);
   if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context + ": no such layer");
   const auto count = static_cast<int64_t>(sequences.size());
@@ -692,19 +695,26 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   Buffer slots(*backend_, count * 4), device_lengths(*backend_, count * 8);
   backend_->copy_in(slots.data, sequences.data(), count * 4);
   backend_->copy_in(device_lengths.data, lengths.data(), count * 8);
+  // Host queries and output are staged through backend buffers (none when
+  // the caller's arrays are already in backend memory).
   const int64_t io_bytes = count * model_.num_heads * model_.head_dim * 4;
-  Buffer device_queries(*backend_, io_bytes), device_output(*backend_, io_bytes);
-  backend_->copy_in(device_queries.data, queries, io_bytes);
+  const int64_t staged_bytes = backend_memory ? 0 : io_bytes;
+  Buffer device_queries(*backend_, staged_bytes), device_output(*backend_, staged_bytes);
+  backend_->copy_in(device_queries.data, queries, staged_bytes);
 
   DecodeParams params = decode_params(layer);
   params.batch.count = static_cast<int32_t>(count);
   params.batch.slots = slots.as<int32_t>();
   params.batch.lengths = device_lengths.as<int64_t>();
-  params.queries = device_queries.data;
-  params.output = device_output.data;
+  params.queries = backend_memory ? static_cast<const void*>(queries) : device_queries.data;
+  params.output = backend_memory ? static_cast<void*>(output) : device_output.data;
   params.read_tally = tally;
   backend_->decode_attention(params);
-  backend_->copy_out(output, device_output.data, io_bytes);
+  if (backend_memory) {
+    backend_->synchronize();  // the output is the caller's to read on return
+  } else {
+    backend_->copy_out(output, device_output.data, io_bytes);
+  }
 }
 
 DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {

@@ -65,6 +65,9 @@ class KernelBackend {
   virtual bool host_addressable() const = 0;
   virtual void append(const AppendParams& params) = 0;
   virtual void decode_attention(const DecodeParams& params) = 0;
+  // Returns when every kernel and copy issued so far has finished (a
+  // synchronous backend has nothing to wait for).
+  virtual void synchronize() = 0;
 };
 
 // The CPU reference (cpu_reference.h) on host memory.
@@ -77,6 +80,7 @@ class CpuReferenceBackend final : public KernelBackend {
   bool host_addressable() const override { return true; }
   void append(const AppendParams& params) override { append_reference(params); }
   void decode_attention(const DecodeParams& params) override { decode_attention_reference(params); }
+  void synchronize() override {}
 };
 
 // One layer's pools of one tensor kind copied to the host (tests, inspection):
@@ -99,6 +103,10 @@ struct AppendBatch {
   // before RoPE when the configuration's keys_pre_rope, else after.
   const float* keys = nullptr;
   const float* values = nullptr;
+  // Whether keys and values already lie in the backend's memory (device
+  // pointers for CudaBackend, host pointers for the CPU reference): they are
+  // passed to the kernel as they are, without a staging copy.
+  bool backend_memory = false;
 };
 
 class QuantizedKVCache {
@@ -123,8 +131,11 @@ class QuantizedKVCache {
   // One query per sequence at its last position: queries and output
   // [sequences][num_heads][head_dim] float32, post-RoPE queries, outputs in
   // the model's basis. `tally` (optional) records the bytes read.
+  // `backend_memory`: queries and output already lie in the backend's memory
+  // (as AppendBatch::backend_memory) and are read and written in place; the
+  // output is complete when the call returns.
   void decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries, float* output,
-                        ReadTally* tally = nullptr);
+                        ReadTally* tally = nullptr, bool backend_memory = false);
 
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,

@@ -1068,5 +1068,38 @@ TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveT
   EXPECT_EQ(cache.outlier_entries(0, TensorKind::kValues, b), 48);
 }
 
+// The zero-copy path (rows, queries and output already in backend memory,
+// host memory for the CPU reference) is the staged path without the copies:
+// the same bytes in every pool and the same attention output, bit for bit.
+TEST(RuntimeKernelsCpuZeroCopy, BackendMemoryCallsWriteAndReadWhatStagedCallsDo) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  c.settings.residual_tokens = 4;
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  kernels::QuantizedKVCache staged(c, small_dims(), options), direct(c, small_dims(), options);
+  const at::Tensor keys = at::randn({30, 2, 64}, at::kFloat), values = at::randn({30, 2, 64}, at::kFloat);
+  const at::Tensor queries = at::randn({2, 4, 64}, at::kFloat);
+  std::vector<int32_t> sequences;
+  for (kernels::QuantizedKVCache* cache : {&staged, &direct}) {
+    const int32_t a = cache->add_sequence(), b = cache->add_sequence();
+    sequences = {a, b};
+    kernels::AppendBatch batch{{a, b}, {0, 0}, {19, 11}, keys.data_ptr<float>(), values.data_ptr<float>()};
+    batch.backend_memory = cache == &direct;
+    cache->append(1, batch);
+  }
+  for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+    const kernels::TensorPoolCopy want = staged.copy_pools(1, kind), got = direct.copy_pools(1, kind);
+    EXPECT_EQ(got.pages, want.pages);
+    EXPECT_EQ(got.exact, want.exact);
+  }
+  std::vector<float> want(2 * 4 * 64, -1.0f), got(2 * 4 * 64, -2.0f);
+  staged.decode_attention(1, sequences, queries.data_ptr<float>(), want.data());
+  direct.decode_attention(1, sequences, queries.data_ptr<float>(), got.data(), nullptr, /*backend_memory=*/true);
+  EXPECT_EQ(got, want);
+  for (float x : got) ASSERT_TRUE(std::isfinite(x));
+}
+
 }  // namespace
 }  // namespace kvforge
