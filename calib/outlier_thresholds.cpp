@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -78,9 +79,19 @@ ChannelThresholds fit_channel_thresholds(const at::Tensor& x, double fraction) {
   const at::Tensor half = (high64 - low64) / 2;
   const at::Tensor fallback = offset.abs().clamp_min(1.0) * std::ldexp(1.0, -20);
   result.offset = offset.to(at::kFloat);
-  result.scale = at::where(half > 0, half, fallback).to(at::kFloat);
+  // The scale reaches both thresholds from the offset as stored: when the
+  // range is narrow against the values' magnitude, float32 moves the
+  // midpoint by up to half an ulp of the offset, which (high - low) / 2 alone
+  // would leave outside [-1, 1] (2 samples per channel: -1.00056). Rounded up
+  // to float32, so that |threshold - offset| / scale <= 1 holds exactly.
+  const at::Tensor stored_offset = result.offset.to(at::kDouble);
+  const at::Tensor reach = at::maximum(high64 - stored_offset, stored_offset - low64);
+  const at::Tensor wanted = at::where(half > 0, at::maximum(half, reach), fallback);
+  at::Tensor scale = wanted.to(at::kFloat);
+  scale = at::where(scale.to(at::kDouble) < wanted,
+                    at::nextafter(scale, at::full_like(scale, std::numeric_limits<float>::infinity())), scale);
   // A scale that rounds to 0 in float32 would divide by zero at runtime.
-  result.scale = at::where(result.scale > 0, result.scale, fallback.to(at::kFloat));
+  result.scale = at::where(scale > 0, scale, fallback.to(at::kFloat));
   return result;
 }
 

@@ -17,6 +17,7 @@
 #include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"
 #include "calib/group_quantizer.h"
+#include "calib/outlier_thresholds.h"
 #include "calib/quantize_simulation.h"
 #include "calib/quantizer_fit.h"
 #include "formats/input_error.h"
@@ -208,6 +209,48 @@ TEST(GroupQuantizer, GridRoundsToTheNearestLevelTiesDown) {
 }
 
 // ---- the simulation per method and grouping ---------------------------------
+
+// Per-channel thresholds stored in float32 keep their inliers inside the
+// grid's range [-1, 1] even when a channel's range is narrow against its
+// magnitude (few samples: two tokens past a long sink), where float32 moves
+// the midpoint by up to half an ulp of the offset: the artifact's validator
+// would refuse the artifact otherwise.
+TEST(ChannelThresholds, StoredOffsetAndScaleKeepTheThresholdsInsideTheGrid) {
+  std::mt19937 generator(7);
+  std::uniform_real_distribution<double> magnitude(-3000.0, 3000.0), width(1e-6, 1e-2);
+  const int64_t heads = 2, dim = 64;
+  at::Tensor x = at::empty({1, heads, 2, dim}, at::kFloat);  // two samples per channel
+  auto a = x.accessor<float, 4>();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const double centre = magnitude(generator), w = width(generator) * std::max(1.0, std::abs(centre));
+      a[0][h][0][d] = static_cast<float>(centre - w / 2);
+      a[0][h][1][d] = static_cast<float>(centre + w / 2);
+    }
+  }
+  for (const double fraction : {0.0, 0.01}) {
+    const ChannelThresholds t = fit_channel_thresholds(x, fraction);
+    const auto low = t.low.accessor<float, 2>(), high = t.high.accessor<float, 2>();
+    const auto offset = t.offset.accessor<float, 2>(), scale = t.scale.accessor<float, 2>();
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const double lo = (static_cast<double>(low[h][d]) - offset[h][d]) / scale[h][d];
+        const double hi = (static_cast<double>(high[h][d]) - offset[h][d]) / scale[h][d];
+        EXPECT_GE(lo, -1.0) << h << "," << d;
+        EXPECT_LE(hi, 1.0) << h << "," << d;
+        // and no wider than needed: the scale exceeds the half range by at
+        // most the offset's float32 rounding (|offset| 2^-24) and its own
+        // (one ulp, 2^-23 relative), so the thresholds still span
+        // 2 half / (half + |offset| 2^-24) (1 - 2^-23) of [-1, 1].
+        const double half = (static_cast<double>(high[h][d]) - low[h][d]) / 2;
+        const double spread = 2 * half / (half + std::abs(static_cast<double>(offset[h][d])) * std::ldexp(1.0, -24)) *
+                              (1 - std::ldexp(1.0, -23));
+        EXPECT_GE(hi - lo, spread)
+            << h << "," << d;
+      }
+    }
+  }
+}
 
 TEST(Simulation, PerTokenUniformWithClipSinkAndResidual) {
   QuantizerSettings s;
