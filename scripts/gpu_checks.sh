@@ -40,7 +40,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
-  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda"
+  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda kvforge_bench_decode_attention"
 elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   targets="--target kvforge test_cache_perplexity test_needle_probe"
 elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
@@ -117,6 +117,12 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   timeout 150 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" > "$LOGS/decode_baselines.log" 2>&1 \
     || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
   tail -4 "$LOGS/decode_baselines.log"; }
+  [ -n "${SKIP_DECODE_BENCH:-}" ] || { step "decode attention benchmark: the runtime kernels vs bf16 SDPA (and FlashInfer from the baselines)"
+  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" \
+    --baselines "$OUT/decode_baselines.json" --commit "${KVFORGE_COMMIT:-unknown}" \
+    --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
+    || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
+  tail -6 "$LOGS/decode_attention_bench.log"; }
   tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
   echo; echo "gpu_checks (kernels): $([ $status = 0 ] && echo PASSED || echo FAILED)"
   exit $status

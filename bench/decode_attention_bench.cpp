@@ -1,0 +1,288 @@
+// kvforge_bench_decode_attention: the runtime kernels' decode attention at
+// Llama-3-8B's attention shapes (32 query heads on 8 KV heads of 128), one
+// layer, against bf16 SDPA on the same context in the same run, and the
+// bytes it must read against the device's measured copy bandwidth (issue 10):
+//   for each method and bits, batch and context: fill a QuantizedKVCache
+//   (CudaBackend) with random tokens through the append kernel, then time
+//   launch_decode_attention (planned once: DecodeParams built, slots and
+//   lengths uploaded) and one decode-step append (one token per sequence);
+//   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
+// Times are CUDA-event medians of --repeats launches after warm-up. FlashInfer
+// columns come from bench/decode_baselines.py's JSON (--baselines), measured
+// in the same gpu_checks call. Writes rows with context, batch, method, bits,
+// time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
+// append_time_us, append_over_decode_rate and the FlashInfer times.
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <cuda_runtime.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "calib/quantizer_fit.h"
+#include "formats/hf_config.h"
+#include "kernels/cuda_backend.h"
+#include "kernels/cuda_runtime_check.h"
+#include "kernels/decode_attention_launch.h"
+#include "kernels/quantized_kv_cache.h"
+#include "model/rope.h"
+
+namespace kvforge {
+namespace {
+
+constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128;
+
+// Median microseconds of `work` on the current device (CUDA events).
+double median_us(const std::function<void()>& work, int repeats) {
+  for (int i = 0; i < 3; ++i) work();
+  KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> times;
+  cudaEvent_t start, stop;
+  KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
+  KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < repeats; ++i) {
+    KVFORGE_CUDA_CHECK(cudaEventRecord(start));
+    work();
+    KVFORGE_CUDA_CHECK(cudaEventRecord(stop));
+    KVFORGE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
+ModelConfig attention_shapes() {
+  ModelConfig config;
+  config.num_layers = 1;
+  config.num_heads = kHeads;
+  config.num_kv_heads = kKvHeads;
+  config.head_dim = kHeadDim;
+  config.rope = {RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
+  return config;
+}
+
+// One layer's configuration fitted by calib on random activations with a
+// few outlier channels (the benchmark measures bytes and time, not quality).
+QuantizerConfig bench_config(const std::string& method, int bits) {
+  FitOptions fit;
+  const std::optional<QuantMethod> parsed = parse_method(method);
+  if (!parsed) throw std::invalid_argument("--methods " + method + ": expected kvquant, kivi, int2-rot or rtn");
+  fit.method = *parsed;
+  fit.bits = bits;
+  QuantizerConfig config;
+  config.name = method + "-" + std::to_string(bits) + "bit";
+  config.settings = resolve_settings(fit, kHeadDim);
+  const at::Tensor channel = at::arange(kHeadDim, at::kFloat);
+  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kFloat);
+  LayerActivations a;
+  a.keys = at::randn({2, kKvHeads, 512, kHeadDim}) * scale;
+  a.values = at::randn({2, kKvHeads, 512, kHeadDim});
+  if (config.settings.fisher_weighted) {
+    a.fisher_keys = at::ones_like(a.keys);
+    a.fisher_values = at::ones_like(a.values);
+  }
+  config.layers.push_back(fit_layer(config.settings, a, fit));
+  return config;
+}
+
+struct Row {
+  nlohmann::json json;
+};
+
+// Appends random tokens until every sequence holds `context` tokens.
+void fill(kernels::QuantizedKVCache& cache, const std::vector<int32_t>& sequences, int64_t context) {
+  const int64_t chunk = 4096;
+  while (cache.length(sequences.front(), 0) < context) {
+    const int64_t have = cache.length(sequences.front(), 0), tokens = std::min(chunk, context - have);
+    const int64_t rows = tokens * static_cast<int64_t>(sequences.size());
+    const at::Tensor keys = at::randn({rows, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
+    const at::Tensor values = at::randn({rows, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
+    kernels::AppendBatch batch;
+    batch.sequences = sequences;
+    for (const int32_t s : sequences) {
+      batch.positions.push_back(cache.length(s, 0));
+      batch.tokens.push_back(tokens);
+    }
+    batch.keys = keys.data_ptr<float>();
+    batch.values = values.data_ptr<float>();
+    batch.backend_memory = true;
+    KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
+    cache.append(0, batch);
+  }
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"Decode attention of the runtime kernels against bf16 SDPA (Llama-3-8B attention shapes)"};
+  std::vector<int64_t> contexts = {4096, 8192, 16384, 32768, 65536, 131072};
+  std::vector<int64_t> batches = {1, 8, 32};
+  std::vector<std::string> methods = {"int2-rot", "kvquant"};
+  std::vector<int> bits = {2, 4};
+  int repeats = 20;
+  std::string out, baselines, commit, command;
+  app.add_option("--contexts", contexts)->delimiter(',');
+  app.add_option("--batches", batches)->delimiter(',');
+  app.add_option("--methods", methods)->delimiter(',');
+  app.add_option("--bits", bits)->delimiter(',');
+  app.add_option("--repeats", repeats);
+  app.add_option("--out", out, "JSON report")->required();
+  app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
+  app.add_option("--commit", commit);
+  app.add_option("--command", command);
+  CLI11_PARSE(app, argc, argv);
+  if (kernels::cuda_device_count() == 0) {
+    std::cerr << "kvforge_bench_decode_attention: no CUDA device\n";
+    return 2;
+  }
+  std::sort(contexts.begin(), contexts.end());
+  std::map<std::pair<int64_t, int64_t>, nlohmann::json> flashinfer;
+  if (!baselines.empty()) {
+    std::ifstream in(baselines);
+    for (const nlohmann::json& row : nlohmann::json::parse(in).at("rows")) {
+      flashinfer[{row.at("context").get<int64_t>(), row.at("batch").get<int64_t>()}] = row;
+    }
+  }
+  // Device copy bandwidth: bytes read plus written per second.
+  double copy_bandwidth = 0;
+  {
+    const int64_t n = int64_t{4} << 30;
+    at::Tensor src = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+    at::Tensor dst = at::empty_like(src);
+    copy_bandwidth = 2.0 * static_cast<double>(n) / (median_us([&] { dst.copy_(src); }, repeats) * 1e-6);
+  }
+  const ModelConfig model = attention_shapes();
+  kernels::ModelDimensions dims{1, kHeads, kKvHeads, kHeadDim, {}};
+  {
+    const at::Tensor f = rope_inverse_frequencies(model.rope, kHeadDim).to(at::kFloat).contiguous();
+    dims.rope_inverse_frequencies.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (const int64_t batch : batches) {
+    // SDPA per context, once per batch.
+    std::map<int64_t, double> sdpa;
+    for (const int64_t context : contexts) {
+      const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+      const at::Tensor q = at::randn({batch, kHeads, 1, kHeadDim}, options);
+      const at::Tensor k = at::randn({batch, kKvHeads, context, kHeadDim}, options);
+      const at::Tensor v = at::randn({batch, kKvHeads, context, kHeadDim}, options);
+      sdpa[context] = median_us(
+          [&] { at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, std::nullopt, true); }, repeats);
+    }
+    for (const std::string& method : methods) {
+      for (const int b : bits) {
+        const QuantizerConfig config = bench_config(method, b);
+        kernels::CacheOptions options;
+        options.max_sequences = batch;
+        options.max_context = contexts.back() + 64;
+        options.element = kernels::ElementType::kBFloat16;
+        kernels::QuantizedKVCache cache(config, dims, options, std::make_unique<kernels::CudaBackend>(0));
+        std::vector<int32_t> sequences;
+        for (int64_t i = 0; i < batch; ++i) sequences.push_back(cache.add_sequence());
+        int32_t* slots = nullptr;
+        int64_t* lengths = nullptr;
+        KVFORGE_CUDA_CHECK(cudaMalloc(&slots, batch * sizeof(int32_t)));
+        KVFORGE_CUDA_CHECK(cudaMalloc(&lengths, batch * sizeof(int64_t)));
+        KVFORGE_CUDA_CHECK(cudaMemcpy(slots, sequences.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+        const auto io = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+        const at::Tensor queries = at::randn({batch, kHeads, kHeadDim}, io);
+        at::Tensor output = at::empty_like(queries);
+        for (const int64_t context : contexts) {
+          fill(cache, sequences, context);
+          // Every sequence holds the same tokens: the context, plus the few
+          // decode-step appends timed at the smaller contexts.
+          const int64_t tokens = cache.length(sequences.front(), 0);
+          const std::vector<int64_t> host_lengths(static_cast<size_t>(batch), tokens);
+          KVFORGE_CUDA_CHECK(cudaMemcpy(lengths, host_lengths.data(), batch * sizeof(int64_t), cudaMemcpyHostToDevice));
+          kernels::DecodeParams params = cache.decode_params(0);
+          params.batch.count = static_cast<int32_t>(batch);
+          params.batch.slots = slots;
+          params.batch.lengths = lengths;
+          params.queries = queries.data_ptr();
+          params.output = output.data_ptr();
+          params.io = kernels::ElementType::kBFloat16;
+          const double time_us = median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
+          int64_t bytes = 0;
+          for (const int32_t s : sequences) {
+            for (const kernels::TensorKind kind : {kernels::TensorKind::kKeys, kernels::TensorKind::kValues}) {
+              bytes += kernels::bytes_read(cache.layout(kind), tokens, cache.outlier_entries(0, kind, s)).total();
+            }
+          }
+          bytes += static_cast<int64_t>(batch) * kHeads * kHeadDim * 2 * 2;  // queries in, output out (bf16)
+          // One decoding step's append: a token for every sequence.
+          const at::Tensor one_k = at::randn({batch, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
+          const at::Tensor one_v = at::randn_like(one_k);
+          kernels::AppendBatch step;
+          step.sequences = sequences;
+          for (const int32_t s : sequences) {
+            step.positions.push_back(cache.length(s, 0));
+            step.tokens.push_back(1);
+          }
+          step.keys = one_k.data_ptr<float>();
+          step.values = one_v.data_ptr<float>();
+          step.backend_memory = true;
+          const double append_us = median_us(
+              [&] {
+                for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
+                cache.append(0, step);
+              },
+              std::max(3, repeats / 4));
+          nlohmann::json row = {{"context", context},
+                                {"tokens", tokens},
+                                {"batch", batch},
+                                {"method", method},
+                                {"bits", b},
+                                {"time_us", time_us},
+                                {"sdpa_time_us", sdpa.at(context)},
+                                {"speedup_vs_sdpa", sdpa.at(context) / time_us},
+                                {"bytes_read", bytes},
+                                {"achieved_bytes_per_s", static_cast<double>(bytes) / (time_us * 1e-6)},
+                                {"bandwidth_fraction", static_cast<double>(bytes) / (time_us * 1e-6) / copy_bandwidth},
+                                {"append_time_us", append_us},
+                                {"append_over_decode_rate", time_us / append_us}};
+          const auto fi = flashinfer.find({context, batch});
+          if (fi != flashinfer.end()) {
+            row["flashinfer_bf16_time_us"] = fi->second.value("flashinfer_bf16_time_us", nlohmann::json());
+            row["flashinfer_fp8_time_us"] = fi->second.value("flashinfer_fp8_time_us", nlohmann::json());
+          }
+          std::cerr << row.dump() << "\n";
+          rows.push_back(row);
+        }
+        cudaFree(slots);
+        cudaFree(lengths);
+      }
+    }
+  }
+  cudaDeviceProp properties{};
+  KVFORGE_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
+  const nlohmann::json report = {{"what", "decode attention of the runtime kernels vs bf16 SDPA, Llama-3-8B attention shapes"},
+                                 {"machine", properties.name},
+                                 {"commit", commit},
+                                 {"command", command},
+                                 {"copy_bandwidth_bytes_per_s", copy_bandwidth},
+                                 {"rows", rows}};
+  std::ofstream(out) << report.dump(1) << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvforge
+
+int main(int argc, char** argv) {
+  try {
+    return kvforge::run(argc, argv);
+  } catch (const std::exception& error) {
+    std::cerr << "kvforge_bench_decode_attention: " << error.what() << "\n";
+    return 1;
+  }
+}
