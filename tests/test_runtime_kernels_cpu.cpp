@@ -32,6 +32,7 @@
 #include "eval/simulated_quantized_cache.h"
 #include "kernels/element_conversion.h"
 #include "kernels/quantized_kv_cache.h"
+#include "tests/kernel_activations.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -192,13 +193,12 @@ Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim,
 
 constexpr int64_t kKvHeads = 2, kLayers = 2;
 
-at::Tensor to_element(const at::Tensor& x, ElementType element) {
-  switch (element) {
-    case ElementType::kFloat16: return x.to(at::kHalf).to(at::kFloat);
-    case ElementType::kBFloat16: return x.to(at::kBFloat16).to(at::kFloat);
-    case ElementType::kFloat32: return x.to(at::kFloat);
-  }
-  return x;
+using testing::array_of;
+using testing::to_element;
+using Activations = testing::KernelActivations;
+Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer_scale, ElementType element,
+                      const RotaryEmbedding& rope) {
+  return testing::synthetic_activations(windows, kKvHeads, tokens, dim, layer_scale, element, rope);
 }
 
 // Rounds every element of a float64 tensor to the cache's element type, once
@@ -208,35 +208,6 @@ at::Tensor round_each(const at::Tensor& x, ElementType element) {
   double* data = out.data_ptr<double>();
   for (int64_t i = 0; i < out.numel(); ++i) data[i] = kernels::round_to_element(element, data[i]);
   return out;
-}
-
-// Keys (pre- and post-RoPE) and values of one layer, [N, kv_heads, T, D]
-// float32, every value an element-type number: channels of different scales
-// and offsets for keys (an outlier channel every 11), occasional spikes in
-// values.
-struct Activations {
-  at::Tensor keys_pre, keys, values;
-};
-
-Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer_scale, ElementType element,
-                      const RotaryEmbedding& rope) {
-  const at::Tensor channel = at::arange(dim, at::kDouble);
-  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kDouble);
-  const at::Tensor offset = 0.5 * at::sin(channel);
-  Activations a;
-  const at::Tensor pre = (at::randn({windows, kKvHeads, tokens, dim}, at::kDouble) * scale + offset) * layer_scale;
-  a.keys_pre = to_element(pre, element);
-  a.keys = to_element(RotaryEmbedding::apply(a.keys_pre.to(at::kFloat), rope.tables(0, tokens, at::kFloat)), element);
-  at::Tensor values = at::randn({windows, kKvHeads, tokens, dim}, at::kDouble);
-  values = values + (at::rand(values.sizes(), at::kDouble) < 0.01).to(at::kDouble) * at::randn(values.sizes(), at::kDouble) * 6;
-  a.values = to_element(values * layer_scale, element);
-  return a;
-}
-
-Float32Array array_of(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kFloat).contiguous();
-  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
-          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
 }
 
 at::Tensor random_orthogonal(int64_t heads, int64_t dim) {

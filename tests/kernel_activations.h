@@ -1,0 +1,31 @@
+#pragma once
+// Synthetic activations for the runtime-kernel tests (CPU reference, CUDA
+// append, CUDA decode): keys before and after RoPE and values of one layer,
+// every value an element-type number, with the features the layouts must
+// handle: channels of different scales and offsets for keys (an outlier
+// channel every 11) and occasional spikes in values.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "formats/quantizer_config.h"
+#include "kernels/runtime_layout.h"
+#include "model/rope.h"
+
+namespace kvforge::testing {
+
+// x rounded to the element type (through float32 for fp16 and bf16, as the
+// tests' inputs are), returned as float32.
+at::Tensor to_element(const at::Tensor& x, kernels::ElementType element);
+
+struct KernelActivations {
+  at::Tensor keys_pre, keys, values;  // [windows, kv_heads, tokens, dim] float32
+};
+
+KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64_t tokens, int64_t dim,
+                                        double layer_scale, kernels::ElementType element,
+                                        const RotaryEmbedding& rope);
+
+Float32Array array_of(const at::Tensor& t);  // float32, its shape kept
+
+}  // namespace kvforge::testing
