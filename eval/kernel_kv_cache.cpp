@@ -1,6 +1,7 @@
 #include "eval/kernel_kv_cache.h"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -52,9 +53,15 @@ kernels::CacheOptions options_for(const Transformer& model, int64_t batch, int64
   return options;
 }
 
-// [B, heads, D] float32 on the CPU, contiguous: token t of a [B, heads, T, D] block.
-at::Tensor step_rows(const at::Tensor& block, int64_t t) {
-  return block.select(2, t).to(at::kCPU, at::kFloat).contiguous();
+// [B, heads, D] float32, contiguous, on the cache's side: the model's device
+// (the CUDA kernels read device memory in place; the CPU reference, host
+// memory): token t of a [B, heads, T, D] block.
+at::Tensor step_rows(const at::Tensor& block, int64_t t) { return block.select(2, t).to(at::kFloat).contiguous(); }
+
+// torch queues its kernels on its own stream, the CUDA backend on another:
+// the inputs are complete before the runtime kernels read them.
+void wait_for_torch(const at::Tensor& t) {
+  if (t.is_cuda()) c10::cuda::device_synchronize();
 }
 
 }  // namespace
@@ -99,10 +106,14 @@ at::Tensor KernelKVCache::append_and_attend(const NewKeysValues& block, const at
     const at::Tensor k = step_rows(keys, t), v = step_rows(block.values, t);
     step.keys = k.data_ptr<float>();
     step.values = v.data_ptr<float>();
+    step.backend_memory = true;
+    wait_for_torch(k);
     cache_.append(block.layer, step);
     const at::Tensor q = step_rows(queries, t);
     at::Tensor out = at::empty_like(q);
-    cache_.decode_attention(block.layer, sequences_, q.data_ptr<float>(), out.data_ptr<float>());
+    wait_for_torch(q);
+    // Returns with the output written (the backend synchronizes).
+    cache_.decode_attention(block.layer, sequences_, q.data_ptr<float>(), out.data_ptr<float>(), nullptr, true);
     outputs.push_back(out);
   }
   return at::stack(outputs, 2).to(queries.device(), queries.scalar_type());

@@ -7,7 +7,8 @@
 //
 // The kernels decode one query per sequence, so a block of T tokens is fed
 // as T decoding steps (append one token, attend with its query): the
-// decode-time semantics of SimulatedQuantizedCache at chunk 1. The cache's
+// decode-time semantics of SimulatedQuantizedCache at chunk 1. Inputs and
+// outputs stay on the model's device (the kernels' zero-copy path). The cache's
 // exact elements are in the model's dtype (fp32 models use the fp32
 // reference layout). Sliding-window layers are refused.
 #include <ATen/core/Tensor.h>
