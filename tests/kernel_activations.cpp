@@ -2,7 +2,11 @@
 
 #include <ATen/ATen.h>
 
+#include <numbers>
+#include <tuple>
 #include <vector>
+
+#include "calib/kv_rotation.h"
 
 namespace kvforge::testing {
 
@@ -36,6 +40,37 @@ Float32Array array_of(const at::Tensor& t) {
   const at::Tensor c = t.to(at::kFloat).contiguous();
   return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
           std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+}
+
+LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, const FitOptions& fit,
+                                           const KernelActivations& calibration, int64_t kv_heads, int64_t head_dim,
+                                           RotationForm key_rotation, RotationForm value_rotation, bool key_centre) {
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  const auto orthogonal = [&] { return std::get<0>(at::linalg_qr(at::randn({kv_heads, head_dim, head_dim}, at::kDouble))); };
+  LayerRotation rotation;
+  if (key_rotation == RotationForm::kMatrix) {
+    rotation.keys.matrix = array_of(orthogonal());
+    if (key_centre) rotation.keys.centre = array_of(at::randn({kv_heads, head_dim}, at::kDouble) * 0.3);
+  } else if (key_rotation == RotationForm::kPairAngles) {
+    rotation.keys.angles = array_of((at::rand({kv_heads, head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
+  }
+  if (value_rotation == RotationForm::kMatrix) rotation.values.matrix = array_of(orthogonal());
+  LayerActivations a;
+  a.keys = (settings.keys_pre_rope ? calibration.keys_pre : calibration.keys).to(at::kDouble);
+  a.values = calibration.values.to(at::kDouble);
+  if (key_rotation != RotationForm::kNone) {
+    const at::Tensor m = rotation_matrices(rotation.keys, key_rotation, kv_heads, head_dim, options);
+    const at::Tensor centre = rotation_centre(rotation.keys, kv_heads, head_dim, options);
+    a.keys = rotate(centre.defined() ? a.keys - centre : a.keys, m);
+  }
+  if (value_rotation != RotationForm::kNone) {
+    a.values = rotate(a.values, rotation_matrices(rotation.values, value_rotation, kv_heads, head_dim, options));
+  }
+  a.keys = a.keys.to(at::kFloat);
+  a.values = a.values.to(at::kFloat);
+  LayerQuantizers fitted = fit_layer(settings, a, fit);
+  fitted.rotation = rotation;
+  return fitted;
 }
 
 }  // namespace kvforge::testing

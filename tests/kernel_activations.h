@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "calib/quantizer_fit.h"
 #include "formats/quantizer_config.h"
 #include "kernels/runtime_layout.h"
 #include "model/rope.h"
@@ -27,5 +28,13 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
                                         const RotaryEmbedding& rope);
 
 Float32Array array_of(const at::Tensor& t);  // float32, its shape kept
+
+// One layer's quantizers fitted by calib to `calibration` (keys in the
+// settings' domain) under a random rotation of the given forms (drawn in this
+// order: key matrix, key centre, key angles, value matrix), the rotation
+// recorded in the result.
+LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, const FitOptions& fit,
+                                           const KernelActivations& calibration, int64_t kv_heads, int64_t head_dim,
+                                           RotationForm key_rotation, RotationForm value_rotation, bool key_centre);
 
 }  // namespace kvforge::testing

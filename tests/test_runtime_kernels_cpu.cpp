@@ -210,10 +210,6 @@ at::Tensor round_each(const at::Tensor& x, ElementType element) {
   return out;
 }
 
-at::Tensor random_orthogonal(int64_t heads, int64_t dim) {
-  return std::get<0>(at::linalg_qr(at::randn({heads, dim, dim}, at::kDouble)));
-}
-
 kernels::ModelDimensions dimensions(const Case& c, const RopeConfig& rope) {
   kernels::ModelDimensions d;
   d.num_layers = kLayers;
@@ -243,31 +239,9 @@ QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
   }
   for (int64_t layer = 0; layer < kLayers; ++layer) {
     const Activations calibration = synthetic(2, 96, c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
-    LayerRotation rotation;
-    const auto options = at::TensorOptions().dtype(at::kDouble);
-    if (c.key_rotation == RotationForm::kMatrix) {
-      rotation.keys.matrix = array_of(random_orthogonal(kKvHeads, c.head_dim));
-      if (c.key_centre) rotation.keys.centre = array_of(at::randn({kKvHeads, c.head_dim}, at::kDouble) * 0.3);
-    } else if (c.key_rotation == RotationForm::kPairAngles) {
-      rotation.keys.angles = array_of((at::rand({kKvHeads, c.head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
-    }
-    if (c.value_rotation == RotationForm::kMatrix) rotation.values.matrix = array_of(random_orthogonal(kKvHeads, c.head_dim));
-    LayerActivations a;
-    a.keys = (config.settings.keys_pre_rope ? calibration.keys_pre : calibration.keys).to(at::kDouble);
-    a.values = calibration.values.to(at::kDouble);
-    if (c.key_rotation != RotationForm::kNone) {
-      const at::Tensor m = rotation_matrices(rotation.keys, c.key_rotation, kKvHeads, c.head_dim, options);
-      const at::Tensor centre = rotation_centre(rotation.keys, kKvHeads, c.head_dim, options);
-      a.keys = rotate(centre.defined() ? a.keys - centre : a.keys, m);
-    }
-    if (c.value_rotation != RotationForm::kNone) {
-      a.values = rotate(a.values, rotation_matrices(rotation.values, c.value_rotation, kKvHeads, c.head_dim, options));
-    }
-    a.keys = a.keys.to(at::kFloat);
-    a.values = a.values.to(at::kFloat);
-    LayerQuantizers fitted = fit_layer(config.settings, a, c.fit);
-    fitted.rotation = rotation;
-    config.layers.push_back(fitted);
+    config.layers.push_back(testing::fit_randomly_rotated_layer(config.settings, c.fit, calibration, kKvHeads,
+                                                                c.head_dim, c.key_rotation, c.value_rotation,
+                                                                c.key_centre));
   }
   return config;
 }
