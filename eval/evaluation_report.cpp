@@ -1,7 +1,5 @@
 #include "eval/evaluation_report.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -16,7 +14,7 @@
 #include "eval/evaluation_table.h"
 #include "eval/svg_chart.h"
 #include "formats/input_error.h"
-#include "formats/remove_on_failure.h"
+#include "formats/atomic_text_file.h"
 #include "kvforge/version.h"
 
 namespace kvforge {
@@ -442,21 +440,7 @@ std::string render_evaluation_report(const Evaluation& evaluation) {
 }
 
 void write_evaluation_report(const Evaluation& evaluation, const std::filesystem::path& path) {
-  const std::string html = render_evaluation_report(evaluation);
-  // Beside the target, so the rename stays on one file system; the pid keeps
-  // two writers of the same report apart.
-  const std::filesystem::path temporary = path.string() + ".tmp." + std::to_string(::getpid());
-  RemoveOnFailure cleanup(temporary);
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(html.data(), static_cast<std::streamsize>(html.size()));
-    out.close();
-    if (!out) throw InputError(path.string(), "", "a writable path for the HTML report");
-  }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) throw InputError(path.string(), "", "a writable path for the HTML report (" + error.message() + ")");
-  cleanup.release();
+  write_text_file_atomically(path, render_evaluation_report(evaluation), "the HTML report");
 }
 
 }  // namespace kvforge

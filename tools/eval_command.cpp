@@ -13,6 +13,7 @@
 #include "eval/evaluation_table.h"
 #include "eval/rollout_gate.h"
 #include "formats/artifact.h"
+#include "formats/atomic_text_file.h"
 #include "formats/input_error.h"
 #include "formats/model_fingerprint.h"
 #include "formats/safetensors.h"
@@ -77,17 +78,6 @@ std::vector<const QuantizerConfig*> select_configurations(const Artifact& artifa
     selected.push_back(found);
   }
   return selected;
-}
-
-// Written under a temporary name and renamed: no partial output.
-void write_text_file(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary);
-    out << text;
-    if (!out) throw InputError(path.string(), "", "a writable file");
-  }
-  std::filesystem::rename(temporary, path);
 }
 
 EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const ActivationStoreReader* acts) {
@@ -218,7 +208,7 @@ int run(const EvalFlags& flags, const Invocation& invocation) {
     if (flags.json == "-") {
       std::cout << json;
     } else {
-      write_text_file(flags.json, json);
+      write_text_file_atomically(flags.json, json, "the evaluation's JSON");
       log::info("wrote ", flags.json);
     }
   }

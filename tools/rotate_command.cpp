@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "formats/artifact.h"
+#include "formats/atomic_text_file.h"
 #include "formats/input_error.h"
 #include "formats/name_table.h"
 #include "formats/utc_timestamp.h"
@@ -155,16 +156,6 @@ nlohmann::json measure_heldout(const RotateFlags& flags, const std::string& base
   return result;
 }
 
-void write_json_atomically(const std::filesystem::path& path, const nlohmann::json& json) {
-  const std::filesystem::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary);
-    out << json.dump(1) << "\n";
-    if (!out) throw InputError(path.string(), "", "a writable file");
-  }
-  std::filesystem::rename(temporary, path);
-}
-
 int run(const RotateFlags& flags, const Invocation& invocation) {
   const ActivationStoreReader store(flags.acts);
   if (!store.complete()) {
@@ -217,9 +208,9 @@ int run(const RotateFlags& flags, const Invocation& invocation) {
   artifact.command_line = invocation.command_line;
   artifact.created_utc = current_utc_timestamp();
   if (!flags.json_out.empty()) {
-    write_json_atomically(flags.json_out, {{"tool_version", kVersion},
-                                           {"command_line", invocation.command_line},
-                                           {"heldout", heldout}});
+    const nlohmann::json json = {
+        {"tool_version", kVersion}, {"command_line", invocation.command_line}, {"heldout", heldout}};
+    write_text_file_atomically(flags.json_out, json.dump(1) + "\n", "the held-out comparison's JSON");
   }
   // Validates every rotation and quantizer; writes atomically.
   write_artifact(flags.out.empty() ? flags.artifact : flags.out, artifact);
