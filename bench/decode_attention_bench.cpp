@@ -127,7 +127,7 @@ int run(int argc, char** argv) {
   CLI::App app{"Decode attention of the runtime kernels against bf16 SDPA (Llama-3-8B attention shapes)"};
   std::vector<int64_t> contexts = {4096, 8192, 16384, 32768, 65536, 131072};
   std::vector<int64_t> batches = {1, 8, 32};
-  std::vector<std::string> methods = {"int2-rot", "kvquant"};
+  std::vector<std::string> methods = {"int2-rot", "rtn", "kivi", "kvquant"};
   std::vector<int> bits = {2, 4};
   int repeats = 20;
   std::string out, baselines, commit, command;
@@ -211,6 +211,16 @@ int run(int argc, char** argv) {
           params.queries = queries.data_ptr();
           params.output = output.data_ptr();
           params.io = kernels::ElementType::kBFloat16;
+          params.batch.max_length = tokens;
+          // Planned once, as a serving loop would: the workspace outlives the steps.
+          const int64_t workspace_bytes = kernels::decode_workspace_bytes(params);
+          const at::Tensor workspace =
+              at::empty({workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+          params.workspace = workspace.data_ptr();
+          params.workspace_bytes = workspace_bytes;
+          int multiprocessors = 0;
+          KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
+          const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
           const double time_us = median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
           int64_t bytes = 0;
           for (const int32_t s : sequences) {
@@ -242,6 +252,8 @@ int run(int argc, char** argv) {
                                 {"batch", batch},
                                 {"method", method},
                                 {"bits", b},
+                                {"kernel", plan.tensor_cores ? "tensor_cores" : "general"},
+                                {"splits", plan.splits},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
                                 {"speedup_vs_sdpa", sdpa.at(context) / time_us},

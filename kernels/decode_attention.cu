@@ -1,7 +1,8 @@
-// The launcher of the CUDA decode_attention (decode_attention_kernel.cuh):
-// host checks with one-line errors, the split count, the workspace of the
-// splits' states, the dispatch on head_dim, bits and the GQA group size,
-// and the merge.
+// The launcher of the CUDA decode_attention (decode_attention_kernel.cuh,
+// decode_tensor_core_kernel.cuh): host checks with one-line errors, the plan
+// (which kernel, how many splits), the workspace of the splits' states, the
+// dispatch on head_dim, bits, the GQA group size and the channel groups, and
+// the merge.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -9,6 +10,7 @@
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_attention_launch.h"
+#include "kernels/decode_tensor_core_kernel.cuh"
 
 namespace kvforge::kernels {
 namespace {
@@ -53,68 +55,160 @@ void check_params(const DecodeParams& p) {
 }
 
 template <int D, int kBits, int kWarps>
-void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(workspace.max_splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                   const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
-  device::decode_split_kernel<D, kBits, kWarps><<<grid, kWarps * device::kWarpSize, 0, stream>>>(p, workspace);
+  device::decode_split_kernel<D, kBits, kWarps><<<grid, kWarps * device::kWarpSize, 0, stream>>>(p, workspace, assignment);
 }
 
+// The general kernel over `blocks` splits per (KV head, sequence).
 template <int D, int kBits>
-void launch_splits_for_group(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
+void launch_general(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                    const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream) {
   const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
   // At least 4 warps dequantize; warps beyond the group only dequantize.
   if (group <= 4) {
-    launch_splits<D, kBits, 4>(p, workspace, stream);
+    launch_splits<D, kBits, 4>(p, workspace, assignment, blocks, stream);
   } else if (group <= 8) {
-    launch_splits<D, kBits, 8>(p, workspace, stream);
+    launch_splits<D, kBits, 8>(p, workspace, assignment, blocks, stream);
   } else {
-    launch_splits<D, kBits, 16>(p, workspace, stream);
+    launch_splits<D, kBits, 16>(p, workspace, assignment, blocks, stream);
+  }
+}
+
+bool grouped_channels(const TensorLayoutSpec& spec) {
+  return spec.grouping == ScaleGrouping::kPerToken && spec.group < spec.head_dim;
+}
+
+template <int D, int kBits>
+void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                         cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+                  static_cast<unsigned>(p.batch.count));
+  const device::TensorCoreSplits splits{plan.tokens_per_split};
+  constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
+  if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
+    device::decode_tensor_core_kernel<D, kBits, 4, 4><<<grid, kThreads, 0, stream>>>(p, workspace, splits);
+  } else {
+    device::decode_tensor_core_kernel<D, kBits, 1, 1><<<grid, kThreads, 0, stream>>>(p, workspace, splits);
+  }
+}
+
+template <int D, int kBits>
+void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                     cudaStream_t stream) {
+  if (plan.tensor_cores) {
+    launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
+    if (plan.exact_splits > 0) {
+      launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+    }
+  } else {
+    launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream);
   }
 }
 
 template <int D>
-void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
+void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                         cudaStream_t stream) {
   if (p.key_cache.layout.spec.bits == 2) {
-    launch_splits_for_group<D, 2>(p, workspace, stream);
+    launch_for_bits<D, 2>(p, workspace, plan, stream);
   } else {
-    launch_splits_for_group<D, 4>(p, workspace, stream);
+    launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
   device::decode_merge_kernel<D><<<grid, D, 0, stream>>>(p, workspace);
 }
 
-// Splits of the longest context a page table row can hold (sink plus
-// stride * page_size tokens), so that no length is read back to the host;
-// the blocks of splits past a sequence's length return at once.
-int64_t max_splits(const DecodeParams& p) {
-  if (p.tokens_per_split == 0) return 1;
+// The longest context of the batch: the caller's max_length, else what a
+// page table row holds (sink plus stride * page_size tokens).
+int64_t longest_context(const DecodeParams& p) {
+  if (p.batch.max_length > 0) return p.batch.max_length;
   const TensorLayoutSpec& spec = p.key_cache.layout.spec;
-  const int64_t max_tokens = spec.sink_tokens + p.batch.page_table_stride * spec.page_size;
-  return std::max<int64_t>(1, (max_tokens + p.tokens_per_split - 1) / p.tokens_per_split);
+  return spec.sink_tokens + p.batch.page_table_stride * spec.page_size;
+}
+
+int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int multiprocessor_count() {
+  int device = 0, count = 0;
+  KVFORGE_CUDA_CHECK(cudaGetDevice(&device));
+  KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+int64_t workspace_bytes_for(const DecodeParams& p, const DecodePlan& plan) {
+  const int64_t states = static_cast<int64_t>(p.batch.count) * p.num_heads * plan.states;
+  return states * (p.key_cache.layout.spec.head_dim + 2) * static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace
 
+bool tensor_core_decode_supported(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  const int dim = k.head_dim;
+  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4)) return false;
+  if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
+  if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
+  const auto per_token_ok = [dim](const TensorLayoutSpec& s) {
+    return s.grouping == ScaleGrouping::kPerTokenAllHeads ||
+           (s.grouping == ScaleGrouping::kPerToken && s.group % 16 == 0 && dim / s.group <= 4);
+  };
+  const bool keys_ok = per_token_ok(k) || k.grouping == ScaleGrouping::kPerChannelOffline ||
+                       (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % 16 == 0);
+  return keys_ok && per_token_ok(v);
+}
+
+DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
+  DecodePlan plan;
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const int64_t longest = std::max<int64_t>(1, longest_context(p));
+  // Enough blocks for a few per multiprocessor, from the longest sequence.
+  const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
+  const int64_t wanted_splits = std::max<int64_t>(1, ceil_div64(4 * static_cast<int64_t>(multiprocessors), per_split));
+  plan.tensor_cores = tensor_core_decode_supported(p);
+  if (plan.tensor_cores) {
+    constexpr int64_t kQuantum = device::kTensorCoreWarps * device::kTileRows;
+    plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wanted_splits), kQuantum) * kQuantum);
+    plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
+    const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
+    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
+                                             ceil_div64(ring, device::kExactChunk));
+  } else {
+    // The caller's split (the CPU reference's) when it gives one.
+    plan.tokens_per_split = p.tokens_per_split > 0 ? p.tokens_per_split : 0;
+    plan.splits = static_cast<int32_t>(p.tokens_per_split > 0 ? ceil_div64(longest, p.tokens_per_split) : 1);
+  }
+  plan.states = plan.splits + plan.exact_splits;
+  return plan;
+}
+
+int64_t decode_workspace_bytes(const DecodeParams& p) {
+  return workspace_bytes_for(p, plan_decode_attention(p, multiprocessor_count()));
+}
+
 void launch_decode_attention(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  const int64_t splits = max_splits(params);
-  if (splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
-  const int64_t dim = params.key_cache.layout.spec.head_dim;
-  const int64_t states = static_cast<int64_t>(params.batch.count) * params.num_heads * splits;
-  void* memory = nullptr;
-  KVFORGE_CUDA_CHECK(cudaMallocAsync(&memory, static_cast<size_t>(states * (dim + 2)) * sizeof(float), stream));
+  const DecodePlan plan = plan_decode_attention(params, multiprocessor_count());
+  if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
+  const int64_t bytes = workspace_bytes_for(params, plan);
+  void* memory = params.workspace;
+  const bool owned = memory == nullptr || params.workspace_bytes < bytes;
+  if (owned) KVFORGE_CUDA_CHECK(cudaMallocAsync(&memory, static_cast<size_t>(bytes), stream));
+  const int64_t states = static_cast<int64_t>(params.batch.count) * params.num_heads * plan.states;
   device::SplitWorkspace workspace;
   workspace.max_sum = static_cast<float*>(memory);
   workspace.acc = workspace.max_sum + 2 * states;
-  workspace.max_splits = static_cast<int32_t>(splits);
-  if (dim == 64) {
-    launch_for_head_dim<64>(params, workspace, stream);
+  workspace.max_splits = static_cast<int32_t>(plan.states);
+  if (params.key_cache.layout.spec.head_dim == 64) {
+    launch_for_head_dim<64>(params, workspace, plan, stream);
   } else {
-    launch_for_head_dim<128>(params, workspace, stream);
+    launch_for_head_dim<128>(params, workspace, plan, stream);
   }
   const cudaError_t launched = cudaGetLastError();
-  KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
+  if (owned) KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
   KVFORGE_CUDA_CHECK(launched);
 }
 

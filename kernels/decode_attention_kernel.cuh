@@ -236,17 +236,63 @@ __device__ void rope_tile(const float* inverse_frequencies, int64_t first, int c
 
 // ---------------------------------------------------------------- kernels
 
-// The split's state of query head h of sequence entry: max and sum at
-// ml[2 i], ml[2 i + 1] and acc at acc[i * D], i = (entry * H + h) * splits + split.
+// The split states of query head h of sequence entry: max and sum at
+// max_sum[2 i], max_sum[2 i + 1] and acc at acc[i * D], i = (entry * H + h) *
+// max_splits + state. A state whose max is -inf is empty (the merge skips it;
+// its sum and acc are not written).
 struct SplitWorkspace {
   float* max_sum = nullptr;
   float* acc = nullptr;
   int32_t max_splits = 0;
 };
 
+inline constexpr int kExactChunk = 64;  // tokens per block of the exact ranges
+
+// Which tokens block x of decode_split_kernel takes, and which state it writes:
+//   splits of tokens_per_split tokens over the whole context (the general
+//   path; tokens_per_split 0: one split), or
+//   exact_ranges: the tokens the tensor-core kernel leaves, [0, begin) and
+//   [end, T) of tensor_core_range, in chunks of kExactChunk, written after
+//   the tensor-core states (state first_state + x).
+struct SplitAssignment {
+  int64_t tokens_per_split = 0;
+  bool exact_ranges = false;
+  int32_t first_state = 0;
+};
+
+// The token range the tensor cores take: quantized for keys and values.
+__device__ inline void tensor_core_range(const DecodeParams& p, int64_t tokens, int64_t& begin, int64_t& end) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  begin = quantized_begin(k, tokens);
+  const int64_t ke = quantized_end(k, tokens), ve = quantized_end(v, tokens);
+  end = ke < ve ? ke : ve;
+  if (end < begin) end = begin;
+}
+
+__device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment& assignment, int64_t tokens, int split,
+                                    int64_t& first, int64_t& last) {
+  if (!assignment.exact_ranges) {
+    const int64_t size = assignment.tokens_per_split > 0 ? assignment.tokens_per_split : tokens;
+    first = static_cast<int64_t>(split) * size;
+    last = first + size < tokens ? first + size : tokens;
+    return;
+  }
+  int64_t begin, end;
+  tensor_core_range(p, tokens, begin, end);
+  const int64_t head_chunks = (begin + kExactChunk - 1) / kExactChunk;
+  if (split < head_chunks) {
+    first = static_cast<int64_t>(split) * kExactChunk;
+    last = first + kExactChunk < begin ? first + kExactChunk : begin;
+  } else {
+    first = end + (split - head_chunks) * kExactChunk;
+    last = first + kExactChunk < tokens ? first + kExactChunk : tokens;
+  }
+}
+
 template <int D, int kBits, int kWarps>
 __global__ void __launch_bounds__(kWarps * kWarpSize)
-    decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+    decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
   constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
   constexpr int kPerLane = D / kWarpSize;
   __shared__ float keys[kTileTokens * kKeyStride];
@@ -259,12 +305,19 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t tokens = p.batch.lengths[entry];
-  const int64_t split_tokens = p.tokens_per_split > 0 ? p.tokens_per_split : tokens;
-  const int64_t first = static_cast<int64_t>(split) * split_tokens;
-  if (first >= tokens) return;
-  const int64_t last = first + split_tokens < tokens ? first + split_tokens : tokens;
+  int64_t first, last;
+  split_tokens(p, assignment, tokens, split, first, last);
   const int kv_heads = p.key_cache.layout.spec.kv_heads;
   const int group = p.num_heads / kv_heads;
+  const int state = assignment.first_state + split;
+  if (first >= last) {  // an empty split: a state the merge skips
+    if (threadIdx.x < group) {
+      const int64_t index = (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + threadIdx.x) *
+                                workspace.max_splits + state;
+      workspace.max_sum[2 * index] = -INFINITY;
+    }
+    return;
+  }
   const int32_t slot = p.batch.slots[entry];
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
 
@@ -346,7 +399,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   }
   if (!scoring) return;
   const int64_t index =
-      (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + warp) * workspace.max_splits + split;
+      (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + warp) * workspace.max_splits + state;
   if (lane == 0) {
     workspace.max_sum[2 * index] = running_max;
     workspace.max_sum[2 * index + 1] = running_sum;
@@ -355,25 +408,52 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + lane + k * kWarpSize] = acc[k];
 }
 
-// One block of D threads per (query head, sequence entry): the splits merged
-// in split order as the reference (M = max m_k, L = sum l_k e^(m_k - M),
-// o' = sum acc_k e^(m_k - M) / L), then o = o' R_v^T.
+// One block of D threads per (query head, sequence entry): the non-empty
+// split states merged (M = max m_k, L = sum l_k e^(m_k - M),
+// o' = sum acc_k e^(m_k - M) / L; FlashInfer's merge_state), then
+// o = o' R_v^T. The states' weights are computed once per chunk of D states
+// by D threads, so that the sum over a long list of splits is a loop of
+// independent loads.
 template <int D>
 __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
   __shared__ float merged[D];
+  __shared__ float weights[D];
+  __shared__ float reduce[D / kWarpSize];
   const int head = blockIdx.x, entry = blockIdx.y, d = threadIdx.x;
-  const int64_t tokens = p.batch.lengths[entry];
-  const int64_t splits =
-      p.tokens_per_split > 0 ? (tokens + p.tokens_per_split - 1) / p.tokens_per_split : (tokens > 0 ? 1 : 0);
-  const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * workspace.max_splits;
+  const int warp = d / kWarpSize, lane = d % kWarpSize;
+  const int64_t states = workspace.max_splits;
+  const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
   float max = -INFINITY;
-  for (int64_t k = 0; k < splits; ++k) max = fmaxf(max, workspace.max_sum[2 * (base + k)]);
+  for (int64_t k = d; k < states; k += D) max = fmaxf(max, workspace.max_sum[2 * (base + k)]);
+  max = warp_max(max);
+  if (lane == 0) reduce[warp] = max;
+  __syncthreads();
+  max = reduce[0];
+  for (int w = 1; w < D / kWarpSize; ++w) max = fmaxf(max, reduce[w]);
   float sum = 0.0f, out = 0.0f;
-  for (int64_t k = 0; k < splits; ++k) {
-    const float rescale = expf(workspace.max_sum[2 * (base + k)] - max);
-    sum = __fadd_rn(sum, __fmul_rn(workspace.max_sum[2 * (base + k) + 1], rescale));
-    out = __fmaf_rn(workspace.acc[(base + k) * D + d], rescale, out);
+  for (int64_t chunk = 0; chunk < states; chunk += D) {
+    __syncthreads();  // the previous chunk's weights (and the reduction) are read
+    float weight = 0.0f;
+    if (chunk + d < states) {
+      const float m = workspace.max_sum[2 * (base + chunk + d)];
+      if (m != -INFINITY) {
+        weight = expf(m - max);
+        sum = __fmaf_rn(workspace.max_sum[2 * (base + chunk + d) + 1], weight, sum);
+      }
+    }
+    weights[d] = weight;
+    __syncthreads();
+    const int64_t count = states - chunk < D ? states - chunk : D;
+    for (int64_t k = 0; k < count; ++k) {
+      if (weights[k] != 0.0f) out = __fmaf_rn(workspace.acc[(base + chunk + k) * D + d], weights[k], out);
+    }
   }
+  sum = warp_sum(sum);
+  __syncthreads();
+  if (lane == 0) reduce[warp] = sum;
+  __syncthreads();
+  sum = 0.0f;
+  for (int w = 0; w < D / kWarpSize; ++w) sum += reduce[w];
   out = __fdiv_rn(out, sum);
   const Rotation& rotation = p.value_rotation;
   const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);

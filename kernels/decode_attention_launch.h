@@ -1,13 +1,43 @@
 #pragma once
-// The CUDA decode_attention kernel's launcher (kernels/decode_attention.cu):
+// The CUDA decode_attention kernels' launcher (kernels/decode_attention.cu):
 // one query per sequence over its paged, quantized KV cache, as
 // docs/runtime-layout.md section 6.3 states and decode_attention_reference
 // computes; every pointer of params is device memory.
+//
+// Plan, then run: plan_decode_attention says which kernel takes the context
+// and how it is split (from the batch's longest sequence and the device's
+// multiprocessors); a caller that decodes many steps sizes params.workspace
+// once by decode_workspace_bytes.
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "kernels/decode_params.h"
 
 namespace kvforge::kernels {
+
+struct DecodePlan {
+  // The tensor-core kernel (section 6.4) takes the tokens quantized for both
+  // keys and values; the general kernel the others (sink, windows). Without
+  // it the general kernel takes every token.
+  bool tensor_cores = false;
+  int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
+  int32_t splits = 0;            // its blocks per (KV head, sequence)
+  int32_t exact_splits = 0;      // tensor cores: the general kernel's blocks over the exact ranges
+  int64_t states = 0;            // split states per query head: splits + exact_splits
+};
+
+// Whether the configuration's layout is one the tensor-core kernel reads:
+// head_dim 64 or 128, 2 or 4 bits, uniform levels, post-RoPE keys, at most 8
+// query heads per KV head, per-token groups of a multiple of 16 channels
+// (at most 4 per head) or all-heads groups, per-channel key groups of a
+// multiple of 16 tokens or offline ones.
+bool tensor_core_decode_supported(const DecodeParams& params);
+
+DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
+
+// Bytes of params.workspace the launch needs on the current device.
+int64_t decode_workspace_bytes(const DecodeParams& params);
 
 void launch_decode_attention(const DecodeParams& params, cudaStream_t stream);
 

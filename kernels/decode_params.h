@@ -83,6 +83,10 @@ struct SequenceBatch {
   const int32_t* page_table = nullptr;  // [num_slots][page_table_stride]: page ids of token slots (t - sink) / page_size
   int64_t page_table_stride = 0;
   const int64_t* lengths = nullptr;     // [count]: append: tokens cached before it; decode: tokens cached
+  // The longest of lengths when the host knows it (decode_attention sizes its
+  // context splits by it without reading lengths back); 0: unknown, the
+  // page table's capacity is assumed.
+  int64_t max_length = 0;
 };
 
 struct AppendParams {
@@ -111,6 +115,11 @@ struct DecodeParams {
   bool keys_pre_rope = false;
   const float* rope_inverse_frequencies = nullptr;  // [D/2], the model's (float32)
   void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
+  // CUDA only: scratch for the split states, planned once by the caller
+  // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
+  // the launch allocates it on its stream.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
 
 }  // namespace kvforge::kernels

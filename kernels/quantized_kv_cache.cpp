@@ -706,6 +706,7 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   params.batch.count = static_cast<int32_t>(count);
   params.batch.slots = slots.as<int32_t>();
   params.batch.lengths = device_lengths.as<int64_t>();
+  params.batch.max_length = *std::max_element(lengths.begin(), lengths.end());
   params.queries = backend_memory ? static_cast<const void*>(queries) : device_queries.data;
   params.output = backend_memory ? static_cast<void*>(output) : device_output.data;
   params.read_tally = tally;

@@ -118,8 +118,9 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
   tail -4 "$LOGS/decode_baselines.log"; }
   [ -n "${SKIP_DECODE_BENCH:-}" ] || { step "decode attention benchmark: the runtime kernels vs bf16 SDPA (and FlashInfer from the baselines)"
-  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" \
-    --baselines "$OUT/decode_baselines.json" --commit "${KVFORGE_COMMIT:-unknown}" \
+  baselines=""; [ -s "$OUT/decode_baselines.json" ] && baselines="--baselines $OUT/decode_baselines.json"
+  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} \
+    $baselines --commit "${KVFORGE_COMMIT:-unknown}" \
     --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
     || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
   tail -6 "$LOGS/decode_attention_bench.log"; }

@@ -187,6 +187,8 @@ QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
 struct Float64Attention {
   std::vector<double> output;
   double query_norm = 0, key_norm = 0, value_norm = 0;  // ||q'||, max_t ||k'_t||, max_t ||v'_t||
+  double query_l1 = 0;                  // sum_d |q'_d|
+  double key_max = 0, value_max = 0;    // max_t,d |k'_td|, |v'_td| (stored basis, before RoPE)
 };
 
 Float64Attention float64_attention(const kernels::QuantizedKVCache& cache, const kernels::DecodeParams& host,
@@ -208,6 +210,7 @@ Float64Attention float64_attention(const kernels::QuantizedKVCache& cache, const
       q[j] = query[j];
     }
     r.query_norm += q[j] * q[j];
+    r.query_l1 += std::fabs(q[j]);
   }
   r.query_norm = std::sqrt(r.query_norm);
   std::vector<double> logits(static_cast<size_t>(tokens));
@@ -218,6 +221,7 @@ Float64Attention float64_attention(const kernels::QuantizedKVCache& cache, const
     const kernels::TokenReadout k = cache.read_token(0, TensorKind::kKeys, sequence, t);
     const kernels::TokenReadout v = cache.read_token(0, TensorKind::kValues, sequence, t);
     std::vector<double> key(k.values.begin() + kv_head * dim, k.values.begin() + (kv_head + 1) * dim);
+    for (double x : key) r.key_max = std::max(r.key_max, std::fabs(x));
     if (host.keys_pre_rope) {
       for (int64_t j = 0; j < half; ++j) {
         const double angle = static_cast<double>(static_cast<float>(t) * host.rope_inverse_frequencies[j]);
@@ -232,7 +236,10 @@ Float64Attention float64_attention(const kernels::QuantizedKVCache& cache, const
       key_norm += key[d] * key[d];
     }
     values[t].assign(v.values.begin() + kv_head * dim, v.values.begin() + (kv_head + 1) * dim);
-    for (double x : values[t]) value_norm += x * x;
+    for (double x : values[t]) {
+      value_norm += x * x;
+      r.value_max = std::max(r.value_max, std::fabs(x));
+    }
     r.key_norm = std::max(r.key_norm, std::sqrt(key_norm));
     r.value_norm = std::max(r.value_norm, std::sqrt(value_norm));
     logits[t] = dot * scale;
@@ -276,6 +283,23 @@ double float32_bound(const Float64Attention& f, double scale, int64_t dim, int64
   const int64_t splits = (tokens + s - 1) / s;
   const double logit = gamma(2.0 * dim + 16) * scale * f.query_norm * f.key_norm;
   return 4 * logit * f.value_norm + gamma(4.0 * s + 3.0 * splits + 8 + dim) * f.value_norm;
+}
+
+// The tensor-core kernel (docs/runtime-layout.md 6.4) on top of the float32
+// bound (its softmax, splits and merge are float32 as above): codes enter
+// the mmas exactly, and the other operand, q'_d (times a per-channel scale)
+// or p_t times a token scale, as bf16 hi + lo, within 2^-16 relative; the
+// tensor cores' float32 sums may truncate (2^-23 per addition, D + 16 of
+// them per logit, 16 per tile and output). The factored sums run over
+// |a| + |b| code <= 3 max |x^| of a group (the group's extremes are codes 0
+// and 2^b - 1), so
+//   logits: |delta s| <= scale (2^-16 + (D + 16) 2^-23) 3 sum_d |q'_d| max |k'|,
+//     moving the output by <= 4 |delta s| max ||v'||;
+//   values: |delta o_d| <= (2^-16 + 32 * 2^-23) 3 max |v'|.
+double tensor_core_bound(const Float64Attention& f, double scale, int64_t dim, int64_t tokens, int64_t split) {
+  const double logit = scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
+  const double value = (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;
+  return float32_bound(f, scale, dim, tokens, split) + 4 * logit * f.value_norm + value;
 }
 
 // ------------------------------------------------------------ the test
@@ -360,6 +384,11 @@ TEST_P(DecodeAttentionCuda, EqualsTheCpuReferenceAndFloat64Attention) {
   const PoolSizes sizes{count, options.max_pages, options.max_outlier_pages};
   DeviceArrays device;
   const kernels::DecodeParams on_device = device_params(device, host, sizes);
+  int multiprocessors = 0;
+  KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
+  const kernels::DecodePlan plan = kernels::plan_decode_attention(on_device, multiprocessors);
+  std::printf("[ %s ] %s kernel, splits of %lld tokens\n", c.name.c_str(), plan.tensor_cores ? "tensor-core" : "general",
+              static_cast<long long>(plan.tokens_per_split));
   kernels::launch_decode_attention(on_device, nullptr);
   KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
   KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
@@ -377,7 +406,9 @@ TEST_P(DecodeAttentionCuda, EqualsTheCpuReferenceAndFloat64Attention) {
         q[d] = kernels::load_element(c.io, queries.data() + ((i * c.heads + head) * dim + d) * io_size);
       }
       const Float64Attention f = float64_attention(cache, host, ids[i], lengths[i], q.data(), head / group);
-      const double bound = float32_bound(f, host.softmax_scale, dim, lengths[i], c.tokens_per_split) +
+      const int64_t split = plan.tensor_cores ? plan.tokens_per_split : c.tokens_per_split;
+      const double bound = (plan.tensor_cores ? tensor_core_bound : float32_bound)(f, host.softmax_scale, dim,
+                                                                                    lengths[i], split) +
                            io_unit * f.value_norm;
       double vs_reference = 0, vs_float64 = 0;
       for (int64_t d = 0; d < dim; ++d) {

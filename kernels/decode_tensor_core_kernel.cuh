@@ -1,0 +1,650 @@
+#pragma once
+// The tensor-core decode attention (docs/runtime-layout.md, section 6.4):
+// the bandwidth path for uniform codes of post-RoPE keys, which is rtn, kivi
+// and int2-rot (kvquant's non-uniform grids and pre-RoPE keys take the
+// general kernel in decode_attention_kernel.cuh).
+//
+// Why tensor cores: at 2 bits a token's key and value rows of one KV head are
+// 64 bytes, and scoring them for a GQA group of 4 is 1024 multiply-adds, 16 per
+// byte: the H200's float32 units run out before its memory does (about half
+// the bandwidth). So the codes go into mma.sync as they are:
+//
+//   - A operand: the codes themselves, as bf16 integers (0..15 are exact):
+//     (word >> shift) & 0x000?000? | 0x4300.. is bf16 (128 + code) in each
+//     half, minus 128. No per-element dequantization at all: a group's affine
+//     x = a + b * code is factored out of the sums.
+//   - keys: score(t, h) = sum_d q'_hd (a + b c_td): per-token groups give
+//     b_t (q'.c) + a_t sum(q'), per-channel groups (q' * b).c + q'.a. The B
+//     operand (q' or q' * b) is split into bf16 hi + lo (2^-16 relative), two
+//     mmas; the codes are exact, the products and sums float32.
+//   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h], A = V^T codes, W = p * b
+//     (softmax weight times the token's scale, again hi + lo), plus the
+//     a-term sum_t p_t a_t in float32.
+//   - outlier entries correct the scores and the outputs by
+//     q'_d (x - deq) and p (x - deq); the sink, the windows and every token
+//     not quantized for both keys and values are the general kernel's (its
+//     "exact ranges" mode), merged with these states.
+//
+// One block of four warps per (context split, KV head, sequence); each warp
+// takes a contiguous run of 16-token tiles of the split, keeps the online
+// softmax of the GQA group's heads (up to 8: the mma's N), and the block
+// merges its warps' states into one split state for decode_merge_kernel.
+//
+// Fragment layouts (PTX m16n8k16, g = lane / 4, c = lane % 4): A rows g and
+// g + 8, k columns 2c, 2c+1 and 2c+8, 2c+9; B k rows 2c, 2c+1, 2c+8, 2c+9 of
+// column g; C rows g, g+8, columns 2c, 2c+1. A dot product is the same
+// under any permutation of k applied to both operands, so the codes are
+// unpacked in the order the shifts give and the queries placed to match:
+//   2 bits, word = 16 channels: k (2c, 2c+1) holds channels (2c, 2c+8),
+//     k (2c+8, 2c+9) channels (2c+1, 2c+9);
+//   4 bits, words of 8 channels: k (2c, 2c+1) holds (c, c+4) of the first
+//     word, k (2c+8, 2c+9) holds (8+c, 12+c).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/decode_attention_kernel.cuh"
+
+namespace kvforge::kernels::decode_attention_device {
+
+inline constexpr int kTensorCoreWarps = 4;
+inline constexpr int kTileRows = 16;  // tokens per mma tile
+inline constexpr int kMaxTensorCoreGroup = 8;  // query heads per KV head: the mma's N
+
+// ---------------------------------------------------------------- registers
+
+__device__ inline uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// x = hi + lo + O(2^-16 |x|), hi and lo bf16; two halves of a B register.
+struct SplitBf16x2 {
+  uint32_t hi = 0, lo = 0;
+};
+__device__ inline SplitBf16x2 split_bf16(float x0, float x1) {
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(x0, x1);
+  const float r0 = x0 - __low2float(hi), r1 = x1 - __high2float(hi);  // exact in float32
+  return {bf16x2_bits(hi), bf16x2_bits(__floats2bfloat162_rn(r0, r1))};
+}
+
+// Two codes of `word`, at bits [shift, shift + bits) and [shift + 16, ...),
+// as exact bf16 integers (low half the first).
+template <int kBits>
+__device__ inline uint32_t codes_bf16x2(uint32_t word, int shift) {
+  constexpr uint32_t kMask = kBits == 2 ? 0x00030003u : 0x000F000Fu;
+  const uint32_t biased = ((word >> shift) & kMask) | 0x43004300u;  // bf16 128 + code
+  const __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased), __floats2bfloat162_rn(128.f, 128.f));
+  return bf16x2_bits(v);
+}
+
+__device__ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The channels (within a 16-channel k step) of B register `which` (0: k 2c,
+// 2c+1; 1: k 2c+8, 2c+9) of lane c: see the header comment.
+template <int kBits>
+__device__ inline void key_channels(int c, int which, int& d0, int& d1) {
+  if (kBits == 2) {
+    d0 = which == 0 ? 2 * c : 2 * c + 1;
+    d1 = d0 + 8;
+  } else {
+    d0 = which == 0 ? c : 8 + c;
+    d1 = d0 + 4;
+  }
+}
+
+// The key A fragment of k step `step` of tokens g (w_g) and g + 8 (w_g8),
+// rows given as their code words.
+template <int kBits, int kWords>
+__device__ inline void key_fragment(const uint32_t (&w_g)[kWords], const uint32_t (&w_g8)[kWords], int step, int c,
+                                    uint32_t (&a)[4]) {
+  if (kBits == 2) {
+    a[0] = codes_bf16x2<2>(w_g[step], 4 * c);
+    a[1] = codes_bf16x2<2>(w_g8[step], 4 * c);
+    a[2] = codes_bf16x2<2>(w_g[step], 4 * c + 2);
+    a[3] = codes_bf16x2<2>(w_g8[step], 4 * c + 2);
+  } else {
+    a[0] = codes_bf16x2<4>(w_g[2 * step], 4 * c);
+    a[1] = codes_bf16x2<4>(w_g8[2 * step], 4 * c);
+    a[2] = codes_bf16x2<4>(w_g[2 * step + 1], 4 * c);
+    a[3] = codes_bf16x2<4>(w_g8[2 * step + 1], 4 * c);
+  }
+}
+
+// The channel (within a 16-channel m tile) of value A row `row` (0..15).
+template <int kBits>
+__device__ inline int value_channel(int row) {
+  if (kBits == 2) return row;
+  const int g = row % 8, upper = row / 8;
+  return g < 4 ? g + 4 * upper : g + 4 + 4 * upper;
+}
+
+// Value codes of m tile `tile` for rows g, g + 8 of one token, as a bf16x2
+// (low half row g), from the token's words.
+template <int kBits>
+__device__ inline uint32_t value_codes(const uint32_t* words, int tile, int g) {
+  if (kBits == 2) return codes_bf16x2<2>(words[tile], 2 * g);
+  return g < 4 ? codes_bf16x2<4>(words[2 * tile], 4 * g) : codes_bf16x2<4>(words[2 * tile + 1], 4 * (g - 4));
+}
+
+__device__ inline float shfl(float x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
+
+// ---------------------------------------------------------------- addressing
+
+// Where the codes and the per-token parameters of token slot s lie.
+struct SlotAddress {
+  const uint8_t* page = nullptr;
+  int64_t in_page = 0;
+};
+
+__device__ inline SlotAddress slot_address(const PagedTensor& cache, const int32_t* page_row, int64_t s) {
+  const int32_t page_size = cache.layout.spec.page_size;
+  const int64_t page = page_row[s / page_size];
+  return {cache.pages + page * cache.layout.page_bytes, s % page_size};
+}
+
+// The factored affine x = a + b * code of a uniform runtime group from its
+// stored (min, max) (the reference's float32 operations, 6.2).
+__device__ inline Affine uniform_affine(const TensorPageLayout& l, float clip_ratio, const uint8_t* pair, int top) {
+  const ElementType element = l.spec.element;
+  const float min = load_element(element, pair), max = load_element(element, pair + element_bytes(element));
+  if (min == max) return {min, 0.0f};
+  const float lo = __fmul_rn(clip_ratio, min), hi = __fmul_rn(clip_ratio, max);
+  return {lo, __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top))};
+}
+
+// Token-group parameters of a per-token grouping: group `group` of head `head`.
+__device__ inline Affine token_affine(const PagedTensor& cache, const Dequantization& dq, SlotAddress at, int head,
+                                      int group, int top) {
+  const TensorPageLayout& l = cache.layout;
+  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
+    return uniform_affine(l, dq.clip_ratio, at.page + token_pair_offset(l, 0, at.in_page, 0), top);
+  }
+  return uniform_affine(l, dq.clip_ratio, at.page + token_pair_offset(l, head, at.in_page, group), top);
+}
+
+// Channel parameters of key channel d of head `head` for token slot s:
+// per_channel_tokens from the group's striped pairs, per_channel_offline
+// from the artifact's (offset, scale) (uniform levels -1 + 2k / top).
+__device__ inline Affine channel_affine(const PagedTensor& cache, const Dequantization& dq, const int32_t* page_row,
+                                        int64_t s, int head, int d, int top) {
+  const TensorPageLayout& l = cache.layout;
+  const int D = l.spec.head_dim;
+  if (l.spec.grouping == ScaleGrouping::kPerChannelOffline) {
+    const float offset = dq.channel_offset[head * D + d], scale = dq.channel_scale[head * D + d];
+    return {__fsub_rn(offset, scale), __fdiv_rn(__fmul_rn(2.0f, scale), static_cast<float>(top))};
+  }
+  const int64_t sigma = channel_pair_stream_index(l, s / l.spec.group, static_cast<int64_t>(head) * D + d);
+  const int64_t per_page = pairs_per_page(l);
+  const uint8_t* params = cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
+  return uniform_affine(l, dq.clip_ratio, params + (sigma % per_page) * l.pair_bytes, top);
+}
+
+// The code of channel d of a token's row (head `head`).
+template <int kBits>
+__device__ inline int code_at(const TensorPageLayout& l, SlotAddress at, int head, int d) {
+  const uint8_t* row = at.page + code_row_offset(l, head, at.in_page);
+  const uint32_t word = load_u32(row + (d * kBits / 32) * 4);
+  return static_cast<int>((word >> ((d * kBits) % 32)) & ((1u << kBits) - 1));
+}
+
+// Calls f(d, value) for every outlier entry of head `head` in token slot s's row.
+template <class F>
+__device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, SlotAddress at, int head, F&& f) {
+  const TensorPageLayout& l = cache.layout;
+  const int D = l.spec.head_dim;
+  const int64_t span = l.outlier_spans == 1 ? 0 : head;
+  const uint8_t* pointer = at.page + row_pointer_offset(l, at.in_page * l.outlier_spans + span);
+  const uint32_t begin = load_u32(pointer), end = load_u32(pointer + kRowPointerBytes);
+  const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
+  const int64_t entries = l.spec.outlier_page_entries;
+  for (uint32_t e = begin; e < end; ++e) {
+    const uint8_t* page = cache.outlier_pages + static_cast<int64_t>(table[e / entries]) * l.outlier_page_bytes;
+    int64_t index = load_index(page + outlier_index_offset(l, e % entries), l.outlier_index_bytes);
+    if (l.outlier_spans == 1) {
+      if (index / D != head) continue;
+      index %= D;
+    }
+    f(static_cast<int>(index), load_element(l.spec.element, page + outlier_value_offset(l, e % entries)));
+  }
+}
+
+// ---------------------------------------------------------------- kernel
+
+struct TensorCoreSplits {
+  int64_t tokens_per_split = 0;  // a multiple of kTensorCoreWarps * kTileRows
+};
+
+// Shared memory of one block.
+template <int D>
+struct TensorCoreShared {
+  float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
+  float raw_query[kMaxTensorCoreGroup][D];
+  float weights[kTensorCoreWarps][kTileRows][kMaxTensorCoreGroup];  // p of the tile, per warp
+  float alpha[kTensorCoreWarps][kMaxTensorCoreGroup];
+  float state_max[kTensorCoreWarps][kMaxTensorCoreGroup], state_sum[kTensorCoreWarps][kMaxTensorCoreGroup];
+  float out[kTensorCoreWarps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
+};
+
+// KG, VG: the most channel groups of a per-token grouping a key and a value
+// row may have (1: one group per row, as all-heads, per-channel keys and
+// G' = D; 4: G' = D/4, D/2 or D, counted at run time).
+template <int D, int kBits, int KG, int VG>
+__global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
+    decode_tensor_core_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
+  constexpr int kSteps = D / 16;               // k steps of the keys = m tiles of the values
+  constexpr int kWords = D * kBits / 32;       // 32-bit code words per row
+  constexpr int kTop = (1 << kBits) - 1;
+  __shared__ TensorCoreShared<D> shared;
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int kv_heads = p.key_cache.layout.spec.kv_heads;
+  const int group = p.num_heads / kv_heads;
+  const int64_t tokens = p.batch.lengths[entry];
+  int64_t range_begin, range_end;
+  tensor_core_range(p, tokens, range_begin, range_end);
+  const int64_t first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
+  const int64_t last = first + splits.tokens_per_split < range_end ? first + splits.tokens_per_split : range_end;
+  const int64_t state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * group;
+  if (first >= last) {  // an empty split: a state the merge skips
+    if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
+    return;
+  }
+  const int32_t slot = p.batch.slots[entry];
+  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
+  const TensorPageLayout& kl = p.key_cache.layout;
+  const TensorPageLayout& vl = p.value_cache.layout;
+  const int sink = kl.spec.sink_tokens;
+  const bool per_channel_keys =
+      kl.spec.grouping == ScaleGrouping::kPerChannelTokens || kl.spec.grouping == ScaleGrouping::kPerChannelOffline;
+  const int key_group_channels = KG == 1 || per_channel_keys ? D : kl.spec.group;
+  const int value_group_channels =
+      VG == 1 || vl.spec.grouping == ScaleGrouping::kPerTokenAllHeads ? D : vl.spec.group;
+  const int key_groups = D / key_group_channels, value_groups = D / value_group_channels;
+
+  // The group's queries, rotated by the keys' rotation (float32, 6.3 step 1).
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    shared.raw_query[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+  }
+  for (int i = threadIdx.x; i < kTensorCoreWarps * kMaxTensorCoreGroup * D; i += blockDim.x) (&shared.out[0][0][0])[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, j = i % D;
+    const float* q = shared.raw_query[h];
+    float out = q[j];
+    const Rotation& rotation = p.key_rotation;
+    if (rotation.kind == RotationKind::kMatrix) {
+      const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+      out = 0.0f;
+      for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
+    } else if (rotation.kind == RotationKind::kPairAngles) {
+      constexpr int kHalf = D / 2;
+      const int pair = j % kHalf;
+      const float cs = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
+      const float sn = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
+      const float a = q[pair], b = q[pair + kHalf];
+      out = j < kHalf ? __fmaf_rn(a, cs, -__fmul_rn(b, sn)) : __fmaf_rn(a, sn, __fmul_rn(b, cs));
+    }
+    shared.query[h][j] = out;
+  }
+  __syncthreads();
+
+  // This warp's tiles: a contiguous run of the split's.
+  const int64_t tiles = (last - first + kTileRows - 1) / kTileRows;
+  const int64_t per_warp = (tiles + kTensorCoreWarps - 1) / kTensorCoreWarps;
+  const int64_t tile_begin = warp * per_warp, tile_end = tile_begin + per_warp < tiles ? tile_begin + per_warp : tiles;
+  const float* my_query = shared.query[g];  // B column g (zeros past the group)
+
+  // Key B fragments (hi, lo) per k step and the a-terms: per-token keys
+  // sum_{d in group} q'_d per key group (head g); per-channel keys q'.a.
+  uint32_t key_b[kSteps][2][2];  // [step][register][hi, lo]
+  float key_a_term[KG];          // per-token keys: of head g; per-channel: [0] of head g
+  int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
+  auto build_key_operands = [&](int64_t s) {
+    float partial[KG];
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) partial[kg] = 0.0f;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        int d0, d1;
+        key_channels<kBits>(c, which, d0, d1);
+        d0 += 16 * step;
+        d1 += 16 * step;
+        float x0 = my_query[d0], x1 = my_query[d1];
+        if (per_channel_keys) {
+          const Affine a0 = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d0, kTop);
+          const Affine a1 = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d1, kTop);
+          partial[0] = __fmaf_rn(x0, a0.a, __fmaf_rn(x1, a1.a, partial[0]));
+          x0 = __fmul_rn(x0, a0.b);
+          x1 = __fmul_rn(x1, a1.b);
+        } else {
+#pragma unroll
+          for (int kg = 0; kg < KG; ++kg) {
+            if (kg == (16 * step) / key_group_channels) partial[kg] += x0 + x1;
+          }
+        }
+        const SplitBf16x2 split_q = split_bf16(x0, x1);
+        key_b[step][which][0] = split_q.hi;
+        key_b[step][which][1] = split_q.lo;
+      }
+    }
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) {  // over the 4 lanes of column g
+      partial[kg] += __shfl_xor_sync(0xffffffffu, partial[kg], 1);
+      partial[kg] += __shfl_xor_sync(0xffffffffu, partial[kg], 2);
+      key_a_term[kg] = partial[kg];
+    }
+  };
+  if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
+
+  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};  // heads 2c, 2c+1
+  float acc[kSteps][4];  // values: m tile, C fragment (rows g, g+8 x heads 2c, 2c+1)
+#pragma unroll
+  for (int t = 0; t < kSteps; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+  float value_a_term[VG];  // head g, this lane's tokens (summed over the 4 lanes at the end)
+#pragma unroll
+  for (int vg = 0; vg < VG; ++vg) value_a_term[vg] = 0.0f;
+  const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
+  const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
+
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t t0 = first + tile * kTileRows;
+    // ---- keys: tokens g and g + 8 (A rows)
+    const int64_t key_tokens[2] = {t0 + g, t0 + g + 8};
+    uint32_t words[2][kWords];
+    SlotAddress key_at[2];
+    Affine key_affine[2][KG];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bool valid = key_tokens[r] < last;
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) words[r][w] = 0;
+#pragma unroll
+      for (int kg = 0; kg < KG; ++kg) key_affine[r][kg] = {0.0f, 0.0f};
+      if (!valid) continue;
+      key_at[r] = slot_address(p.key_cache, page_row, key_tokens[r] - sink);
+      const uint4* row = reinterpret_cast<const uint4*>(key_at[r].page + code_row_offset(kl, kv_head, key_at[r].in_page));
+#pragma unroll
+      for (int w4 = 0; w4 < kWords / 4; ++w4) {
+        const uint4 v = row[w4];
+        words[r][4 * w4] = v.x;
+        words[r][4 * w4 + 1] = v.y;
+        words[r][4 * w4 + 2] = v.z;
+        words[r][4 * w4 + 3] = v.w;
+      }
+      if (!per_channel_keys) {
+#pragma unroll
+        for (int kg = 0; kg < KG; ++kg) {
+          if (kg < key_groups) {
+            key_affine[r][kg] = token_affine(p.key_cache, p.key_dequantization, key_at[r], kv_head, kg, kTop);
+          }
+        }
+      }
+    }
+    if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
+      const int64_t key_group = (t0 - sink) / kl.spec.group;  // tiles never straddle a group (G % 16 == 0)
+      if (key_group != key_params_group) {
+        build_key_operands(t0 - sink);
+        key_params_group = key_group;
+      }
+    }
+    float dots[KG][4];
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) dots[kg][0] = dots[kg][1] = dots[kg][2] = dots[kg][3] = 0.0f;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      uint32_t a[4];
+      key_fragment<kBits, kWords>(words[0], words[1], step, c, a);
+      const int step_group = KG == 1 ? 0 : (16 * step) / key_group_channels;
+#pragma unroll
+      for (int kg = 0; kg < KG; ++kg) {  // a select, not an indexed (local memory) array
+        if (kg != step_group) continue;
+        mma_bf16(dots[kg], a, key_b[step][0][0], key_b[step][1][0]);
+        mma_bf16(dots[kg], a, key_b[step][0][1], key_b[step][1][1]);
+      }
+    }
+    // Scores of C (token g + 8 (i / 2), head 2c + (i % 2)), in log2 units.
+    float score[4];
+    float a_terms[2][KG];  // the a-terms of heads 2c, 2c+1 (lanes of column 2c, 2c+1)
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) {
+      a_terms[0][kg] = shfl(key_a_term[kg], 4 * (2 * c));
+      a_terms[1][kg] = shfl(key_a_term[kg], 4 * (2 * c + 1));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i / 2, h = i % 2;
+      float dot = 0.0f;
+      if (per_channel_keys) {
+        dot = dots[0][i] + a_terms[h][0];
+      } else {
+#pragma unroll
+        for (int kg = 0; kg < KG; ++kg) dot += __fmaf_rn(key_affine[r][kg].b, dots[kg][i], key_affine[r][kg].a * a_terms[h][kg]);
+      }
+      score[i] = dot;
+    }
+    if (key_outliers) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (key_tokens[r] >= last) continue;
+        const int64_t s = key_tokens[r] - sink;
+        float correction[2] = {0.0f, 0.0f};
+        for_each_outlier(p.key_cache, slot, key_at[r], kv_head, [&](int d, float x) {
+          const int code = code_at<kBits>(kl, key_at[r], kv_head, d);
+          Affine affine;
+          if (per_channel_keys) {
+            affine = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d, kTop);
+          } else {
+            affine = key_affine[r][0];
+#pragma unroll
+            for (int kg = 1; kg < KG; ++kg) {
+              if (kg == d / key_group_channels) affine = key_affine[r][kg];
+            }
+          }
+          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          correction[0] = __fmaf_rn(shared.query[2 * c][d], delta, correction[0]);
+          correction[1] = __fmaf_rn(shared.query[2 * c + 1][d], delta, correction[1]);
+        });
+        score[2 * r] += correction[0];
+        score[2 * r + 1] += correction[1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) score[i] = key_tokens[i / 2] < last ? score[i] * log2e_scale : -INFINITY;
+
+    // ---- online softmax per head (columns 2c, 2c+1), over the tile's 16 rows
+    float alpha[2], weight[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = fmaxf(score[h], score[2 + h]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      const float new_max = fmaxf(running_max[h], m);
+      alpha[h] = exp2f(running_max[h] - new_max);  // 0 on the first tile
+      weight[h] = exp2f(score[h] - new_max);
+      weight[2 + h] = exp2f(score[2 + h] - new_max);
+      float sum = weight[h] + weight[2 + h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
+      running_max[h] = new_max;
+    }
+#pragma unroll
+    for (int t = 0; t < kSteps; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[1];
+      acc[t][2] *= alpha[0];
+      acc[t][3] *= alpha[1];
+    }
+    shared.weights[warp][g][2 * c] = weight[0];
+    shared.weights[warp][g][2 * c + 1] = weight[1];
+    shared.weights[warp][g + 8][2 * c] = weight[2];
+    shared.weights[warp][g + 8][2 * c + 1] = weight[3];
+    if (g == 0) {
+      shared.alpha[warp][2 * c] = alpha[0];
+      shared.alpha[warp][2 * c + 1] = alpha[1];
+    }
+    __syncwarp();
+
+    // ---- values: tokens 2c, 2c+1, 2c+8, 2c+9 (B rows), column g
+    const int value_rows[4] = {2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9};
+    SlotAddress value_at[4];
+    float w_token[4];
+    Affine value_affine[4][VG];
+    const float alpha_g = shared.alpha[warp][g];
+#pragma unroll
+    for (int vg = 0; vg < VG; ++vg) value_a_term[vg] *= alpha_g;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t t = t0 + value_rows[u];
+      const bool valid = t < last && g < group;
+      w_token[u] = valid ? shared.weights[warp][value_rows[u]][g] : 0.0f;
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) value_affine[u][vg] = {0.0f, 0.0f};
+      if (t >= last) continue;
+      value_at[u] = slot_address(p.value_cache, page_row, t - sink);
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) {
+        if (vg >= value_groups) continue;
+        value_affine[u][vg] = token_affine(p.value_cache, p.value_dequantization, value_at[u], kv_head, vg, kTop);
+        value_a_term[vg] = __fmaf_rn(w_token[u], value_affine[u][vg].a, value_a_term[vg]);
+      }
+    }
+    uint32_t value_b[VG][2][2];  // [group][register][hi, lo]
+#pragma unroll
+    for (int vg = 0; vg < VG; ++vg) {
+      const SplitBf16x2 b01 = split_bf16(w_token[0] * value_affine[0][vg].b, w_token[1] * value_affine[1][vg].b);
+      const SplitBf16x2 b89 = split_bf16(w_token[2] * value_affine[2][vg].b, w_token[3] * value_affine[3][vg].b);
+      value_b[vg][0][0] = b01.hi;
+      value_b[vg][0][1] = b01.lo;
+      value_b[vg][1][0] = b89.hi;
+      value_b[vg][1][1] = b89.lo;
+    }
+    // 64 channels (4 m tiles) of the four tokens' rows at a time.
+    constexpr int kChunkWords = 64 * kBits / 32;
+#pragma unroll
+    for (int chunk = 0; chunk < D / 64; ++chunk) {
+      uint32_t chunk_words[4][kChunkWords];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int w = 0; w < kChunkWords; ++w) chunk_words[u][w] = 0;
+        if (t0 + value_rows[u] >= last) continue;
+        const uint4* row = reinterpret_cast<const uint4*>(value_at[u].page +
+                                                          code_row_offset(vl, kv_head, value_at[u].in_page)) +
+                           chunk * (kChunkWords / 4);
+#pragma unroll
+        for (int w4 = 0; w4 < kChunkWords / 4; ++w4) {
+          const uint4 v = row[w4];
+          chunk_words[u][4 * w4] = v.x;
+          chunk_words[u][4 * w4 + 1] = v.y;
+          chunk_words[u][4 * w4 + 2] = v.z;
+          chunk_words[u][4 * w4 + 3] = v.w;
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const int tile_index = chunk * 4 + mt;
+        const uint32_t e0 = value_codes<kBits>(chunk_words[0], mt, g), e1 = value_codes<kBits>(chunk_words[1], mt, g);
+        const uint32_t e8 = value_codes<kBits>(chunk_words[2], mt, g), e9 = value_codes<kBits>(chunk_words[3], mt, g);
+        const uint32_t a[4] = {__byte_perm(e0, e1, 0x5410), __byte_perm(e0, e1, 0x7632), __byte_perm(e8, e9, 0x5410),
+                               __byte_perm(e8, e9, 0x7632)};
+        const int tile_group = VG == 1 ? 0 : (16 * tile_index) / value_group_channels;
+#pragma unroll
+        for (int vg = 0; vg < VG; ++vg) {  // a select, not an indexed array
+          if (vg != tile_group) continue;
+          mma_bf16(acc[tile_index], a, value_b[vg][0][0], value_b[vg][1][0]);
+          mma_bf16(acc[tile_index], a, value_b[vg][0][1], value_b[vg][1][1]);
+        }
+      }
+    }
+    if (value_outliers) {
+      // Rescale this warp's corrections to the new maxima, then add the
+      // tile's: lanes 0..15 take one token each.
+      for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
+      __syncwarp();
+      const int64_t t = t0 + lane;
+      if (lane < kTileRows && t < last) {
+        const SlotAddress at = slot_address(p.value_cache, page_row, t - sink);
+        for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
+          const int code = code_at<kBits>(vl, at, kv_head, d);
+          const Affine affine = token_affine(p.value_cache, p.value_dequantization, at, kv_head, d / value_group_channels, kTop);
+          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
+        });
+      }
+    }
+    __syncwarp();  // the tile's weights are read before the next tile writes them
+  }
+
+  // ---- this warp's state into shared memory (the a-terms over the 4 lanes of column g)
+#pragma unroll
+  for (int vg = 0; vg < VG; ++vg) {
+    value_a_term[vg] += __shfl_xor_sync(0xffffffffu, value_a_term[vg], 1);
+    value_a_term[vg] += __shfl_xor_sync(0xffffffffu, value_a_term[vg], 2);
+  }
+  if (g == 0) {
+    shared.state_max[warp][2 * c] = running_max[0];
+    shared.state_max[warp][2 * c + 1] = running_max[1];
+    shared.state_sum[warp][2 * c] = running_sum[0];
+    shared.state_sum[warp][2 * c + 1] = running_sum[1];
+  }
+#pragma unroll
+  for (int t = 0; t < kSteps; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i < 2 ? g : g + 8, h = 2 * c + (i % 2);
+      shared.out[warp][h][16 * t + value_channel<kBits>(row)] += acc[t][i];
+    }
+  }
+  __syncwarp();
+  if (g < group) {
+    for (int d = c; d < D; d += 4) {
+      float a_term = value_a_term[0];
+#pragma unroll
+      for (int vg = 1; vg < VG; ++vg) {
+        if (vg == d / value_group_channels) a_term = value_a_term[vg];
+      }
+      shared.out[warp][g][d] += a_term;
+    }
+  }
+  __syncthreads();
+
+  // ---- the block's split state: the warps merged (max, sum in log2 units
+  // are turned back into natural units for the merge kernel).
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kTensorCoreWarps; ++w) m = fmaxf(m, shared.state_max[w][h]);
+    const int64_t index = (state_base + h) * workspace.max_splits + split;
+    if (m == -INFINITY) {
+      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
+      continue;
+    }
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kTensorCoreWarps; ++w) {
+      if (shared.state_max[w][h] == -INFINITY) continue;
+      const float rescale = exp2f(shared.state_max[w][h] - m);
+      sum = __fmaf_rn(shared.state_sum[w][h], rescale, sum);
+      out = __fmaf_rn(shared.out[w][h][d], rescale, out);
+    }
+    if (d == 0) {
+      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
+      workspace.max_sum[2 * index + 1] = sum;
+    }
+    workspace.acc[index * D + d] = out;
+  }
+}
+
+}  // namespace kvforge::kernels::decode_attention_device
