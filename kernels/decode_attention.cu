@@ -95,6 +95,28 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
   }
 }
 
+// Blocks of the tensor-core kernel one multiprocessor holds at once (its
+// registers decide), so that the plan fills the device in whole waves.
+template <int D, int kBits>
+int tensor_core_residency(const DecodeParams& p) {
+  constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
+  int blocks = 0;
+  if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
+    KVFORGE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_tensor_core_kernel<D, kBits, 4, 4>, kThreads, 0));
+  } else {
+    KVFORGE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_tensor_core_kernel<D, kBits, 1, 1>, kThreads, 0));
+  }
+  return blocks > 0 ? blocks : 1;
+}
+
+int tensor_core_blocks_per_multiprocessor(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  if (k.head_dim == 64) return k.bits == 2 ? tensor_core_residency<64, 2>(p) : tensor_core_residency<64, 4>(p);
+  return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
+}
+
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
@@ -166,11 +188,14 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
   // Enough blocks for a few per multiprocessor, from the longest sequence.
   const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
-  const int64_t wanted_splits = std::max<int64_t>(1, ceil_div64(4 * static_cast<int64_t>(multiprocessors), per_split));
   plan.tensor_cores = tensor_core_decode_supported(p);
   if (plan.tensor_cores) {
+    // As many splits as one wave of resident blocks holds (a second, partial
+    // wave would double the time), at least 256 tokens each.
+    const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p);
+    const int64_t wave_splits = std::max<int64_t>(1, resident / per_split);
     constexpr int64_t kQuantum = device::kTensorCoreWarps * device::kTileRows;
-    plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wanted_splits), kQuantum) * kQuantum);
+    plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
     plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +

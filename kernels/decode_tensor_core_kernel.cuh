@@ -141,8 +141,9 @@ struct SlotAddress {
 
 __device__ inline SlotAddress slot_address(const PagedTensor& cache, const int32_t* page_row, int64_t s) {
   const int32_t page_size = cache.layout.spec.page_size;
-  const int64_t page = page_row[s / page_size];
-  return {cache.pages + page * cache.layout.page_bytes, s % page_size};
+  const int32_t slot_index = static_cast<int32_t>(s);  // < 2^31: the page table is int32
+  const int64_t page = page_row[slot_index / page_size];
+  return {cache.pages + page * cache.layout.page_bytes, slot_index % page_size};
 }
 
 // The factored affine x = a + b * code of a uniform runtime group from its
@@ -155,31 +156,47 @@ __device__ inline Affine uniform_affine(const TensorPageLayout& l, float clip_ra
   return {lo, __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top))};
 }
 
-// Token-group parameters of a per-token grouping: group `group` of head `head`.
+// Token-group parameters of a per-token grouping: group `group` of head
+// `head` (token_pair_offset with the pairs per head given: no division).
 __device__ inline Affine token_affine(const PagedTensor& cache, const Dequantization& dq, SlotAddress at, int head,
-                                      int group, int top) {
+                                      int group, int pairs_per_head, int top) {
   const TensorPageLayout& l = cache.layout;
-  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
-    return uniform_affine(l, dq.clip_ratio, at.page + token_pair_offset(l, 0, at.in_page, 0), top);
-  }
-  return uniform_affine(l, dq.clip_ratio, at.page + token_pair_offset(l, head, at.in_page, group), top);
+  const int32_t index = l.spec.grouping == ScaleGrouping::kPerTokenAllHeads
+                            ? static_cast<int32_t>(at.in_page)
+                            : (head * l.spec.page_size + static_cast<int32_t>(at.in_page)) * pairs_per_head + group;
+  return uniform_affine(l, dq.clip_ratio, at.page + l.params_offset + index * l.pair_bytes, top);
 }
 
 // Channel parameters of key channel d of head `head` for token slot s:
-// per_channel_tokens from the group's striped pairs, per_channel_offline
-// from the artifact's (offset, scale) (uniform levels -1 + 2k / top).
+// per_channel_tokens from the group's striped pairs (stream position sigma =
+// first + d, first = the head's channel 0 of the group, split once into
+// page-table entry and offset), per_channel_offline from the artifact's
+// (offset, scale) (uniform levels -1 + 2k / top).
+struct ChannelStream {
+  int64_t first_entry = 0;  // page-table entry of channel 0
+  int32_t first_offset = 0;  // its pair within that page
+  int32_t per_page = 0;
+};
+
+__device__ inline ChannelStream channel_stream(const TensorPageLayout& l, int64_t s, int head) {
+  if (l.spec.grouping != ScaleGrouping::kPerChannelTokens) return {};
+  const int64_t sigma = channel_pair_stream_index(l, s / l.spec.group, static_cast<int64_t>(head) * l.spec.head_dim);
+  const int64_t per_page = pairs_per_page(l);
+  return {sigma / per_page, static_cast<int32_t>(sigma % per_page), static_cast<int32_t>(per_page)};
+}
+
 __device__ inline Affine channel_affine(const PagedTensor& cache, const Dequantization& dq, const int32_t* page_row,
-                                        int64_t s, int head, int d, int top) {
+                                        const ChannelStream& stream, int head, int d, int top) {
   const TensorPageLayout& l = cache.layout;
   const int D = l.spec.head_dim;
   if (l.spec.grouping == ScaleGrouping::kPerChannelOffline) {
     const float offset = dq.channel_offset[head * D + d], scale = dq.channel_scale[head * D + d];
     return {__fsub_rn(offset, scale), __fdiv_rn(__fmul_rn(2.0f, scale), static_cast<float>(top))};
   }
-  const int64_t sigma = channel_pair_stream_index(l, s / l.spec.group, static_cast<int64_t>(head) * D + d);
-  const int64_t per_page = pairs_per_page(l);
-  const uint8_t* params = cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
-  return uniform_affine(l, dq.clip_ratio, params + (sigma % per_page) * l.pair_bytes, top);
+  const int32_t position = stream.first_offset + d;
+  const int64_t page = page_row[stream.first_entry + position / stream.per_page];
+  const uint8_t* params = cache.pages + page * l.page_bytes + l.params_offset;
+  return uniform_affine(l, dq.clip_ratio, params + (position % stream.per_page) * l.pair_bytes, top);
 }
 
 // The code of channel d of a token's row (head `head`).
@@ -226,6 +243,10 @@ struct TensorCoreShared {
   float alpha[kTensorCoreWarps][kMaxTensorCoreGroup];
   float state_max[kTensorCoreWarps][kMaxTensorCoreGroup], state_sum[kTensorCoreWarps][kMaxTensorCoreGroup];
   float out[kTensorCoreWarps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
+  // The tile's tokens, looked up once per tile (lane j keys, lane 16 + j
+  // values of token j): page, in-page slot, per-token group affines.
+  SlotAddress key_at[kTensorCoreWarps][kTileRows], value_at[kTensorCoreWarps][kTileRows];
+  Affine key_affine[kTensorCoreWarps][kTileRows][4], value_affine[kTensorCoreWarps][kTileRows][4];
 };
 
 // KG, VG: the most channel groups of a per-token grouping a key and a value
@@ -265,6 +286,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int value_group_channels =
       VG == 1 || vl.spec.grouping == ScaleGrouping::kPerTokenAllHeads ? D : vl.spec.group;
   const int key_groups = D / key_group_channels, value_groups = D / value_group_channels;
+  const int key_pairs_per_head = D / key_group_channels, value_pairs_per_head = D / value_group_channels;
 
   // The group's queries, rotated by the keys' rotation (float32, 6.3 step 1).
   for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
@@ -306,6 +328,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   float key_a_term[KG];          // per-token keys: of head g; per-channel: [0] of head g
   int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
   auto build_key_operands = [&](int64_t s) {
+    const ChannelStream stream = channel_stream(kl, s, kv_head);
     float partial[KG];
 #pragma unroll
     for (int kg = 0; kg < KG; ++kg) partial[kg] = 0.0f;
@@ -319,8 +342,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
         d1 += 16 * step;
         float x0 = my_query[d0], x1 = my_query[d1];
         if (per_channel_keys) {
-          const Affine a0 = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d0, kTop);
-          const Affine a1 = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d1, kTop);
+          const Affine a0 = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d0, kTop);
+          const Affine a1 = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d1, kTop);
           partial[0] = __fmaf_rn(x0, a0.a, __fmaf_rn(x1, a1.a, partial[0]));
           x0 = __fmul_rn(x0, a0.b);
           x1 = __fmul_rn(x1, a1.b);
@@ -356,6 +379,24 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = first + tile * kTileRows;
+    {  // the tile's token table: lane j the keys, lane 16 + j the values of token j
+      const int j = lane % kTileRows;
+      const bool values = lane >= kTileRows;
+      const int64_t t = t0 + j;
+      if (t < last) {
+        const PagedTensor& cache = values ? p.value_cache : p.key_cache;
+        const SlotAddress at = slot_address(cache, page_row, t - sink);
+        const Dequantization& dq = values ? p.value_dequantization : p.key_dequantization;
+        const int groups = values ? value_groups : (per_channel_keys ? 0 : key_groups);
+        const int pairs_per_head = values ? value_pairs_per_head : key_pairs_per_head;
+        (values ? shared.value_at : shared.key_at)[warp][j] = at;
+        for (int kg = 0; kg < groups; ++kg) {
+          (values ? shared.value_affine : shared.key_affine)[warp][j][kg] =
+              token_affine(cache, dq, at, kv_head, kg, pairs_per_head, kTop);
+        }
+      }
+      __syncwarp();
+    }
     // ---- keys: tokens g and g + 8 (A rows)
     const int64_t key_tokens[2] = {t0 + g, t0 + g + 8};
     uint32_t words[2][kWords];
@@ -369,7 +410,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
       for (int kg = 0; kg < KG; ++kg) key_affine[r][kg] = {0.0f, 0.0f};
       if (!valid) continue;
-      key_at[r] = slot_address(p.key_cache, page_row, key_tokens[r] - sink);
+      key_at[r] = shared.key_at[warp][key_tokens[r] - t0];
       const uint4* row = reinterpret_cast<const uint4*>(key_at[r].page + code_row_offset(kl, kv_head, key_at[r].in_page));
 #pragma unroll
       for (int w4 = 0; w4 < kWords / 4; ++w4) {
@@ -383,7 +424,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
         for (int kg = 0; kg < KG; ++kg) {
           if (kg < key_groups) {
-            key_affine[r][kg] = token_affine(p.key_cache, p.key_dequantization, key_at[r], kv_head, kg, kTop);
+            key_affine[r][kg] = shared.key_affine[warp][key_tokens[r] - t0][kg];
           }
         }
       }
@@ -440,7 +481,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
           const int code = code_at<kBits>(kl, key_at[r], kv_head, d);
           Affine affine;
           if (per_channel_keys) {
-            affine = channel_affine(p.key_cache, p.key_dequantization, page_row, s, kv_head, d, kTop);
+            affine = channel_affine(p.key_cache, p.key_dequantization, page_row, channel_stream(kl, s, kv_head), kv_head, d,
+                                    kTop);
           } else {
             affine = key_affine[r][0];
 #pragma unroll
@@ -511,11 +553,11 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) value_affine[u][vg] = {0.0f, 0.0f};
       if (t >= last) continue;
-      value_at[u] = slot_address(p.value_cache, page_row, t - sink);
+      value_at[u] = shared.value_at[warp][value_rows[u]];
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) {
         if (vg >= value_groups) continue;
-        value_affine[u][vg] = token_affine(p.value_cache, p.value_dequantization, value_at[u], kv_head, vg, kTop);
+        value_affine[u][vg] = shared.value_affine[warp][value_rows[u]][vg];
         value_a_term[vg] = __fmaf_rn(w_token[u], value_affine[u][vg].a, value_a_term[vg]);
       }
     }
@@ -574,10 +616,10 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       __syncwarp();
       const int64_t t = t0 + lane;
       if (lane < kTileRows && t < last) {
-        const SlotAddress at = slot_address(p.value_cache, page_row, t - sink);
+        const SlotAddress at = shared.value_at[warp][lane];
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<kBits>(vl, at, kv_head, d);
-          const Affine affine = token_affine(p.value_cache, p.value_dequantization, at, kv_head, d / value_group_channels, kTop);
+          const Affine affine = shared.value_affine[warp][lane][d / value_group_channels];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
           for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
         });
