@@ -636,7 +636,7 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   // Rows in host memory are staged through backend buffers; rows already in
   // backend memory go to the kernel as they are.
   const int64_t rows_bytes =
-      batch.backend_memory ? 0 : offsets.back() * model_.num_kv_heads * model_.head_dim * 4;
+      batch.backend_memory ? 0 : offsets.back() * model_.num_kv_heads * model_.head_dim * element_bytes(batch.input);
   Buffer keys(*backend_, rows_bytes), values(*backend_, rows_bytes);
   backend_->copy_in(keys.data, batch.keys, rows_bytes);
   backend_->copy_in(values.data, batch.values, rows_bytes);
@@ -645,9 +645,9 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.batch = {static_cast<int32_t>(count), slots.as<int32_t>(), device_page_table_->as<int32_t>(),
                   page_table_stride_, device_lengths.as<int64_t>()};
   params.token_offsets = device_offsets.as<int64_t>();
-  params.keys = batch.backend_memory ? static_cast<const void*>(batch.keys) : keys.data;
-  params.values = batch.backend_memory ? static_cast<const void*>(batch.values) : values.data;
-  params.input = ElementType::kFloat32;
+  params.keys = batch.backend_memory ? batch.keys : keys.data;
+  params.values = batch.backend_memory ? batch.values : values.data;
+  params.input = batch.input;
   const TensorState& k = tensor(layer, TensorKind::kKeys);
   const TensorState& v = tensor(layer, TensorKind::kValues);
   params.key_cache = k.paged();
@@ -679,8 +679,8 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   }
 }
 
-void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries,
-                                        float* output, ReadTally* tally, bool backend_memory) {
+void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries,
+                                        void* output, ReadTally* tally, bool backend_memory, ElementType io) {
   const std::string context = "quantized KV cache '" + name_ + "': decode_attention on layer " + std::to_string(layer);
   if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context + ": no such layer");
   const auto count = static_cast<int64_t>(sequences.size());
@@ -697,7 +697,7 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   backend_->copy_in(device_lengths.data, lengths.data(), count * 8);
   // Host queries and output are staged through backend buffers (none when
   // the caller's arrays are already in backend memory).
-  const int64_t io_bytes = count * model_.num_heads * model_.head_dim * 4;
+  const int64_t io_bytes = count * model_.num_heads * model_.head_dim * element_bytes(io);
   const int64_t staged_bytes = backend_memory ? 0 : io_bytes;
   Buffer device_queries(*backend_, staged_bytes), device_output(*backend_, staged_bytes);
   backend_->copy_in(device_queries.data, queries, staged_bytes);
@@ -707,8 +707,9 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   params.batch.slots = slots.as<int32_t>();
   params.batch.lengths = device_lengths.as<int64_t>();
   params.batch.max_length = *std::max_element(lengths.begin(), lengths.end());
-  params.queries = backend_memory ? static_cast<const void*>(queries) : device_queries.data;
-  params.output = backend_memory ? static_cast<void*>(output) : device_output.data;
+  params.queries = backend_memory ? queries : device_queries.data;
+  params.output = backend_memory ? output : device_output.data;
+  params.io = io;
   params.read_tally = tally;
   backend_->decode_attention(params);
   if (backend_memory) {

@@ -99,14 +99,17 @@ struct AppendBatch {
   std::vector<int32_t> sequences;
   std::vector<int64_t> positions;  // each sequence's first new position: its length for the layer so far
   std::vector<int64_t> tokens;     // new tokens per sequence (0 allowed)
-  // [sum of tokens][kv_heads][head_dim] float32, in sequence order; keys
+  // [sum of tokens][kv_heads][head_dim] of `input`, in sequence order; keys
   // before RoPE when the configuration's keys_pre_rope, else after.
-  const float* keys = nullptr;
-  const float* values = nullptr;
+  const void* keys = nullptr;
+  const void* values = nullptr;
   // Whether keys and values already lie in the backend's memory (device
   // pointers for CudaBackend, host pointers for the CPU reference): they are
   // passed to the kernel as they are, without a staging copy.
   bool backend_memory = false;
+  // The element type of keys and values (both); each value is rounded once
+  // to the cache's element type (an input already in it is stored as it is).
+  ElementType input = ElementType::kFloat32;
 };
 
 class QuantizedKVCache {
@@ -129,13 +132,15 @@ class QuantizedKVCache {
   void append(int64_t layer, const AppendBatch& batch);
 
   // One query per sequence at its last position: queries and output
-  // [sequences][num_heads][head_dim] float32, post-RoPE queries, outputs in
-  // the model's basis. `tally` (optional) records the bytes read.
+  // [sequences][num_heads][head_dim] of `io`, post-RoPE queries, outputs in
+  // the model's basis (attention in float32, each output rounded once to
+  // `io`). `tally` (optional) records the bytes read.
   // `backend_memory`: queries and output already lie in the backend's memory
   // (as AppendBatch::backend_memory) and are read and written in place; the
   // output is complete when the call returns.
-  void decode_attention(int64_t layer, std::span<const int32_t> sequences, const float* queries, float* output,
-                        ReadTally* tally = nullptr, bool backend_memory = false);
+  void decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries, void* output,
+                        ReadTally* tally = nullptr, bool backend_memory = false,
+                        ElementType io = ElementType::kFloat32);
 
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,

@@ -57,6 +57,19 @@ kernels::ElementType parse_element(const std::string& element) {
   return kernels::ElementType::kFloat32;
 }
 
+// The kernels' element type of a float32, float16 or bfloat16 tensor.
+kernels::ElementType io_element(const at::Tensor& t, const char* method, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kernels::ElementType::kFloat32;
+    case at::kHalf: return kernels::ElementType::kFloat16;
+    case at::kBFloat16: return kernels::ElementType::kBFloat16;
+    default: break;
+  }
+  TORCH_CHECK(false, "kvforge.QuantizedKVCache.", method, ": ", name, " of dtype ", t.scalar_type(),
+              ": expected float32, float16 or bfloat16");
+  return kernels::ElementType::kFloat32;  // not reached
+}
+
 c10::Device parse_device(const std::string& device) {
   c10::Device parsed(c10::kCPU);
   try {
@@ -170,8 +183,9 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   std::string name() const { return cache_->name(); }
   std::string device() const { return device_.str(); }
 
-  // keys, values [sum(tokens), kv_heads, head_dim] float32 on the cache's
-  // device, contiguous, in sequence order.
+  // keys, values [sum(tokens), kv_heads, head_dim] on the cache's device,
+  // contiguous, in sequence order, both float32, float16 or bfloat16 (the
+  // same dtype); each value is rounded once to the cache's element type.
   void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values, std::vector<int64_t> sequences,
               std::vector<int64_t> tokens) {
     check_layer("append", layer);
@@ -184,32 +198,38 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
     }
     check_rows("append", "keys", keys, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
     check_rows("append", "values", values, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
+    const kernels::ElementType input = io_element(keys, "append", "keys");
+    TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "kvforge.QuantizedKVCache.append: values of dtype ",
+                values.scalar_type(), " with keys of dtype ", keys.scalar_type(), ": expected the keys' dtype");
     refusing([&] {
       kernels::AppendBatch batch;
       batch.sequences = sequence_ids(sequences, "append");
       for (int32_t s : batch.sequences) batch.positions.push_back(cache_->length(s, layer));
       batch.tokens = tokens;
-      batch.keys = keys.data_ptr<float>();
-      batch.values = values.data_ptr<float>();
+      batch.keys = keys.const_data_ptr();
+      batch.values = values.const_data_ptr();
+      batch.input = input;
       batch.backend_memory = true;
       wait_for_torch();
       cache_->append(layer, batch);  // returns after the kernel (it reads the pool-exhaustion flag)
     });
   }
 
-  // queries [S, heads, head_dim] float32 (post-RoPE) on the cache's device,
-  // one per sequence; returns [S, heads, head_dim] float32.
+  // queries [S, heads, head_dim] (post-RoPE) float32, float16 or bfloat16
+  // on the cache's device, one per sequence; returns [S, heads, head_dim] of
+  // the queries' dtype (attention in float32, rounded once to it).
   at::Tensor decode_attention(int64_t layer, const at::Tensor& queries, std::vector<int64_t> sequences) {
     check_layer("decode_attention", layer);
     const auto count = static_cast<int64_t>(sequences.size());
     check_rows("decode_attention", "queries", queries, {count, heads_, head_dim_},
                "[len(sequences), num_heads, head_dim]");
+    const kernels::ElementType io = io_element(queries, "decode_attention", "queries");
     at::Tensor output = at::empty({count, heads_, head_dim_}, queries.options());
     refusing([&] {
       const std::vector<int32_t> ids = sequence_ids(sequences, "decode_attention");
       wait_for_torch();
-      cache_->decode_attention(layer, ids, queries.data_ptr<float>(), output.data_ptr<float>(), nullptr,
-                               /*backend_memory=*/true);
+      cache_->decode_attention(layer, ids, queries.const_data_ptr(), output.mutable_data_ptr(), nullptr,
+                               /*backend_memory=*/true, io);
     });
     return output;
   }
@@ -223,8 +243,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
                   const char* shape_text) const {
     TORCH_CHECK(t.device() == device_, "kvforge.QuantizedKVCache.", method, ": ", name, " on ", t.device().str(),
                 ": expected the cache's device ", device_.str());
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "kvforge.QuantizedKVCache.", method, ": ", name, " of dtype ",
-                t.scalar_type(), ": expected float32");
+    io_element(t, method, name);
     TORCH_CHECK(t.sizes().vec() == shape, "kvforge.QuantizedKVCache.", method, ": ", name, " of shape ", t.sizes(),
                 ": expected ", c10::IntArrayRef(shape), " ", shape_text);
     TORCH_CHECK(t.is_contiguous(), "kvforge.QuantizedKVCache.", method, ": ", name,

@@ -10,7 +10,10 @@
 //     within 1e-5 of the values' magnitude (derived below);
 //   - the bytes a decoding step reads are the layout's formula, which differs
 //     from calib's effective-bits accounting by exactly the documented terms;
-//   - bad configurations and bad calls are refused with one line.
+//   - bad configurations and bad calls are refused with one line;
+//   - fp16/bf16 rows and queries (AppendBatch::input, decode_attention's io)
+//     store the bytes float32 rows of the same values store, and attend to
+//     the float32 output rounded once to the io type.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -1044,6 +1047,67 @@ TEST(RuntimeKernelsCpuZeroCopy, BackendMemoryCallsWriteAndReadWhatStagedCallsDo)
   direct.decode_attention(1, sequences, queries.data_ptr<float>(), got.data(), nullptr, /*backend_memory=*/true);
   EXPECT_EQ(got, want);
   for (float x : got) ASSERT_TRUE(std::isfinite(x));
+}
+
+// 16-bit rows and queries: values exactly representable in the input type
+// reach the cache as the same numbers as their float32 copies (each is
+// rounded once to the cache's element type either way), so the pools hold
+// the same bytes; attention runs in float32 whatever io is, so the 16-bit
+// output is the float32 output rounded once to io (torch's own rounding here,
+// independent of element_conversion.cpp).
+TEST(RuntimeKernelsCpuInputTypes, SixteenBitRowsAndQueriesStoreAndAttendAsTheirFloat32Values) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  c.settings.residual_tokens = 4;
+  for (const auto& [input, scalar] : {std::pair{ElementType::kFloat16, at::kHalf},
+                                      std::pair{ElementType::kBFloat16, at::kBFloat16}}) {
+    for (ElementType element : {ElementType::kFloat16, ElementType::kBFloat16}) {
+      SCOPED_TRACE("input " + std::to_string(static_cast<int>(input)) + ", element " +
+                   std::to_string(static_cast<int>(element)));
+      kernels::CacheOptions options;
+      options.max_context = 64;
+      options.max_sequences = 2;
+      options.element = element;
+      kernels::QuantizedKVCache wide(c, small_dims(), options), narrow(c, small_dims(), options);
+      const at::Tensor keys = at::randn({34, 2, 64}, at::kFloat).to(scalar).contiguous();
+      const at::Tensor values = (3 * at::randn({34, 2, 64}, at::kFloat)).to(scalar).contiguous();
+      const at::Tensor queries = at::randn({2, 4, 64}, at::kFloat).to(scalar).contiguous();
+      const at::Tensor keys32 = keys.to(at::kFloat), values32 = values.to(at::kFloat),
+                       queries32 = queries.to(at::kFloat);
+      std::vector<int32_t> sequences;
+      for (kernels::QuantizedKVCache* cache : {&wide, &narrow}) {
+        const int32_t a = cache->add_sequence(), b = cache->add_sequence();
+        sequences = {a, b};
+        // A prefill chunk of 19 and 11 tokens (rows 0..29), then two decoding
+        // steps of one token each (rows 30..33).
+        int64_t row = 0;
+        for (const auto& [ta, tb] : {std::pair<int64_t, int64_t>{19, 11}, {1, 1}, {1, 1}}) {
+          kernels::AppendBatch batch{{a, b}, {cache->length(a, 1), cache->length(b, 1)}, {ta, tb}, nullptr, nullptr};
+          const bool wide_rows = cache == &wide;
+          const at::Tensor& k = wide_rows ? keys32 : keys;
+          const at::Tensor& v = wide_rows ? values32 : values;
+          batch.keys = static_cast<const uint8_t*>(k.data_ptr()) + row * k.stride(0) * k.element_size();
+          batch.values = static_cast<const uint8_t*>(v.data_ptr()) + row * v.stride(0) * v.element_size();
+          batch.input = wide_rows ? ElementType::kFloat32 : input;
+          cache->append(1, batch);
+          row += ta + tb;
+        }
+      }
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const kernels::TensorPoolCopy want = wide.copy_pools(1, kind), got = narrow.copy_pools(1, kind);
+        EXPECT_EQ(got.pages, want.pages);
+        EXPECT_EQ(got.exact, want.exact);
+      }
+      at::Tensor want = at::empty({2, 4, 64}, at::kFloat), got = at::empty({2, 4, 64}, scalar),
+                 got_in_place = at::empty({2, 4, 64}, scalar);
+      wide.decode_attention(1, sequences, queries32.data_ptr(), want.data_ptr());
+      narrow.decode_attention(1, sequences, queries.data_ptr(), got.data_ptr(), nullptr, false, input);
+      narrow.decode_attention(1, sequences, queries.data_ptr(), got_in_place.data_ptr(), nullptr, true, input);
+      ASSERT_TRUE(at::isfinite(want).all().item<bool>());
+      EXPECT_TRUE(at::equal(got, want.to(scalar)));
+      EXPECT_TRUE(at::equal(got_in_place, want.to(scalar)));
+    }
+  }
 }
 
 }  // namespace

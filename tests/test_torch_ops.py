@@ -13,7 +13,17 @@ torch.classes.load_library and checks
   (b) 2-bit configurations give finite outputs that differ from exact attention
       and stay close to it;
   (c) bad inputs raise RuntimeError naming what was expected;
-  (d) sequences of different lengths in one call.
+  (d) sequences of different lengths in one call;
+  (e) float16 and bfloat16 keys, values and queries: on values exactly representable in
+      the dtype, the cache holds what float32 copies of the same values store (decoding
+      either cache with float32 queries gives the same float32 output, bit for bit), and
+      the output, of the queries' dtype, is the float32 output rounded once to it: within
+      half an ulp of the dtype (and equal to torch's own rounding);
+  (f) on a GPU (skipped when torch.cuda.is_available() is false or the library was built
+      without the CUDA kernels): a 'cuda' cache and a 'cpu' cache fed the same prefill
+      chunks and single tokens of several sequences of different lengths, with a sequence
+      removed and its slot reused, in float32, float16 and bfloat16: the same lengths and
+      decode outputs within 1e-3 of the values' magnitude (issue 10) plus the io rounding.
 Exit code 77 (ctest SKIP_RETURN_CODE) only when python3 has no torch.
 """
 import json
@@ -30,6 +40,23 @@ except ImportError:
     sys.exit(77)
 
 U = 2.0**-24  # float32 unit roundoff
+
+# The op's input and output dtypes; per dtype, the cache element type used with it
+# and the unit roundoff of the dtype (half its ulp relative to the value: 2^-(p) for p
+# significant bits), its mantissa bits and smallest normal exponent.
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+IO_UNIT = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+MIN_NORMAL_EXPONENT = {torch.float16: -14, torch.bfloat16: -126}
+
+
+def half_ulp(x, dtype):
+    """Half the spacing of `dtype` numbers at each |x| (float64): the largest error of
+    rounding x to nearest in dtype (subnormals: the fixed subnormal spacing)."""
+    _, exponent = torch.frexp(x.double().abs())  # |x| = m 2^e, m in [0.5, 1): binade 2^(e - 1)
+    binade = torch.clamp(exponent - 1, min=MIN_NORMAL_EXPONENT[dtype])
+    binade = torch.where(x == 0, torch.full_like(binade, MIN_NORMAL_EXPONENT[dtype]), binade)
+    return torch.ldexp(torch.full_like(x.double(), 0.5), (binade - MANTISSA_BITS[dtype]).double())
 
 
 def run(binary, *args):
@@ -191,6 +218,16 @@ def check_quantized(make, model, config, keys, values, queries, lengths, layer):
         assert relative < 0.5, f"{config}: 2-bit output relative error {relative:.3g}: expected well below 1"
 
 
+def exact_inputs(model):
+    """Gaussian tokens of sequences of different lengths, shorter than the exact
+    configurations' sink, and a query per sequence."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [37, 5, 120, 1]
+    keys, values = random_tokens(generator, model, lengths)
+    queries = torch.randn(len(lengths), model.heads, model.head_dim, generator=generator)
+    return keys, values, queries, lengths
+
+
 def random_case(model):
     """Gaussian tokens, longer than int2-rot's sink and window (64 + 256): most are quantized."""
     generator = torch.Generator().manual_seed(11)
@@ -216,6 +253,150 @@ def captured_case(store, layer, pre_rope, lengths):
     values = torch.cat([v[i, :, :n].transpose(0, 1) for i, n in enumerate(lengths)]).contiguous()
     queries = torch.stack([q[i, :, n - 1] for i, n in enumerate(lengths)]).contiguous()
     return keys, values, queries, lengths
+
+
+def schedule(lengths, singles):
+    """Per step, the tokens each sequence appends: its first length - singles tokens in two
+    prefill chunks, then single tokens (0 for a sequence that is done)."""
+    steps = []
+    prefill = [max(0, n - singles) for n in lengths]
+    steps.append([p // 2 for p in prefill])
+    steps.append([p - p // 2 for p in prefill])
+    for step in range(singles):
+        steps.append([1 if step < n - p else 0 for n, p in zip(lengths, prefill)])
+    assert [sum(column) for column in zip(*steps)] == list(lengths), (steps, lengths)
+    return steps
+
+
+def append_step(cache, layer, keys, values, sequences, starts, done, tokens):
+    """Appends tokens[i] rows of each sequence (rows starts[i] + done[i] ...) in one call."""
+    rows_k, rows_v = [], []
+    for i, n in enumerate(tokens):
+        rows_k.append(keys[starts[i] + done[i]:starts[i] + done[i] + n])
+        rows_v.append(values[starts[i] + done[i]:starts[i] + done[i] + n])
+        done[i] += n
+    cache.append(layer, torch.cat(rows_k).contiguous(), torch.cat(rows_v).contiguous(), sequences, tokens)
+
+
+def check_dtypes(make, model, config, keys, values, queries, lengths, layer):
+    """(e): float16 / bfloat16 rows and queries against float32 copies of the same values."""
+    for dtype in (torch.float16, torch.bfloat16):
+        element = DTYPES[dtype]
+        k16, v16, q16 = keys.to(dtype), values.to(dtype), queries.to(dtype)
+        k32, v32, q32 = k16.float(), v16.float(), q16.float()  # exact: the same values
+        narrow, wide = make(config, element), make(config, element)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        ids = {}
+        for cache, k, v in ((narrow, k16, v16), (wide, k32, v32)):
+            ids[cache] = [cache.add_sequence() for _ in lengths]
+            done = [0] * len(lengths)
+            for tokens in schedule(lengths, 3):
+                append_step(cache, layer, k, v, ids[cache], starts, done, tokens)
+            for s, n in zip(ids[cache], lengths):
+                assert cache.length(s, layer) == n
+        out16 = narrow.decode_attention(layer, q16, ids[narrow])
+        out32 = wide.decode_attention(layer, q32, ids[wide])
+        assert out16.dtype == dtype and out16.shape == queries.shape, (out16.dtype, out16.shape)
+        assert out32.dtype == torch.float32
+        assert torch.isfinite(out32).all(), config
+        # The same cache bytes: either cache attends alike to float32 queries, bit for bit,
+        # and alike to 16-bit ones.
+        assert torch.equal(narrow.decode_attention(layer, q32, ids[narrow]), out32), \
+            f"{config}/{element}: a cache fed {dtype} rows attends unlike one fed their float32 values"
+        assert torch.equal(wide.decode_attention(layer, q16, ids[wide]), out16), config
+        # One rounding of the float32 output to the io type.
+        error = (out16.double() - out32.double()).abs()
+        bound = half_ulp(out32, dtype)
+        assert (error <= bound).all(), \
+            f"{config}/{element}: output off its float32 value by {error.max().item():.3g} > half an ulp"
+        assert torch.equal(out16, out32.to(dtype)), f"{config}/{element}: not the float32 output rounded to nearest"
+        print(f"  (e) {config} {element}: lengths {lengths}, output within half an ulp of the float32 one "
+              f"(worst {(error / bound.clamp(min=1e-300)).max().item():.2f} of it)")
+
+
+def check_cuda(make_on, model, cases):
+    """(f): a 'cuda' cache against a 'cpu' cache fed the same inputs through the same public
+    methods. `cases`: (config, exact, keys, values, queries, lengths, layer); `exact`: the
+    configuration quantizes nothing.
+
+    The tolerance: both compute the same float32 attention over the same cache bytes (the
+    CUDA append stores the CPU reference's bytes, test_append_cuda), in different orders;
+    issue 10 allows 1e-3 of the values' magnitude M >= max_t ||v'_t|| (v' the dequantized
+    values of the sequence's tokens). Exact configurations store the values rounded to the
+    element type: M = max_t ||v_t|| (1 + 2^-8). A quantized value lies in its group's
+    [min, max] (in the rotated basis for rotated configurations), so |v'_i| <= ||v_t|| and
+    M = sqrt(D) max_t ||v_t|| (1 + 2^-8). Both outputs are then rounded to the io type,
+    each by at most half an ulp, io_unit |o| <= io_unit M: |cuda - cpu| <= (1e-3 + 2 io_unit) M."""
+    if not torch.cuda.is_available():
+        print("  (f) SKIP: torch.cuda.is_available() is false")
+        return
+    try:
+        make_on("cuda", cases[0][0], "fp16")
+    except RuntimeError as e:
+        if "built without the CUDA kernels" in str(e):
+            print("  (f) SKIP: the library was built without the CUDA kernels")
+            return
+        raise
+    for config, exact, keys, values, queries, lengths, layer in cases:
+        for dtype, element in DTYPES.items():
+            if dtype == torch.float32:
+                element = "fp16"  # float32 inputs into the serving element type
+            gpu, cpu = make_on("cuda", config, element), make_on("cpu", config, element)
+            assert gpu.device() == "cuda:0" and cpu.device() == "cpu", (gpu.device(), cpu.device())
+            k, v, q = keys.to(dtype), values.to(dtype), queries.to(dtype)
+            rows = {gpu: (k.cuda(), v.cuda()), cpu: (k, v)}
+            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            ids = {gpu: [gpu.add_sequence() for _ in lengths], cpu: [cpu.add_sequence() for _ in lengths]}
+            assert ids[gpu] == ids[cpu], ids
+            done = {gpu: [0] * len(lengths), cpu: [0] * len(lengths)}
+            worst = 0.0
+
+            def compare(active, rows_of, what):
+                nonlocal worst
+                want = cpu.decode_attention(layer, q[:len(active)].contiguous(), [ids[cpu][i] for i in active])
+                got = gpu.decode_attention(layer, q[:len(active)].contiguous().cuda(), [ids[gpu][i] for i in active])
+                assert got.device.type == "cuda" and got.dtype == dtype and got.shape == want.shape
+                got = got.cpu()
+                assert torch.isfinite(want).all() and torch.isfinite(got).all(), f"{config}/{what}"
+                for j, i in enumerate(active):
+                    rows = rows_of(i).double()  # [T, kv_heads, D]
+                    norm = rows.norm(dim=-1).max().item() * (1 + 2.0**-8)
+                    magnitude = norm if exact else math.sqrt(model.head_dim) * norm
+                    error = (got[j].double() - want[j].double()).abs().max().item()
+                    bound = (1e-3 + 2 * IO_UNIT[dtype]) * magnitude
+                    assert error <= bound, (f"{config}/{DTYPES[dtype]} {what}: sequence {i} off the CPU cache by "
+                                            f"{error:.3g} > {bound:.3g}")
+                    worst = max(worst, error / bound)
+
+            def held_rows(i):
+                return v[starts[i]:starts[i] + done[cpu][i]]
+
+            for tokens in schedule(lengths, 3):
+                for cache in (gpu, cpu):
+                    append_step(cache, layer, *rows[cache], ids[cache], starts, done[cache], tokens)
+                for a, b in zip(ids[gpu], ids[cpu]):
+                    assert gpu.length(a, layer) == cpu.length(b, layer), (gpu.length(a, layer), cpu.length(b, layer))
+                active = [i for i in range(len(lengths)) if done[cpu][i] > 0]
+                if active and tokens != [0] * len(tokens):
+                    compare(active, held_rows, f"after appending {tokens}")
+            # The first sequence removed and its slot reused by a new, shorter one.
+            gpu.remove_sequence(ids[gpu][0])
+            cpu.remove_sequence(ids[cpu][0])
+            ids[gpu][0], ids[cpu][0] = gpu.add_sequence(), cpu.add_sequence()
+            assert gpu.length(ids[gpu][0], layer) == 0 and cpu.length(ids[cpu][0], layer) == 0
+            fresh = max(1, lengths[0] // 2)
+            for cache in (gpu, cpu):
+                rows_k, rows_v = rows[cache]
+                cache.append(layer, rows_k[-fresh:].contiguous(), rows_v[-fresh:].contiguous(), [ids[cache][0]],
+                             [fresh])
+            assert gpu.length(ids[gpu][0], layer) == fresh == cpu.length(ids[cpu][0], layer)
+
+            def rows_after_reuse(i):
+                return v[-fresh:] if i == 0 else held_rows(i)
+
+            compare(list(range(len(lengths))), rows_after_reuse, "after a removed slot was reused")
+            print(f"  (f) {config} {DTYPES[dtype]} (element {element}): lengths {lengths}, cuda within "
+                  f"{worst:.2e} of the bound of the cpu cache")
 
 
 def expect_refusal(call, *words):
@@ -245,7 +426,12 @@ def check_refusals(make, model, artifact, model_dir):
     s = cache.add_sequence()
     kv, d, h = model.kv_heads, model.head_dim, model.heads
     good = torch.randn(3, kv, d)
-    expect_refusal(lambda: cache.append(0, good.double(), good, [s], [3]), "keys", "expected float32")
+    expect_refusal(lambda: cache.append(0, good.double(), good, [s], [3]), "keys", "of dtype Double",
+                   "expected float32, float16 or bfloat16")
+    expect_refusal(lambda: cache.append(0, good.half(), good, [s], [3]), "values of dtype Float",
+                   "with keys of dtype Half", "expected the keys' dtype")
+    expect_refusal(lambda: cache.append(0, good, good.bfloat16(), [s], [3]), "values of dtype BFloat16",
+                   "with keys of dtype Float", "expected the keys' dtype")
     expect_refusal(lambda: cache.append(0, good, torch.randn(3, kv, d + 2), [s], [3]), "values", "of shape",
                    f"expected [3, {kv}, {d}]")
     expect_refusal(lambda: cache.append(0, good, good, [s], [2]), "keys", "[sum(tokens), kv_heads, head_dim]")
@@ -261,7 +447,8 @@ def check_refusals(make, model, artifact, model_dir):
     assert cache.length(s, 0) == 3 and cache.length(s, 1) == 0
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(2, h, d), [s]), "queries", "of shape",
                    "[len(sequences), num_heads, head_dim]")
-    expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d).half(), [s]), "queries", "float32")
+    expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d).double(), [s]), "queries",
+                   "of dtype Double", "expected float32, float16 or bfloat16")
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d), [-1]), "sequence -1")
     expect_refusal(lambda: cache.length(s, model.layers), f"no such layer {model.layers}",
                    f"expected 0..{model.layers - 1}")
@@ -275,8 +462,11 @@ def main():
     with tempfile.TemporaryDirectory(prefix="kvforge-torch-ops-") as work:
         artifact = build_artifact(binary, model_dir, calib, work)
 
+        def make_on(device, config, element):
+            return torch.classes.kvforge.QuantizedKVCache(artifact, config, model_dir, device, 16, 4, 1024, element)
+
         def make(config, element):
-            return torch.classes.kvforge.QuantizedKVCache(artifact, config, model_dir, "cpu", 16, 4, 1024, element)
+            return make_on("cpu", config, element)
 
         check_exact(make, model, "exact-pre-rope", "fp32", True)
         check_exact(make, model, "exact-post-rope", "fp32", False)
@@ -288,6 +478,15 @@ def main():
             print("  (b) kvquant-2bit: not checked (python3 has no h5py to read the capture)")
         else:
             check_quantized(make, model, "kvquant-2bit", *captured, layer=2)
+        exact_case = exact_inputs(model)
+        check_dtypes(make, model, "exact-pre-rope", *exact_case, layer=1)
+        check_dtypes(make, model, "int2-rot-2bit", *random_case(model), layer=0)
+        cases = [("exact-pre-rope", True, *exact_case, 1), ("exact-post-rope", True, *exact_case, 3),
+                 ("int2-rot-2bit", False, *random_case(model), 0)]
+        if captured is not None:
+            check_dtypes(make, model, "kvquant-2bit", *captured, layer=2)
+            cases.append(("kvquant-2bit", False, *captured, 2))
+        check_cuda(make_on, model, cases)
         check_refusals(make, model, artifact, model_dir)
     print("PASS")
 
