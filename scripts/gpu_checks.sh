@@ -40,7 +40,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
-  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda kvforge_bench_decode_attention"
+  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix kvforge_bench_decode_attention"
 elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   targets="--target kvforge test_cache_perplexity test_needle_probe"
 elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
@@ -94,20 +94,37 @@ eval_checks() {
 }
 kernel_checks() {
   step "kernels: CUDA append and decode attention against the CPU reference"
-  for t in test_append_cuda test_decode_attention_cuda; do
+  # test_append_cuda: 18 layouts byte-equal after every append, then batch 64
+  # of mixed lengths and a 128K context (AppendCudaLarge); the decode matrix:
+  # the covering design and 64K/128K contexts, a line of worst ratios
+  # per case ("[ case ] ..."). SKIP_MATRIX=1 leaves the matrix out.
+  kernel_tests="test_append_cuda test_decode_attention_cuda"
+  [ -n "${SKIP_MATRIX:-}" ] || kernel_tests="$kernel_tests test_decode_attention_cuda_matrix"
+  for t in $kernel_tests; do
     if [ -x ./build-gpu/tests/$t ]; then
+      start=$(date +%s)
       ./build-gpu/tests/$t > "$LOGS/$t.log" 2>&1 || status=1
-      grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure" "$LOGS/$t.log" | head -40
+      grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure|^\[ [a-z]" "$LOGS/$t.log" | head -80
+      echo "$t: $(( $(date +%s) - start )) s"
     else
       echo "FAILED: $t was not built"; status=1
     fi
   done
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
+    # Small cases of both kernels: decode on three layouts (outliers and
+    # pre-RoPE keys, sliding window and sink, plain); append on five (the
+    # same three, int2-rot's rotations, the exhausted outlier pool).
+    decode_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4'
+    append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
+    append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*"
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --error-exitcode 9 ./build-gpu/tests/test_decode_attention_cuda \
-        --gtest_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4' > "$LOGS/sanitizer_$tool.log" 2>&1 || { echo "FAILED: $tool"; status=1; }
-      tail -2 "$LOGS/sanitizer_$tool.log"
+      for t in test_decode_attention_cuda test_append_cuda; do
+        filter=$decode_filter; [ $t = test_append_cuda ] && filter=$append_filter
+        compute-sanitizer --tool $tool --error-exitcode 9 ./build-gpu/tests/$t \
+          --gtest_filter="$filter" > "$LOGS/sanitizer_${tool}_$t.log" 2>&1 || { echo "FAILED: $tool $t"; status=1; }
+        echo "$tool $t:"; tail -2 "$LOGS/sanitizer_${tool}_$t.log"
+      done
     done
   fi
 }

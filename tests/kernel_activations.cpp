@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numbers>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +43,19 @@ Float32Array array_of(const at::Tensor& t) {
   const at::Tensor c = t.to(at::kFloat).contiguous();
   return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
           std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+}
+
+std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed) {
+  std::mt19937 generator(seed);
+  std::uniform_real_distribution<double> exponent(0.0, std::log(static_cast<double>(longest)));
+  std::vector<int64_t> lengths;
+  if (count == 1) return {1 + static_cast<int64_t>(generator() % static_cast<uint64_t>(longest))};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = i == 0 ? 1 : i == 1 ? longest : std::llround(std::exp(exponent(generator)));
+    lengths.push_back(std::clamp<int64_t>(n, 1, longest));
+  }
+  std::shuffle(lengths.begin(), lengths.end(), generator);
+  return lengths;
 }
 
 LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, const FitOptions& fit,

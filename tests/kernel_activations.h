@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "calib/quantizer_fit.h"
 #include "formats/quantizer_config.h"
@@ -28,6 +29,11 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
                                         const RotaryEmbedding& rope);
 
 Float32Array array_of(const at::Tensor& t);  // float32, its shape kept
+
+// A batch's sequence lengths: `count` of them spread log-uniformly over
+// 1..longest, 1 and `longest` included when count > 1 (one uniform draw for
+// count 1), in an order shuffled by a std::mt19937 seeded with `seed`.
+std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed);
 
 // One layer's quantizers fitted by calib to `calibration` (keys in the
 // settings' domain) under a random rotation of the given forms (drawn in this

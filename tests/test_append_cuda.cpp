@@ -11,11 +11,17 @@
 //     outlier positions bit for bit), which compares the outlier entries
 //     whatever outlier pages each cache gave them (the blocks pop the free
 //     stack concurrently, so page ids may differ).
+// AppendCudaLarge does the same at scale: batches of 64 sequences of mixed
+// lengths (1..8192) and one 128K context, pools byte-equal after every round
+// and every token read back equal at the end.
 // A layout with a tiny outlier pool checks that both backends report
 // exhaustion. Skipped without a GPU.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <numbers>
 #include <string>
@@ -353,6 +359,218 @@ TEST(AppendCudaCases, EveryCaseIsServedByTheRuntime) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, AppendCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ------------------------------------------------------------ large batches and contexts
+
+// A batch of 64 sequences of mixed lengths (1..8192, log-uniform) or one
+// context of 128K tokens: every sequence is prefilled in rounds of chunks of
+// up to `prefill_chunk` tokens, all sequences in one append per round and
+// layer, then decoded for 3 rounds of one token each.
+struct LargeWorkload {
+  Case layout;
+  std::vector<int64_t> lengths;
+  int64_t prefill_chunk = 1000;
+};
+
+void PrintTo(const LargeWorkload& w, std::ostream* os) { *os << w.layout.name; }
+
+// A device cache's token read back from host copies of its pools, with the
+// host cache's page table and dequantization constants (equal in both
+// caches: the host allocates the pages, and the constants come from the same
+// configuration): what read_token gives, without copying the pools per token.
+struct HostPoolReader {
+  kernels::TensorPoolCopy pools;
+  kernels::PagedTensor paged;
+  kernels::Dequantization dequantization;
+  const int32_t* page_table = nullptr;
+  int64_t page_table_stride = 0;
+
+  HostPoolReader(const kernels::QuantizedKVCache& device_cache, const kernels::QuantizedKVCache& host_cache,
+                 int64_t layer, TensorKind kind)
+      : pools(device_cache.copy_pools(layer, kind)) {
+    const kernels::DecodeParams host = host_cache.decode_params(layer);
+    paged = kind == TensorKind::kKeys ? host.key_cache : host.value_cache;
+    dequantization = kind == TensorKind::kKeys ? host.key_dequantization : host.value_dequantization;
+    page_table = host.batch.page_table;
+    page_table_stride = host.batch.page_table_stride;
+    paged.pages = pools.pages.data();
+    paged.exact = pools.exact.data();
+    paged.outlier_pages = pools.outlier_pages.empty() ? nullptr : pools.outlier_pages.data();
+    paged.outlier_page_table = pools.outlier_page_table.empty() ? nullptr : pools.outlier_page_table.data();
+  }
+  kernels::TokenReadout read(int32_t slot, int64_t tokens, int64_t token) const {
+    return kernels::read_token_reference(paged, dequantization, slot, page_table + slot * page_table_stride, tokens,
+                                         token);
+  }
+};
+
+class AppendCudaLarge : public ::testing::TestWithParam<LargeWorkload> {};
+
+// After every round and layer the pages, the exact store, the outlier entry
+// counts and the outlier pages used are equal byte for byte; at the end
+// every token of every sequence reads back equal (values, codes and outlier
+// positions bit for bit; the outlier entries through each cache's own
+// outlier pages).
+TEST_P(AppendCudaLarge, PoolsEqualTheCpuReferenceAfterEveryRound) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const LargeWorkload& w = GetParam();
+  const Case& c = w.layout;
+  at::manual_seed(17);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  const auto count = static_cast<int64_t>(w.lengths.size());
+  const int64_t longest = *std::max_element(w.lengths.begin(), w.lengths.end());
+  int64_t total = 0;
+  for (int64_t n : w.lengths) total += n;
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.max_sequences = count;
+  options.max_context = longest;
+  options.max_pages = count * (kernels::ceil_div(longest, c.page_size) + 1);
+  options.element = c.element;
+  options.outlier_page_entries = 256;
+  // Room for an eighth of all elements as outliers: above every rule here.
+  const int64_t width = kKvHeads * c.head_dim;
+  options.max_outlier_pages_per_sequence = kernels::ceil_div(longest * width / 8, options.outlier_page_entries) + 1;
+  options.max_outlier_pages = kernels::ceil_div(total * width / 8, options.outlier_page_entries) + count;
+  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
+  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
+
+  // Each sequence's rows [tokens][kv_heads][D] per layer, keys in the configuration's domain.
+  std::vector<std::vector<at::Tensor>> keys(static_cast<size_t>(count)), values(static_cast<size_t>(count));
+  std::vector<int32_t> ids;
+  for (int64_t s = 0; s < count; ++s) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const Activations a = synthetic(1, w.lengths[s], c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
+      keys[s].push_back((config.settings.keys_pre_rope ? a.keys_pre : a.keys)[0].permute({1, 0, 2}).contiguous());
+      values[s].push_back(a.values[0].permute({1, 0, 2}).contiguous());
+    }
+    ids.push_back(cpu.add_sequence());
+    ASSERT_EQ(cuda.add_sequence(), ids.back());
+  }
+  constexpr int64_t kDecodeRounds = 3;
+  std::vector<int64_t> lengths(static_cast<size_t>(count), 0);
+  int64_t rounds = 0;
+  for (;; ++rounds) {
+    // This round's tokens per sequence: a prefill chunk until the last 3 tokens, then single tokens.
+    kernels::AppendBatch batch;
+    std::vector<int64_t> entries;  // the sequence index of each batch entry
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t left = w.lengths[s] - lengths[s];
+      const int64_t n = left > kDecodeRounds ? std::min(w.prefill_chunk, left - kDecodeRounds) : std::min<int64_t>(left, 1);
+      if (n == 0) continue;
+      entries.push_back(s);
+      batch.sequences.push_back(ids[s]);
+      batch.positions.push_back(lengths[s]);
+      batch.tokens.push_back(n);
+    }
+    if (batch.sequences.empty()) break;
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      std::vector<float> k, v;
+      for (size_t e = 0; e < batch.sequences.size(); ++e) {
+        const int64_t s = entries[e];
+        const float* kp = keys[s][layer].data_ptr<float>() + batch.positions[e] * width;
+        const float* vp = values[s][layer].data_ptr<float>() + batch.positions[e] * width;
+        k.insert(k.end(), kp, kp + batch.tokens[e] * width);
+        v.insert(v.end(), vp, vp + batch.tokens[e] * width);
+      }
+      batch.keys = k.data();
+      batch.values = v.data();
+      cpu.append(layer, batch);
+      cuda.append(layer, batch);
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        const std::string where = c.name + " round " + std::to_string(rounds) + " layer " + std::to_string(layer) +
+                                  (kind == TensorKind::kKeys ? " keys" : " values");
+        const kernels::TensorPoolCopy expected = cpu.copy_pools(layer, kind), actual = cuda.copy_pools(layer, kind);
+        ASSERT_TRUE(expected.pages == actual.pages) << where << ": pages differ at " << first_difference(expected.pages, actual.pages);
+        ASSERT_TRUE(expected.exact == actual.exact) << where << ": exact store differs at " << first_difference(expected.exact, actual.exact);
+        ASSERT_EQ(expected.entry_counts, actual.entry_counts) << where;
+        ASSERT_EQ(expected.outlier_pages_used, actual.outlier_pages_used) << where;
+      }
+    }
+    for (size_t e = 0; e < entries.size(); ++e) lengths[entries[e]] += batch.tokens[e];
+  }
+  ASSERT_EQ(lengths, w.lengths);
+  EXPECT_GE(rounds, kDecodeRounds + 1);
+
+  int64_t outliers_compared = 0, tokens_compared = 0;
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+      const HostPoolReader device_tokens(cuda, cpu, layer, kind);
+      for (int64_t s = 0; s < count; ++s) {
+        const int64_t n = w.lengths[s];
+        // Tokens in parallel (read_token only reads host memory); the first mismatch reported after.
+        std::vector<int64_t> outliers(static_cast<size_t>(n), 0);
+        std::vector<uint8_t> equal(static_cast<size_t>(n), 0);
+        at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const kernels::TokenReadout e = cpu.read_token(layer, kind, ids[s], t);
+            const kernels::TokenReadout a = device_tokens.read(ids[s], n, t);
+            equal[t] = e.quantized == a.quantized && e.codes == a.codes && e.outliers == a.outliers &&
+                       std::memcmp(e.values.data(), a.values.data(), e.values.size() * sizeof(float)) == 0;
+            for (uint8_t o : e.outliers) outliers[t] += o;
+          }
+        });
+        const auto bad = std::find(equal.begin(), equal.end(), uint8_t{0});
+        ASSERT_TRUE(bad == equal.end()) << c.name << " layer " << layer << (kind == TensorKind::kKeys ? " keys" : " values")
+                                        << " sequence " << s << " (T=" << n << "): token " << (bad - equal.begin())
+                                        << " reads back differently";
+        for (int64_t o : outliers) outliers_compared += o;
+        tokens_compared += n;
+      }
+    }
+  }
+  EXPECT_EQ(tokens_compared, 2 * kLayers * total);
+  const bool any_outliers = cpu.layout(TensorKind::kKeys).outlier_spans > 0 || cpu.layout(TensorKind::kValues).outlier_spans > 0;
+  if (any_outliers) EXPECT_GT(outliers_compared, 0) << "the case must exercise the outlier rows";
+  std::printf("[ %s ] %lld sequences, %lld tokens, %lld rounds: pools byte-equal after every round and layer, "
+              "%lld token reads and %lld outliers equal\n",
+              c.name.c_str(), static_cast<long long>(count), static_cast<long long>(total),
+              static_cast<long long>(rounds), static_cast<long long>(tokens_compared),
+              static_cast<long long>(outliers_compared));
+}
+
+std::vector<LargeWorkload> large_workloads() {
+  std::vector<LargeWorkload> all;
+  {  // KVQuant's tau variant at batch 64: per-token outliers of 64 sequences popping the free stack at once.
+    Case c = make_case("kvquant_tau_2bit_d128_gqa4_batch64", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
+    c.fit.outlier_fraction = 0.03;
+    all.push_back({c, testing::mixed_lengths(64, 8192, 5), 1000});
+  }
+  {  // int2-rot rotated at 4 bits, batch 64: sink, ring and rotation per sequence; page 12.
+    Case c = make_case("int2rot_rotated_4bit_d64_gqa8_page12_batch64", QuantMethod::kInt2Rot, 4, 64, 16);
+    c.fit.sink_tokens = 4;
+    c.fit.residual_tokens = 16;
+    c.key_rotation = c.value_rotation = RotationForm::kMatrix;
+    c.key_centre = true;
+    c.page_size = 12;
+    all.push_back({c, testing::mixed_lengths(64, 8192, 6), 700});
+  }
+  {  // One 128K context: KVQuant (pre-RoPE keys with thresholds, value outliers, sink 1) in chunks of 8192.
+    Case c = make_case("kvquant_2bit_d128_gqa4_128k", QuantMethod::kKvquant, 2, 128, 8);
+    c.fit.outlier_fraction = 0.02;
+    all.push_back({c, {131072}, 8192});
+  }
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Large, AppendCudaLarge, ::testing::ValuesIn(large_workloads()),
+                         [](const ::testing::TestParamInfo<LargeWorkload>& info) { return info.param.layout.name; });
+
+// Runs without a GPU: the large workloads' layouts are served too.
+TEST(AppendCudaCases, EveryLargeWorkloadIsServedByTheRuntime) {
+  for (const LargeWorkload& w : large_workloads()) {
+    const RopeConfig rope_config;
+    const RotaryEmbedding rope(rope_config, w.layout.head_dim, at::kCPU);
+    const QuantizerConfig config = fitted_config(w.layout, rope);
+    kernels::CacheOptions options;
+    options.page_size = w.layout.page_size;
+    options.element = w.layout.element;
+    EXPECT_NO_THROW(kernels::QuantizedKVCache(config, dimensions(w.layout, rope_config), options)) << w.layout.name;
+  }
+}
 
 // A pool of one outlier page per layer and kind: both backends run out on
 // the same append and say so (std::length_error, the exhausted flag).

@@ -1,0 +1,474 @@
+#include "tests/decode_attention_check.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "kernels/cuda_runtime_check.h"
+#include "kernels/decode_attention_launch.h"
+#include "kernels/element_conversion.h"
+#include "tests/kernel_activations.h"
+
+namespace kvforge::testing {
+
+using kernels::ElementType;
+using kernels::TensorKind;
+
+// ------------------------------------------------------------ device copies
+
+DeviceArrays::~DeviceArrays() {
+  for (void* memory : buffers_) cudaFree(memory);
+}
+
+void* DeviceArrays::allocate(int64_t bytes) {
+  void* memory = nullptr;
+  KVFORGE_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(bytes)));
+  buffers_.push_back(memory);
+  return memory;
+}
+
+void* DeviceArrays::copy_bytes(const void* host, int64_t bytes) {
+  if (host == nullptr || bytes == 0) return nullptr;
+  void* memory = allocate(bytes);
+  KVFORGE_CUDA_CHECK(cudaMemcpy(memory, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  return memory;
+}
+
+namespace {
+
+kernels::PagedTensor device_tensor(DeviceArrays& device, const kernels::PagedTensor& host, const PoolSizes& sizes) {
+  kernels::PagedTensor d = host;
+  const kernels::TensorPageLayout& l = host.layout;
+  d.pages = device.copy(host.pages, sizes.max_pages * l.page_bytes);
+  d.exact = device.copy(host.exact, sizes.max_sequences * l.exact_slot_bytes);
+  if (l.outlier_spans > 0) {
+    d.outlier_pages = device.copy(host.outlier_pages, sizes.max_outlier_pages * l.outlier_page_bytes);
+    d.outlier_page_table = device.copy(host.outlier_page_table, sizes.max_sequences * host.outlier_table_stride);
+  }
+  return d;
+}
+
+kernels::Dequantization device_dequantization(DeviceArrays& device, const kernels::Dequantization& host,
+                                              const kernels::TensorPageLayout& l) {
+  kernels::Dequantization d = host;
+  const int64_t width = static_cast<int64_t>(l.spec.kv_heads) * l.spec.head_dim;
+  d.levels = device.copy(host.levels, int64_t{1} << l.spec.bits);
+  d.channel_scale = device.copy(host.channel_scale, width);
+  d.channel_offset = device.copy(host.channel_offset, width);
+  return d;
+}
+
+kernels::Rotation device_rotation(DeviceArrays& device, const kernels::Rotation& host, const kernels::TensorPageLayout& l) {
+  kernels::Rotation d = host;
+  const int64_t heads = l.spec.kv_heads, dim = l.spec.head_dim;
+  d.matrix = device.copy(host.matrix, heads * dim * dim);
+  d.centre = device.copy(host.centre, heads * dim);
+  d.pair_cos = device.copy(host.pair_cos, heads * dim / 2);
+  d.pair_sin = device.copy(host.pair_sin, heads * dim / 2);
+  return d;
+}
+
+}  // namespace
+
+kernels::DecodeParams device_params(DeviceArrays& device, const kernels::DecodeParams& host, const PoolSizes& sizes) {
+  kernels::DecodeParams d = host;
+  const kernels::TensorLayoutSpec& spec = host.key_cache.layout.spec;
+  const int64_t count = host.batch.count, io_count = count * host.num_heads * spec.head_dim;
+  const int64_t io_bytes = io_count * kernels::element_bytes(host.io);
+  d.batch.slots = device.copy(host.batch.slots, count);
+  d.batch.lengths = device.copy(host.batch.lengths, count);
+  d.batch.page_table = device.copy(host.batch.page_table, sizes.max_sequences * host.batch.page_table_stride);
+  d.queries = device.copy(static_cast<const uint8_t*>(host.queries), io_bytes);
+  d.output = device.allocate(io_bytes);
+  d.key_cache = device_tensor(device, host.key_cache, sizes);
+  d.value_cache = device_tensor(device, host.value_cache, sizes);
+  d.key_dequantization = device_dequantization(device, host.key_dequantization, host.key_cache.layout);
+  d.value_dequantization = device_dequantization(device, host.value_dequantization, host.value_cache.layout);
+  d.key_rotation = device_rotation(device, host.key_rotation, host.key_cache.layout);
+  d.value_rotation = device_rotation(device, host.value_rotation, host.value_cache.layout);
+  d.rope_inverse_frequencies = device.copy(host.rope_inverse_frequencies, spec.head_dim / 2);
+  d.read_tally = nullptr;
+  return d;
+}
+
+// ------------------------------------------------------------ cases
+
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
+  DecodeCase c;
+  c.name = std::move(name);
+  c.fit.method = method;
+  c.fit.bits = bits;
+  c.fit.fisher = false;
+  c.fit.max_calibration_tokens = 0;
+  c.head_dim = head_dim;
+  c.heads = heads;
+  return c;
+}
+
+namespace {
+
+KernelActivations synthetic(int64_t windows, int64_t tokens, int64_t dim, ElementType element,
+                            const RotaryEmbedding& rope) {
+  return synthetic_activations(windows, kDecodeKvHeads, tokens, dim, 1.0, element, rope);
+}
+
+}  // namespace
+
+QuantizerConfig fitted_decode_config(const DecodeCase& c, const RotaryEmbedding& rope) {
+  QuantizerConfig config;
+  config.name = c.name;
+  config.settings = resolve_settings(c.fit, c.head_dim);
+  if (c.key_rotation != RotationForm::kNone || c.value_rotation != RotationForm::kNone) {
+    RotationSettings r;
+    r.keys = c.key_rotation;
+    r.values = c.value_rotation;
+    r.key_centred = c.key_centre;
+    r.steps = 0;
+    config.rotation = r;
+  }
+  const KernelActivations calibration = synthetic(2, 96, c.head_dim, c.element, rope);
+  config.layers.push_back(fit_randomly_rotated_layer(config.settings, c.fit, calibration, kDecodeKvHeads, c.head_dim,
+                                                     c.key_rotation, c.value_rotation, c.key_centre));
+  return config;
+}
+
+kernels::ModelDimensions decode_dimensions(const DecodeCase& c) {
+  kernels::ModelDimensions dims;
+  dims.num_layers = 1;
+  dims.num_heads = c.heads;
+  dims.num_kv_heads = kDecodeKvHeads;
+  dims.head_dim = c.head_dim;
+  const at::Tensor inv = rope_inverse_frequencies(RopeConfig{}, c.head_dim).contiguous();
+  dims.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
+  return dims;
+}
+
+// ------------------------------------------------------------ float64 attention
+
+SequenceReadback read_back_sequence(const kernels::QuantizedKVCache& cache, const kernels::DecodeParams& host,
+                                    int32_t sequence, int64_t tokens) {
+  const int64_t dim = host.key_cache.layout.spec.head_dim, half = dim / 2;
+  const int64_t kv_heads = host.key_cache.layout.spec.kv_heads, width = kv_heads * dim;
+  SequenceReadback r;
+  r.tokens = tokens;
+  r.kv_heads = kv_heads;
+  r.dim = dim;
+  r.keys.resize(static_cast<size_t>(tokens * width));
+  r.values.resize(static_cast<size_t>(tokens * width));
+  // read_token only reads the host cache: tokens are independent.
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const kernels::TokenReadout k = cache.read_token(0, TensorKind::kKeys, sequence, t);
+      const kernels::TokenReadout v = cache.read_token(0, TensorKind::kValues, sequence, t);
+      double* key = r.keys.data() + t * width;
+      std::copy(k.values.begin(), k.values.end(), key);
+      std::copy(v.values.begin(), v.values.end(), r.values.data() + t * width);
+      if (!host.keys_pre_rope) continue;
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        double* x = key + head * dim;
+        for (int64_t j = 0; j < half; ++j) {
+          const double angle = static_cast<double>(static_cast<float>(t) * host.rope_inverse_frequencies[j]);
+          const double a = x[j], b = x[j + half];
+          x[j] = a * std::cos(angle) - b * std::sin(angle);
+          x[j + half] = b * std::cos(angle) + a * std::sin(angle);
+        }
+      }
+    }
+  });
+  r.key_norm.assign(static_cast<size_t>(kv_heads), 0.0);
+  r.value_norm.assign(static_cast<size_t>(kv_heads), 0.0);
+  r.key_max.assign(static_cast<size_t>(kv_heads), 0.0);
+  r.value_max.assign(static_cast<size_t>(kv_heads), 0.0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      double key_norm = 0, value_norm = 0;
+      for (int64_t d = 0; d < dim; ++d) {
+        const double k = r.keys[(t * kv_heads + head) * dim + d], v = r.values[(t * kv_heads + head) * dim + d];
+        key_norm += k * k;
+        value_norm += v * v;
+        r.key_max[head] = std::max(r.key_max[head], std::fabs(k));
+        r.value_max[head] = std::max(r.value_max[head], std::fabs(v));
+      }
+      r.key_norm[head] = std::max(r.key_norm[head], std::sqrt(key_norm));
+      r.value_norm[head] = std::max(r.value_norm[head], std::sqrt(value_norm));
+    }
+  }
+  return r;
+}
+
+Float64Attention float64_attention(const SequenceReadback& readback, const kernels::DecodeParams& host,
+                                   const float* query, int64_t kv_head) {
+  const int64_t dim = readback.dim, half = dim / 2, tokens = readback.tokens, width = readback.kv_heads * dim;
+  Float64Attention r;
+  std::vector<double> q(static_cast<size_t>(dim));
+  const kernels::Rotation& kr = host.key_rotation;
+  for (int64_t j = 0; j < dim; ++j) {
+    if (kr.kind == kernels::RotationKind::kMatrix) {
+      double sum = 0;
+      for (int64_t i = 0; i < dim; ++i) sum += static_cast<double>(query[i]) * kr.matrix[(kv_head * dim + i) * dim + j];
+      q[j] = sum;
+    } else if (kr.kind == kernels::RotationKind::kPairAngles) {
+      const int64_t p = j % half;
+      const double c = kr.pair_cos[kv_head * half + p], s = kr.pair_sin[kv_head * half + p];
+      q[j] = j < half ? query[p] * c - query[p + half] * s : query[p] * s + query[p + half] * c;
+    } else {
+      q[j] = query[j];
+    }
+    r.query_norm += q[j] * q[j];
+    r.query_l1 += std::fabs(q[j]);
+  }
+  r.query_norm = std::sqrt(r.query_norm);
+  r.key_norm = readback.key_norm[kv_head];
+  r.value_norm = readback.value_norm[kv_head];
+  r.key_max = readback.key_max[kv_head];
+  r.value_max = readback.value_max[kv_head];
+  std::vector<double> logits(static_cast<size_t>(tokens));
+  const double scale = host.softmax_scale;
+  double max_logit = -INFINITY;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double* key = readback.keys.data() + t * width + kv_head * dim;
+    double dot = 0;
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * key[d];
+    logits[t] = dot * scale;
+    max_logit = std::max(max_logit, logits[t]);
+  }
+  std::vector<double> o(static_cast<size_t>(dim), 0.0);
+  double sum = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double w = std::exp(logits[t] - max_logit);
+    const double* value = readback.values.data() + t * width + kv_head * dim;
+    sum += w;
+    for (int64_t d = 0; d < dim; ++d) o[d] += w * value[d];
+  }
+  for (double& x : o) x /= sum;
+  r.output = o;
+  const kernels::Rotation& vr = host.value_rotation;
+  if (vr.kind == kernels::RotationKind::kMatrix) {
+    for (int64_t j = 0; j < dim; ++j) {
+      double x = 0;
+      for (int64_t i = 0; i < dim; ++i) x += o[i] * vr.matrix[(kv_head * dim + j) * dim + i];
+      r.output[j] = x;
+    }
+  }
+  return r;
+}
+
+namespace {
+
+constexpr double kUnit = 0x1p-24;  // float32 unit roundoff
+
+double gamma(double n) { return n * kUnit / (1 - n * kUnit); }
+
+// Half an ulp of the io type's significand (11 bits fp16, 8 bits bf16); 0 for float32.
+double io_unit(ElementType io) {
+  return io == ElementType::kFloat16 ? 0x1p-11 : io == ElementType::kBFloat16 ? 0x1p-8 : 0.0;
+}
+
+}  // namespace
+
+// The float32 error of a decode kernel against float64 attention over the
+// same read-back (worst case, Higham's gamma_n = n u / (1 - n u), u = 2^-24):
+//   logits: the query rotation (D fmas), the dot product (D fmas), RoPE (a
+//     few roundings and sin/cos within 2 ulp) and the scale: |delta s| <=
+//     gamma(2D + 16) * scale * ||q'|| max ||k'||;
+//   a logit error delta moves a softmax weight by a factor within
+//     e^(+-2 delta), so the output by <= 4 delta max ||v'|| (delta < 0.1);
+//   the weights' exp (2 ulp), the running rescales (2 roundings per token
+//     or tile of a split of S tokens), the accumulations (an fma per
+//     token), the merge (3 per split) and the sum's division: gamma(4S +
+//     3 splits + 8) max ||v'||; the values' rotation back: gamma(D) max ||v'||;
+//   an io type coarser than float32 rounds each output once more: half an
+//     ulp of its significand relative to max ||v'||.
+//
+// The tensor-core kernel (docs/runtime-layout.md 6.4; plan.tensor_cores, its
+// splits plan.tokens_per_split) adds: codes enter the mmas exactly, the other
+// operand (q'_d, times a per-channel scale, or a weight p_t times a token
+// scale) as bf16 hi + lo within 2^-16 relative; the tensor cores' float32
+// sums may truncate (2^-23 per addition: D + 16 per logit, 32 per output
+// and tile). The factored sums run over |a| + |b| code <= 3 max |x^| of a
+// group (its extremes are codes 0 and 2^b - 1), so
+//   logits: |delta s| <= scale (2^-16 + (D + 16) 2^-23) 3 sum_d |q'_d| max |k'|,
+//     moving the output by <= 4 |delta s| max ||v'||;
+//   values: |delta o_d| <= (2^-16 + 32 * 2^-23) 3 max |v'|.
+double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
+                             int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
+  const int64_t split = plan.tensor_cores ? plan.tokens_per_split : tokens_per_split;
+  const int64_t s = split > 0 ? std::min(split, tokens) : tokens;
+  const int64_t splits = (tokens + s - 1) / s;
+  const double logit = gamma(2.0 * dim + 16) * softmax_scale * f.query_norm * f.key_norm;
+  double bound = 4 * logit * f.value_norm + gamma(4.0 * s + 3.0 * splits + 8 + dim) * f.value_norm +
+                 io_unit(io) * f.value_norm;
+  if (plan.tensor_cores) {
+    const double operand_logit = softmax_scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
+    bound += 4 * operand_logit * f.value_norm + (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;
+  }
+  return bound;
+}
+
+// ------------------------------------------------------------ comparison
+
+void expect_head_within_bounds(const HeadComparison& h, ElementType io, const std::string& where,
+                               bool float64_within_1e3) {
+  const double unit = io_unit(io);
+  // Both round to the io type: a float32 difference at a rounding boundary
+  // is one io ulp (2 io_unit) apart.
+  EXPECT_LE(h.vs_reference, (1e-3 + 2 * unit) * h.value_norm) << where << " against the CPU reference";
+  EXPECT_LE(h.vs_reference, 2 * h.bound) << where << " against the CPU reference";
+  EXPECT_LE(h.vs_float64, h.bound) << where << " against float64 attention";
+  if (float64_within_1e3) {
+    EXPECT_LE(h.vs_float64, (1e-3 + unit) * h.value_norm) << where << " against float64 attention (the issue's 1e-3)";
+  }
+}
+
+namespace {
+
+void store_io(ElementType io, double value, std::vector<uint8_t>& bytes, int64_t index) {
+  kernels::store_element(io, value, bytes.data() + index * kernels::element_bytes(io));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOptions& check) {
+  const auto cpu_start = std::chrono::steady_clock::now();
+  at::manual_seed(4321);
+  const RotaryEmbedding rope(RopeConfig{}, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_decode_config(c, rope);
+
+  const auto count = static_cast<int64_t>(c.lengths.size());
+  int64_t longest = 0, total = 0;
+  for (int64_t n : c.lengths) {
+    longest = std::max(longest, n);
+    total += n;
+  }
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.max_sequences = count;
+  options.max_context = longest;
+  options.element = c.element;
+  options.tokens_per_split = c.tokens_per_split;
+  options.outlier_page_entries = 256;
+  const int64_t width = kDecodeKvHeads * c.head_dim;
+  // Room for a quarter of all elements as outliers: far above any rule here.
+  options.max_outlier_pages_per_sequence = kernels::ceil_div(longest * width / 4, options.outlier_page_entries) + 1;
+  options.max_outlier_pages = kernels::ceil_div(total * width / 4, options.outlier_page_entries) + count;
+  options.max_pages = count * (kernels::ceil_div(longest, c.page_size) + 1);
+  kernels::QuantizedKVCache cache(config, decode_dimensions(c), options);
+
+  // Prefill in chunks of up to 1000 tokens, the last 3 tokens decoded one by
+  // one (the windows and rings move as when serving).
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t id = cache.add_sequence();
+    ids.push_back(id);
+    const int64_t n = c.lengths[i];
+    const KernelActivations a = synthetic(1, n, c.head_dim, c.element, rope);
+    const at::Tensor keys = (config.settings.keys_pre_rope ? a.keys_pre : a.keys)[0].permute({1, 0, 2}).contiguous();
+    const at::Tensor values = a.values[0].permute({1, 0, 2}).contiguous();
+    int64_t position = 0;
+    while (position < n) {
+      const int64_t chunk = n - position > 3 ? std::min<int64_t>(1000, n - 3 - position) : 1;
+      cache.append(0, {{id}, {position}, {chunk}, keys.data_ptr<float>() + position * width,
+                       values.data_ptr<float>() + position * width});
+      position += chunk;
+    }
+  }
+
+  // The reference on host memory, the kernel on device copies of the same bytes.
+  kernels::DecodeParams host = cache.decode_params(0);
+  std::vector<int64_t> lengths(c.lengths.begin(), c.lengths.end());
+  const int64_t io_count = count * c.heads * c.head_dim;
+  const at::Tensor query_values = at::randn({io_count}, at::kDouble).contiguous();
+  const double* query_data = query_values.data_ptr<double>();
+  std::vector<uint8_t> queries(static_cast<size_t>(io_count * kernels::element_bytes(c.io)));
+  for (int64_t i = 0; i < io_count; ++i) store_io(c.io, query_data[i], queries, i);
+  std::vector<uint8_t> reference(queries.size()), got(queries.size());
+  host.batch.count = static_cast<int32_t>(count);
+  host.batch.slots = ids.data();
+  host.batch.lengths = lengths.data();
+  host.io = c.io;
+  host.queries = queries.data();
+  host.output = reference.data();
+  kernels::decode_attention_reference(host);
+  double cpu_seconds = seconds_since(cpu_start);
+
+  const auto gpu_start = std::chrono::steady_clock::now();
+  const PoolSizes sizes{count, options.max_pages, options.max_outlier_pages};
+  kernels::DecodePlan plan;
+  {
+    DeviceArrays device;
+    const kernels::DecodeParams on_device = device_params(device, host, sizes);
+    int multiprocessors = 0;
+    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
+    plan = kernels::plan_decode_attention(on_device, multiprocessors);
+    kernels::launch_decode_attention(on_device, nullptr);
+    KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
+    KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
+  }
+  const double gpu_seconds = seconds_since(gpu_start);
+
+  const auto float64_start = std::chrono::steady_clock::now();
+  const int64_t dim = c.head_dim, group = c.heads / kDecodeKvHeads;
+  const int64_t io_size = kernels::element_bytes(c.io);
+  DecodeCaseSummary summary;
+  for (int64_t i = 0; i < count; ++i) {
+    const SequenceReadback readback = read_back_sequence(cache, host, ids[i], lengths[i]);
+    // The heads in parallel, the expectations in order afterwards.
+    std::vector<HeadComparison> heads(static_cast<size_t>(c.heads));
+    at::parallel_for(0, c.heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t head = begin; head < end; ++head) {
+        std::vector<float> q(static_cast<size_t>(dim));
+        for (int64_t d = 0; d < dim; ++d) {
+          q[d] = kernels::load_element(c.io, queries.data() + ((i * c.heads + head) * dim + d) * io_size);
+        }
+        const Float64Attention f = float64_attention(readback, host, q.data(), head / group);
+        HeadComparison& h = heads[static_cast<size_t>(head)];
+        h.bound = attention_error_bound(f, host.softmax_scale, dim, lengths[i], c.tokens_per_split, c.io, plan);
+        h.value_norm = f.value_norm;
+        for (int64_t d = 0; d < dim; ++d) {
+          const int64_t at = ((i * c.heads + head) * dim + d) * io_size;
+          const double g = kernels::load_element(c.io, got.data() + at);
+          const double r = kernels::load_element(c.io, reference.data() + at);
+          h.vs_reference = std::max(h.vs_reference, std::fabs(g - r));
+          h.vs_float64 = std::max(h.vs_float64, std::fabs(g - f.output[d]));
+        }
+      }
+    });
+    for (int64_t head = 0; head < c.heads; ++head) {
+      const HeadComparison& h = heads[static_cast<size_t>(head)];
+      const std::string where = c.name + " sequence " + std::to_string(i) + " (T=" + std::to_string(lengths[i]) +
+                                ") head " + std::to_string(head);
+      expect_head_within_bounds(h, c.io, where, check.float64_within_1e3);
+      summary.worst_vs_reference = std::max(summary.worst_vs_reference, h.vs_reference / h.value_norm);
+      summary.worst_vs_float64 = std::max(summary.worst_vs_float64, h.vs_float64 / h.value_norm);
+      summary.worst_vs_float64_of_bound = std::max(summary.worst_vs_float64_of_bound, h.vs_float64 / h.bound);
+      ++summary.heads_checked;
+    }
+  }
+  cpu_seconds += seconds_since(float64_start);
+  std::printf("[ %s ] %s kernel, splits of %lld tokens\n", c.name.c_str(), plan.tensor_cores ? "tensor-core" : "general",
+              static_cast<long long>(plan.tokens_per_split));
+  if (check.print_timing) {
+    std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "
+                "worst |cuda - float64| %.2e of max||v|| and %.3f of its bound (cpu %.1f s, gpu %.2f s)\n",
+                c.name.c_str(), static_cast<long long>(count), static_cast<long long>(total),
+                static_cast<long long>(summary.heads_checked), summary.worst_vs_reference, summary.worst_vs_float64,
+                summary.worst_vs_float64_of_bound, cpu_seconds, gpu_seconds);
+  } else {
+    std::printf("[ %s ] worst |cuda - reference| %.2e of max||v||, worst |cuda - float64| %.3f of its bound\n",
+                c.name.c_str(), summary.worst_vs_reference, summary.worst_vs_float64_of_bound);
+  }
+  return summary;
+}
+
+}  // namespace kvforge::testing
