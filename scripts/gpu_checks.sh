@@ -41,6 +41,8 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix kvforge_bench_decode_attention"
+  # The op library's CUDA test builds its artifact with the kvforge binary.
+  [ -n "${SKIP_TORCH_OPS:-}" ] || targets="$targets kvforge kvforge_torch_ops"
 elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   targets="--target kvforge test_cache_perplexity test_needle_probe"
 elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
@@ -110,6 +112,11 @@ kernel_checks() {
       echo "FAILED: $t was not built"; status=1
     fi
   done
+  if [ -z "${SKIP_TORCH_OPS:-}" ]; then
+    step "kernels: the PyTorch op library on CUDA against its CPU cache (tests/test_torch_ops.py)"
+    ctest --test-dir build-gpu -R '^test_torch_ops$' --output-on-failure > "$LOGS/test_torch_ops.log" 2>&1 || status=1
+    grep -E "tests passed|Failed|FAIL|cuda|Error" "$LOGS/test_torch_ops.log" | head -20
+  fi
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
     # Small cases of both kernels: decode on three layouts (outliers and
