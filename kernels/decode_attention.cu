@@ -77,6 +77,34 @@ void launch_general(const DecodeParams& p, const device::SplitWorkspace& workspa
   }
 }
 
+// The tile stages live in dynamic shared memory, beyond the 48 KB a block
+// gets without asking.
+template <int D, int kBits, int KG, int VG>
+void allow_tensor_core_shared_memory() {
+  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(device::decode_tensor_core_kernel<D, kBits, KG, VG>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          device::tensor_core_dynamic_shared_bytes<D, kBits, KG, VG>()));
+}
+
+template <int D, int kBits, int KG, int VG>
+void launch_tensor_core_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                               const device::TensorCoreSplits& splits, dim3 grid, cudaStream_t stream) {
+  allow_tensor_core_shared_memory<D, kBits, KG, VG>();
+  constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
+  device::decode_tensor_core_kernel<D, kBits, KG, VG>
+      <<<grid, kThreads, device::tensor_core_dynamic_shared_bytes<D, kBits, KG, VG>(), stream>>>(p, workspace, splits);
+}
+
+template <int D, int kBits, int KG, int VG>
+int tensor_core_blocks(int threads) {
+  allow_tensor_core_shared_memory<D, kBits, KG, VG>();
+  int blocks = 0;
+  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, device::decode_tensor_core_kernel<D, kBits, KG, VG>, threads,
+      device::tensor_core_dynamic_shared_bytes<D, kBits, KG, VG>()));
+  return blocks;
+}
+
 bool grouped_channels(const TensorLayoutSpec& spec) {
   return spec.grouping == ScaleGrouping::kPerToken && spec.group < spec.head_dim;
 }
@@ -89,9 +117,9 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
   const device::TensorCoreSplits splits{plan.tokens_per_split};
   constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
   if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
-    device::decode_tensor_core_kernel<D, kBits, 4, 4><<<grid, kThreads, 0, stream>>>(p, workspace, splits);
+    launch_tensor_core_kernel<D, kBits, 4, 4>(p, workspace, splits, grid, stream);
   } else {
-    device::decode_tensor_core_kernel<D, kBits, 1, 1><<<grid, kThreads, 0, stream>>>(p, workspace, splits);
+    launch_tensor_core_kernel<D, kBits, 1, 1>(p, workspace, splits, grid, stream);
   }
 }
 
@@ -100,14 +128,9 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
 template <int D, int kBits>
 int tensor_core_residency(const DecodeParams& p) {
   constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
-  int blocks = 0;
-  if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
-    KVFORGE_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_tensor_core_kernel<D, kBits, 4, 4>, kThreads, 0));
-  } else {
-    KVFORGE_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_tensor_core_kernel<D, kBits, 1, 1>, kThreads, 0));
-  }
+  const int blocks = grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)
+                         ? tensor_core_blocks<D, kBits, 4, 4>(kThreads)
+                         : tensor_core_blocks<D, kBits, 1, 1>(kThreads);
   return blocks > 0 ? blocks : 1;
 }
 

@@ -246,7 +246,7 @@ struct SplitWorkspace {
   int32_t max_splits = 0;
 };
 
-inline constexpr int kExactChunk = 64;  // tokens per block of the exact ranges
+inline constexpr int kExactChunk = 32;  // tokens per block of the exact ranges: one tile, short blocks
 
 // Which tokens block x of decode_split_kernel takes, and which state it writes:
 //   splits of tokens_per_split tokens over the whole context (the general

@@ -131,6 +131,23 @@ __device__ inline uint32_t value_codes(const uint32_t* words, int tile, int g) {
 
 __device__ inline float shfl(float x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
 
+// Asynchronous global -> shared copies (sm_80+), so that a tile's bytes are
+// in flight while the previous tiles are computed.
+template <int kBytes>
+__device__ inline void copy_async(void* shared, const void* global) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes));
+  }
+}
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ inline void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // ---------------------------------------------------------------- addressing
 
 // Where the codes and the per-token parameters of token slot s lie.
@@ -243,11 +260,31 @@ struct TensorCoreShared {
   float alpha[kTensorCoreWarps][kMaxTensorCoreGroup];
   float state_max[kTensorCoreWarps][kMaxTensorCoreGroup], state_sum[kTensorCoreWarps][kMaxTensorCoreGroup];
   float out[kTensorCoreWarps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
-  // The tile's tokens, looked up once per tile (lane j keys, lane 16 + j
-  // values of token j): page, in-page slot, per-token group affines.
-  SlotAddress key_at[kTensorCoreWarps][kTileRows], value_at[kTensorCoreWarps][kTileRows];
+  // The tile's per-token group affines, from its stage's pairs (lane j keys,
+  // lane 16 + j values of token j).
   Affine key_affine[kTensorCoreWarps][kTileRows][4], value_affine[kTensorCoreWarps][kTileRows][4];
+  Affine channel[kTensorCoreWarps][D];  // per-channel keys: the current token group's (or the offline) affines
 };
+
+inline constexpr int kStages = 3;  // tiles per warp in flight: the one computed and two loading
+
+// One tile's bytes in shared memory (dynamic, kStages per warp): the 16
+// tokens' code rows and group pairs of keys and values, copied
+// asynchronously, and where each token lies (for the outliers).
+template <int D, int kBits, int KG, int VG>
+struct TileStage {
+  static constexpr int kRowBytes = D * kBits / 8;
+  uint4 key_codes[kTileRows * kRowBytes / 16];
+  uint4 value_codes[kTileRows * kRowBytes / 16];
+  uint2 key_pairs[kTileRows][KG];  // (min, max), 4 or 8 bytes each
+  uint2 value_pairs[kTileRows][VG];
+  SlotAddress key_at[kTileRows], value_at[kTileRows];  // page null: past the range
+};
+
+template <int D, int kBits, int KG, int VG>
+constexpr int tensor_core_dynamic_shared_bytes() {
+  return kTensorCoreWarps * kStages * static_cast<int>(sizeof(TileStage<D, kBits, KG, VG>));
+}
 
 // KG, VG: the most channel groups of a per-token grouping a key and a value
 // row may have (1: one group per row, as all-heads, per-channel keys and
@@ -258,7 +295,10 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   constexpr int kSteps = D / 16;               // k steps of the keys = m tiles of the values
   constexpr int kWords = D * kBits / 32;       // 32-bit code words per row
   constexpr int kTop = (1 << kBits) - 1;
+  using Stage = TileStage<D, kBits, KG, VG>;
+  constexpr int kRowChunks = Stage::kRowBytes / 16;  // 16-byte copies per code row
   __shared__ TensorCoreShared<D> shared;
+  extern __shared__ __align__(16) uint8_t dynamic_shared[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -300,7 +340,9 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     const float* q = shared.raw_query[h];
     float out = q[j];
     const Rotation& rotation = p.key_rotation;
-    if (rotation.kind == RotationKind::kMatrix) {
+    if (h >= group) {
+      out = 0.0f;  // a padding column of the mma
+    } else if (rotation.kind == RotationKind::kMatrix) {
       const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
       out = 0.0f;
       for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
@@ -328,7 +370,13 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   float key_a_term[KG];          // per-token keys: of head g; per-channel: [0] of head g
   int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
   auto build_key_operands = [&](int64_t s) {
-    const ChannelStream stream = channel_stream(kl, s, kv_head);
+    if (per_channel_keys) {  // the group's D channel affines, 4 per lane, then read by every lane
+      const ChannelStream stream = channel_stream(kl, s, kv_head);
+      for (int d = lane; d < D; d += kWarpSize) {
+        shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d, kTop);
+      }
+      __syncwarp();
+    }
     float partial[KG];
 #pragma unroll
     for (int kg = 0; kg < KG; ++kg) partial[kg] = 0.0f;
@@ -342,8 +390,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
         d1 += 16 * step;
         float x0 = my_query[d0], x1 = my_query[d1];
         if (per_channel_keys) {
-          const Affine a0 = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d0, kTop);
-          const Affine a1 = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d1, kTop);
+          const Affine a0 = shared.channel[warp][d0], a1 = shared.channel[warp][d1];
           partial[0] = __fmaf_rn(x0, a0.a, __fmaf_rn(x1, a1.a, partial[0]));
           x0 = __fmul_rn(x0, a0.b);
           x1 = __fmul_rn(x1, a1.b);
@@ -377,23 +424,96 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
   const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
 
+  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
+  const int page_size = kl.spec.page_size;
+  // Page-table entries [window, window + 32) of this sequence, entry window + i in lane i.
+  int64_t window = -(int64_t{1} << 40);  // none yet: every entry lies outside
+  int32_t window_pages = -1;
+  const int64_t table_entries = p.batch.page_table_stride;
+  const int pair_bytes = static_cast<int>(kl.pair_bytes);
+
+  // Starts the copies of tile `tile` into its stage (every lane takes part).
+  auto issue = [&](int64_t tile) {
+    Stage& stage = stages[tile % kStages];
+    const int64_t t0 = first + tile * kTileRows;
+    const int j = lane % kTileRows;
+    const bool values = lane >= kTileRows;
+    const int64_t t = t0 + j;
+    const bool valid = t < last;
+    const int32_t s_index = static_cast<int32_t>(t - sink);
+    const int64_t entry = valid ? s_index / page_size : 0;
+    const int64_t tile_entry = static_cast<int32_t>(t0 - sink) / page_size;
+    if (__any_sync(0xffffffffu, valid && (entry < window || entry >= window + kWarpSize))) {
+      window = tile_entry;  // a tile spans at most 17 entries
+      window_pages = window + lane < table_entries ? page_row[window + lane] : -1;
+    }
+    const int page = __shfl_sync(0xffffffffu, window_pages, valid ? static_cast<int>(entry - window) : 0);
+    const PagedTensor& cache = values ? p.value_cache : p.key_cache;
+    SlotAddress at;
+    if (valid) at = {cache.pages + static_cast<int64_t>(page) * cache.layout.page_bytes, s_index % page_size};
+    (values ? stage.value_at : stage.key_at)[j] = at;
+    // Group pairs: lane j the keys', lane 16 + j the values' of token j.
+    const int groups = values ? value_groups : (per_channel_keys ? 0 : key_groups);
+    const int pairs_per_head = values ? value_pairs_per_head : key_pairs_per_head;
+    if (valid) {
+      for (int kg = 0; kg < groups; ++kg) {
+        const int32_t index = cache.layout.spec.grouping == ScaleGrouping::kPerTokenAllHeads
+                                  ? static_cast<int32_t>(at.in_page)
+                                  : (kv_head * page_size + static_cast<int32_t>(at.in_page)) * pairs_per_head + kg;
+        const uint8_t* source = at.page + cache.layout.params_offset + index * pair_bytes;
+        uint2* target = values ? &stage.value_pairs[j][kg] : &stage.key_pairs[j][kg];
+        if (pair_bytes == 4) {
+          copy_async<4>(target, source);
+        } else {
+          copy_async<8>(target, source);
+        }
+      }
+    }
+    // Code rows: 16-byte chunks, chunk i of the kind's 16 rows by lane i % 32.
+    const uint8_t* page_base = at.page;
+    const int32_t in_page = static_cast<int32_t>(at.in_page);
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      const PagedTensor& tensor = kind == 0 ? p.key_cache : p.value_cache;
+#pragma unroll
+      for (int chunk = lane; chunk < kTileRows * kRowChunks; chunk += kWarpSize) {
+        const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+        const int source_lane = row + kind * kTileRows;
+        const auto base = reinterpret_cast<const uint8_t*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(page_base), source_lane));
+        const int32_t row_in_page = __shfl_sync(0xffffffffu, in_page, source_lane);
+        if (t0 + row < last) {
+          const uint8_t* source = base + code_row_offset(tensor.layout, kv_head, row_in_page) + part * 16;
+          copy_async<16>((kind == 0 ? stage.key_codes : stage.value_codes) + chunk, source);
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int ahead = 0; ahead < kStages - 1; ++ahead) {
+    if (tile_begin + ahead < tile_end) issue(tile_begin + ahead);
+    copy_async_commit();
+  }
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = first + tile * kTileRows;
-    {  // the tile's token table: lane j the keys, lane 16 + j the values of token j
+    if (tile + kStages - 1 < tile_end) issue(tile + kStages - 1);
+    copy_async_commit();
+    copy_async_wait<kStages - 1>();  // this tile's group is complete
+    __syncwarp();
+    const Stage& stage = stages[tile % kStages];
+    {  // the tile's affines from its pairs: lane j the keys, lane 16 + j the values of token j
       const int j = lane % kTileRows;
       const bool values = lane >= kTileRows;
-      const int64_t t = t0 + j;
-      if (t < last) {
-        const PagedTensor& cache = values ? p.value_cache : p.key_cache;
-        const SlotAddress at = slot_address(cache, page_row, t - sink);
-        const Dequantization& dq = values ? p.value_dequantization : p.key_dequantization;
-        const int groups = values ? value_groups : (per_channel_keys ? 0 : key_groups);
-        const int pairs_per_head = values ? value_pairs_per_head : key_pairs_per_head;
-        (values ? shared.value_at : shared.key_at)[warp][j] = at;
-        for (int kg = 0; kg < groups; ++kg) {
-          (values ? shared.value_affine : shared.key_affine)[warp][j][kg] =
-              token_affine(cache, dq, at, kv_head, kg, pairs_per_head, kTop);
-        }
+      const bool valid = t0 + j < last;
+      const PagedTensor& cache = values ? p.value_cache : p.key_cache;
+      const Dequantization& dq = values ? p.value_dequantization : p.key_dequantization;
+      const int groups = values ? value_groups : (per_channel_keys ? 0 : key_groups);
+      for (int kg = 0; kg < groups; ++kg) {
+        const uint2* pair = values ? &stage.value_pairs[j][kg] : &stage.key_pairs[j][kg];
+        (values ? shared.value_affine : shared.key_affine)[warp][j][kg] =
+            valid ? uniform_affine(cache.layout, dq.clip_ratio, reinterpret_cast<const uint8_t*>(pair), kTop)
+                  : Affine{0.0f, 0.0f};
       }
       __syncwarp();
     }
@@ -404,29 +524,19 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     Affine key_affine[2][KG];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const bool valid = key_tokens[r] < last;
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) words[r][w] = 0;
-#pragma unroll
-      for (int kg = 0; kg < KG; ++kg) key_affine[r][kg] = {0.0f, 0.0f};
-      if (!valid) continue;
-      key_at[r] = shared.key_at[warp][key_tokens[r] - t0];
-      const uint4* row = reinterpret_cast<const uint4*>(key_at[r].page + code_row_offset(kl, kv_head, key_at[r].in_page));
+      const int row = g + 8 * r;
+      key_at[r] = stage.key_at[row];
 #pragma unroll
       for (int w4 = 0; w4 < kWords / 4; ++w4) {
-        const uint4 v = row[w4];
+        const uint4 v = stage.key_codes[row * kRowChunks + w4];
         words[r][4 * w4] = v.x;
         words[r][4 * w4 + 1] = v.y;
         words[r][4 * w4 + 2] = v.z;
         words[r][4 * w4 + 3] = v.w;
       }
-      if (!per_channel_keys) {
 #pragma unroll
-        for (int kg = 0; kg < KG; ++kg) {
-          if (kg < key_groups) {
-            key_affine[r][kg] = shared.key_affine[warp][key_tokens[r] - t0][kg];
-          }
-        }
+      for (int kg = 0; kg < KG; ++kg) {
+        key_affine[r][kg] = !per_channel_keys && kg < key_groups ? shared.key_affine[warp][row][kg] : Affine{0.0f, 0.0f};
       }
     }
     if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
@@ -475,14 +585,12 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (key_tokens[r] >= last) continue;
-        const int64_t s = key_tokens[r] - sink;
         float correction[2] = {0.0f, 0.0f};
         for_each_outlier(p.key_cache, slot, key_at[r], kv_head, [&](int d, float x) {
           const int code = code_at<kBits>(kl, key_at[r], kv_head, d);
           Affine affine;
           if (per_channel_keys) {
-            affine = channel_affine(p.key_cache, p.key_dequantization, page_row, channel_stream(kl, s, kv_head), kv_head, d,
-                                    kTop);
+            affine = shared.channel[warp][d];  // the tile's token group's
           } else {
             affine = key_affine[r][0];
 #pragma unroll
@@ -553,7 +661,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) value_affine[u][vg] = {0.0f, 0.0f};
       if (t >= last) continue;
-      value_at[u] = shared.value_at[warp][value_rows[u]];
+      value_at[u] = stage.value_at[value_rows[u]];
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) {
         if (vg >= value_groups) continue;
@@ -581,9 +689,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 #pragma unroll
         for (int w = 0; w < kChunkWords; ++w) chunk_words[u][w] = 0;
         if (t0 + value_rows[u] >= last) continue;
-        const uint4* row = reinterpret_cast<const uint4*>(value_at[u].page +
-                                                          code_row_offset(vl, kv_head, value_at[u].in_page)) +
-                           chunk * (kChunkWords / 4);
+        const uint4* row = stage.value_codes + value_rows[u] * kRowChunks + chunk * (kChunkWords / 4);
 #pragma unroll
         for (int w4 = 0; w4 < kChunkWords / 4; ++w4) {
           const uint4 v = row[w4];
@@ -616,7 +722,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       __syncwarp();
       const int64_t t = t0 + lane;
       if (lane < kTileRows && t < last) {
-        const SlotAddress at = shared.value_at[warp][lane];
+        const SlotAddress at = stage.value_at[lane];
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<kBits>(vl, at, kv_head, d);
           const Affine affine = shared.value_affine[warp][lane][d / value_group_channels];
