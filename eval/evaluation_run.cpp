@@ -50,8 +50,10 @@ Evaluation evaluate_cache_configurations(const Transformer& model, const Tokeniz
               plan.needles->grid.depths.size(), " depths x ", plan.needles->grid.probes_per_cell, ") per cache");
     for (size_t i = 0; i < all.size(); ++i) {
       const auto start = Clock::now();
-      evaluation.configurations[i].needles =
-          score_needle_probes(model, probes, cache_policy_maker(model, all[i], plan.cache), plan.needles->scoring);
+      const std::vector<NeedleOutcome> outcomes =
+          answer_needle_probes(model, probes, cache_policy_maker(model, all[i], plan.cache), plan.needles->scoring);
+      evaluation.configurations[i].needles = needle_cells(probes, outcomes);
+      evaluation.configurations[i].needle_answers = needle_answers(tokenizer, probes, outcomes);
       evaluation.configurations[i].seconds += seconds_since(start);
       log::info("needles through ", name_of(all[i]), ": accuracy ", evaluation.configurations[i].needle_accuracy(),
                 " (", seconds_since(start), " s)");
