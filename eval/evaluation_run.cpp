@@ -44,8 +44,7 @@ Evaluation evaluate_cache_configurations(const Transformer& model, const Tokeniz
   }
   if (plan.needles) {
     const std::vector<NeedleProbe> probes =
-        build_needle_probes(tokenizer, stream, plan.needles->probe_template, plan.needles->grid,
-                            plan.perplexity ? plan.perplexity->windows.bos : std::nullopt);
+        build_needle_probes(tokenizer, stream, plan.needles->probe_template, plan.needles->grid, plan.needles->bos);
     log::info("needle probes: ", probes.size(), " (", plan.needles->grid.contexts.size(), " contexts x ",
               plan.needles->grid.depths.size(), " depths x ", plan.needles->grid.probes_per_cell, ") per cache");
     for (size_t i = 0; i < all.size(); ++i) {
