@@ -104,7 +104,7 @@ eval_checks() {
 # .carry/artifact.h5.
 agree_checks() {
   local artifact=${AGREE_ARTIFACT:-.carry/artifact.h5}
-  local flags="--model $MODEL --data $HELDOUT --artifact $artifact --device cuda --chunk 1 --prefill-chunk 1 --ctx 512 --max-windows 4 --needle-contexts 256,512,1024 --needle-depths 0,0.5,1 --needle-probes 4 ${AGREE_FLAGS:-}"
+  local flags="--model $MODEL --data $HELDOUT --artifact $artifact --device cuda --chunk 1 --prefill-chunk 1 --ctx 512 --max-windows 4 --needle-contexts 256,512,1024 --needle-depths 0,0.5,1 --needle-probes 4 --configs ${AGREE_CONFIGS:-kvquant-2bit,kivi-2bit,int2-rot-2bit,rtn-2bit} ${AGREE_FLAGS:-}"
   for dtype in ${AGREE_DTYPES:-fp32 bf16}; do
     step "eval --through-kernels vs the simulated cache, cuda $dtype"
     start=$(date +%s.%N)
