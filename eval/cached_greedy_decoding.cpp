@@ -37,11 +37,14 @@ CachePolicyMaker cache_policy_maker(const Transformer& model, const QuantizerCon
   };
 }
 
-std::vector<std::vector<int32_t>> greedy_decode_through_cache(const Transformer& model,
-                                                              const std::vector<std::vector<int32_t>>& prompts,
-                                                              KVCachePolicy& cache,
-                                                              const CachedGreedyOptions& options,
-                                                              const RowFinished& finished) {
+std::vector<GreedyDecoding> greedy_decode_through_cache(const Transformer& model,
+                                                        const std::vector<std::vector<int32_t>>& prompts,
+                                                        KVCachePolicy& cache, const CachedGreedyOptions& options,
+                                                        const RowFinished& finished) {
+  if (model.config().vocab_size < 2) {
+    throw std::invalid_argument("greedy decoding: a vocabulary of " + std::to_string(model.config().vocab_size) +
+                                " tokens has no runner-up to measure a margin against");
+  }
   if (options.chunk < 1) {
     throw std::invalid_argument("greedy decoding: prefill chunk " + std::to_string(options.chunk) +
                                 ", expected >= 1");
@@ -61,17 +64,23 @@ std::vector<std::vector<int32_t>> greedy_decode_through_cache(const Transformer&
   }
   at::Tensor logits = model.logits(last_hidden);  // [B, 1, V]
 
-  std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(rows));
+  std::vector<GreedyDecoding> chosen(static_cast<size_t>(rows));
   std::vector<bool> done(static_cast<size_t>(rows), false);
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
-    const at::Tensor next = logits.select(1, 0).argmax(-1);  // [B]
+    const at::Tensor step_logits = logits.select(1, 0);  // [B, V]
+    const at::Tensor next = step_logits.argmax(-1);      // [B]
+    // The two largest logits (in the model's dtype): their gap is the margin
+    // (argmax picks one of them; equal values give margin 0 either way).
+    const at::Tensor top2 = std::get<0>(step_logits.topk(2, -1)).to(at::kCPU, at::kDouble).contiguous();
     const at::Tensor next_cpu = next.to(at::kCPU).contiguous();
     const int64_t* tokens = next_cpu.data_ptr<int64_t>();
+    const double* top = top2.data_ptr<double>();
     bool all_done = true;
     for (size_t row = 0; row < chosen.size(); ++row) {
       if (done[row]) continue;
-      chosen[row].push_back(static_cast<int32_t>(tokens[row]));
-      done[row] = finished && finished(row, chosen[row]);
+      chosen[row].tokens.push_back(static_cast<int32_t>(tokens[row]));
+      chosen[row].margins.push_back(top[2 * row] - top[2 * row + 1]);
+      done[row] = finished && finished(row, chosen[row].tokens);
       all_done = all_done && done[row];
     }
     if (all_done || step + 1 == options.max_new_tokens) break;

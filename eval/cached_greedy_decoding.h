@@ -38,15 +38,26 @@ struct CachedGreedyOptions {
 // far (never empty when called). An empty function: never finished.
 using RowFinished = std::function<bool(size_t row, std::span<const int32_t> chosen)>;
 
+// One row's greedy decoding. margins[i] is the decision margin of step i:
+// the chosen token's logit minus the runner-up's (the largest logit of any
+// other token), >= 0, in the logits' own arithmetic (widened to double
+// after the model's dtype). A margin near 0 is a near-tie: another
+// arithmetic of the same cache (the runtime kernels against the simulated
+// quantizer, a GPU against the CPU) may choose the other token there.
+struct GreedyDecoding {
+  std::vector<int32_t> tokens;
+  std::vector<double> margins;  // one per token
+};
+
 // prompts: B rows of the same length T >= 1. `cache` is cleared first and
 // must hold B rows and T + max_new_tokens positions. Returns per row the
 // greedy (argmax) tokens up to the step where `finished` first said yes for
-// that row, or max_new_tokens; decoding stops once every row is finished.
-// std::invalid_argument for ragged or empty prompts or a chunk < 1.
-std::vector<std::vector<int32_t>> greedy_decode_through_cache(const Transformer& model,
-                                                              const std::vector<std::vector<int32_t>>& prompts,
-                                                              KVCachePolicy& cache,
-                                                              const CachedGreedyOptions& options,
-                                                              const RowFinished& finished);
+// that row, or max_new_tokens, with their margins; decoding stops once every
+// row is finished. std::invalid_argument for ragged or empty prompts, a
+// chunk < 1 or a vocabulary of fewer than 2 tokens.
+std::vector<GreedyDecoding> greedy_decode_through_cache(const Transformer& model,
+                                                        const std::vector<std::vector<int32_t>>& prompts,
+                                                        KVCachePolicy& cache, const CachedGreedyOptions& options,
+                                                        const RowFinished& finished);
 
 }  // namespace kvforge

@@ -51,6 +51,23 @@ struct NeedleCell {
   double accuracy() const { return probes > 0 ? static_cast<double>(correct) / static_cast<double>(probes) : 0; }
 };
 
+// One needle probe answered through one cache. A probe is named by
+// (context, depth, probe): `probe` is its index within the cell, the k-th
+// fact drawn for that context (needle_probe.h: the same fact at every depth),
+// so two evaluations with the same grid and seed name the same prompts.
+struct NeedleAnswer {
+  int64_t context = 0;
+  double depth = 0;
+  int64_t probe = 0;
+  std::string expected;  // the answer's text (value and suffix)
+  std::string answer;    // the greedy decoding's text, cut at its first wrong token
+  bool correct = false;
+  // The smallest decision margin over the decoded steps: the chosen token's
+  // logit minus the runner-up's, in logits (NeedleOutcome::margin). Tells a
+  // flip at a near-tie (margin ~1e-6, arithmetic) from a real disagreement.
+  double margin = 0;
+};
+
 // One of the user's tasks (--tasks FILE.jsonl) answered through a cache.
 struct TaskAnswer {
   std::string id;      // the line's "id", or its 1-based line number
@@ -69,6 +86,7 @@ struct ConfigurationEvaluation {
   std::optional<CachePerplexity> perplexity;
   std::vector<LayerAttentionError> attention;  // empty when no held-out captures were given
   std::vector<NeedleCell> needles;             // the same grid for every configuration
+  std::vector<NeedleAnswer> needle_answers;    // every probe of the grid, in the cells' order
   std::vector<TaskAnswer> tasks;               // in the tasks file's order
   double seconds = 0;
 

@@ -48,6 +48,16 @@ json configuration_to_json(const ConfigurationEvaluation& c) {
                        {"probes", cell.probes},
                        {"correct", cell.correct}});
   }
+  json needle_probes = json::array();
+  for (const NeedleAnswer& a : c.needle_answers) {
+    needle_probes.push_back({{"context", a.context},
+                             {"depth", number_to_json(a.depth)},
+                             {"probe", a.probe},
+                             {"expected", a.expected},
+                             {"answer", a.answer},
+                             {"correct", a.correct},
+                             {"margin", number_to_json(a.margin)}});
+  }
   json tasks = json::array();
   for (const TaskAnswer& task : c.tasks) {
     tasks.push_back({{"id", task.id}, {"answer", task.answer}, {"exact", task.exact}, {"contains", task.contains}});
@@ -62,6 +72,7 @@ json configuration_to_json(const ConfigurationEvaluation& c) {
           {"perplexity", c.perplexity ? perplexity_to_json(*c.perplexity) : json(nullptr)},
           {"attention", std::move(attention)},
           {"needles", std::move(needles)},
+          {"needle_probes", std::move(needle_probes)},
           {"tasks", std::move(tasks)},
           {"needle_accuracy", number_to_json(c.needle_accuracy())},
           {"task_accuracy", number_to_json(c.task_accuracy())},
@@ -124,6 +135,7 @@ class ObjectReader {
   }
 
   bool is_null(const char* key) const { return field(key).is_null(); }
+  bool has(const char* key) const { return object_.contains(key); }
   ObjectReader object(const char* key) const { return ObjectReader(field(key), child(key), source_); }
 
   [[noreturn]] void fail(const std::string& path, const std::string& expected) const {
@@ -172,11 +184,24 @@ NeedleCell needle_from_json(const ObjectReader& in) {
   return cell;
 }
 
+NeedleAnswer needle_answer_from_json(const ObjectReader& in) {
+  NeedleAnswer a;
+  a.context = in.count("context");
+  a.depth = in.number("depth");
+  a.probe = in.count("probe");
+  a.expected = in.text("expected");
+  a.answer = in.text("answer");
+  a.correct = in.boolean("correct");
+  a.margin = in.number("margin");
+  return a;
+}
+
 TaskAnswer task_from_json(const ObjectReader& in) {
   return {in.text("id"), in.text("answer"), in.boolean("exact"), in.boolean("contains")};
 }
 
-ConfigurationEvaluation configuration_from_json(const ObjectReader& in) {
+// schema: the document's (1 has no needle_probes).
+ConfigurationEvaluation configuration_from_json(const ObjectReader& in, int64_t schema) {
   ConfigurationEvaluation c;
   c.name = in.text("name");
   c.method = in.text("method");
@@ -190,6 +215,7 @@ ConfigurationEvaluation configuration_from_json(const ObjectReader& in) {
   if (!in.is_null("perplexity")) c.perplexity = perplexity_from_json(in.object("perplexity"));
   c.attention = in.objects("attention", attention_from_json);
   c.needles = in.objects("needles", needle_from_json);
+  if (schema >= 2) c.needle_answers = in.objects("needle_probes", needle_answer_from_json);
   c.tasks = in.objects("tasks", task_from_json);
   return c;
 }
@@ -214,8 +240,8 @@ json evaluation_to_json(const Evaluation& evaluation) {
 Evaluation evaluation_from_json(const json& document, const std::string& source) {
   const ObjectReader in(document, "", source);
   const int64_t schema = in.integer("schema");
-  if (schema != kEvaluationJsonSchema) {
-    in.fail("schema", std::to_string(kEvaluationJsonSchema) + " (this kvforge's evaluation format), got " +
+  if (schema < 1 || schema > kEvaluationJsonSchema) {
+    in.fail("schema", "1 to " + std::to_string(kEvaluationJsonSchema) + " (this kvforge's evaluation formats), got " +
                           std::to_string(schema));
   }
   Evaluation evaluation;
@@ -227,7 +253,8 @@ Evaluation evaluation_from_json(const json& document, const std::string& source)
   evaluation.date = in.text("date");
   evaluation.context = in.count("context");
   evaluation.chunk = in.count("chunk");
-  evaluation.configurations = in.objects("configurations", configuration_from_json);
+  evaluation.configurations =
+      in.objects("configurations", [schema](const ObjectReader& c) { return configuration_from_json(c, schema); });
   if (evaluation.configurations.empty()) {
     in.fail("configurations", std::string("at least the 16-bit configuration \"") + kFullPrecisionName + "\", got none");
   }

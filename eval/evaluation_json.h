@@ -3,7 +3,7 @@
 // eval/evaluation.h, under a "schema" version, so that a saved evaluation can
 // be re-rendered (table, report, gate) without the model.
 //
-// Layout (schema 1): {"schema": 1, "model", "artifact", "data",
+// Layout (schema 2): {"schema": 2, "model", "artifact", "data",
 // "command_line", "device", "date", "context", "chunk", "configurations": [
 //   {"name", "method", "bits", "rotated", "effective_bits",
 //    "cache_bytes_per_token", "seconds",
@@ -12,11 +12,14 @@
 //                          "kl_p999", "top1_agreement"},
 //    "attention": [{"layer", "key_kl", "key_output", "value_output"}],
 //    "needles": [{"context", "depth", "probes", "correct"}],
+//    "needle_probes": [{"context", "depth", "probe", "expected", "answer",
+//                       "correct", "margin"}],
 //    "tasks": [{"id", "answer", "exact", "contains"}],
 //    "needle_accuracy", "task_accuracy", "mean_attention_error"}]}
 // The last three are derived (written for readers such as jq, ignored when
 // read back). Non-finite numbers are written as the strings "NaN",
-// "Infinity" and "-Infinity" (JSON has no such numbers).
+// "Infinity" and "-Infinity" (JSON has no such numbers). Schema 1 is
+// schema 2 without "needle_probes" (read back with no needle answers).
 #include <filesystem>
 #include <string>
 
@@ -26,7 +29,7 @@
 
 namespace kvforge {
 
-inline constexpr int kEvaluationJsonSchema = 1;
+inline constexpr int kEvaluationJsonSchema = 2;
 
 nlohmann::json evaluation_to_json(const Evaluation& evaluation);
 

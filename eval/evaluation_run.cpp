@@ -44,14 +44,15 @@ Evaluation evaluate_cache_configurations(const Transformer& model, const Tokeniz
   }
   if (plan.needles) {
     const std::vector<NeedleProbe> probes =
-        build_needle_probes(tokenizer, stream, plan.needles->probe_template, plan.needles->grid,
-                            plan.perplexity ? plan.perplexity->windows.bos : std::nullopt);
+        build_needle_probes(tokenizer, stream, plan.needles->probe_template, plan.needles->grid, plan.needles->bos);
     log::info("needle probes: ", probes.size(), " (", plan.needles->grid.contexts.size(), " contexts x ",
               plan.needles->grid.depths.size(), " depths x ", plan.needles->grid.probes_per_cell, ") per cache");
     for (size_t i = 0; i < all.size(); ++i) {
       const auto start = Clock::now();
-      evaluation.configurations[i].needles =
-          score_needle_probes(model, probes, cache_policy_maker(model, all[i], plan.cache), plan.needles->scoring);
+      const std::vector<NeedleOutcome> outcomes =
+          answer_needle_probes(model, probes, cache_policy_maker(model, all[i], plan.cache), plan.needles->scoring);
+      evaluation.configurations[i].needles = needle_cells(probes, outcomes);
+      evaluation.configurations[i].needle_answers = needle_answers(tokenizer, probes, outcomes);
       evaluation.configurations[i].seconds += seconds_since(start);
       log::info("needles through ", name_of(all[i]), ": accuracy ", evaluation.configurations[i].needle_accuracy(),
                 " (", seconds_since(start), " s)");

@@ -31,6 +31,7 @@ struct NeedlePlan {
   NeedleTemplate probe_template;
   NeedleGrid grid;
   NeedleScoringOptions scoring;
+  std::optional<int32_t> bos;  // prepended to every probe (whether or not perplexity is measured)
 };
 
 struct AttentionErrorPlan {

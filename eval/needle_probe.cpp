@@ -347,7 +347,8 @@ std::vector<NeedleOutcome> answer_needle_probes(const Transformer& model, const 
         });
     for (size_t row = 0; row < decoded.size(); ++row) {
       NeedleOutcome& outcome = outcomes[first + row];
-      outcome.decoded = decoded[row];
+      outcome.decoded = decoded[row].tokens;
+      outcome.margin = *std::min_element(decoded[row].margins.begin(), decoded[row].margins.end());
       outcome.correct = outcome.decoded == probes[first + row].answer;
       correct += outcome.correct ? 1 : 0;
     }
@@ -374,6 +375,29 @@ std::vector<NeedleCell> needle_cells(const std::vector<NeedleProbe>& probes,
     cells.back().correct += outcomes[i].correct ? 1 : 0;
   }
   return cells;
+}
+
+std::vector<NeedleAnswer> needle_answers(const Tokenizer& tokenizer, const std::vector<NeedleProbe>& probes,
+                                         const std::vector<NeedleOutcome>& outcomes) {
+  if (probes.size() != outcomes.size()) {
+    throw std::invalid_argument("needle answers: " + std::to_string(outcomes.size()) + " outcomes for " +
+                                std::to_string(probes.size()) + " probes");
+  }
+  std::vector<NeedleAnswer> answers;
+  answers.reserve(probes.size());
+  int64_t in_cell = 0;
+  for (size_t i = 0; i < probes.size(); ++i) {
+    const bool same_cell = i > 0 && probes[i].context == probes[i - 1].context && probes[i].depth == probes[i - 1].depth;
+    in_cell = same_cell ? in_cell + 1 : 0;
+    answers.push_back({.context = probes[i].context,
+                       .depth = probes[i].depth,
+                       .probe = in_cell,
+                       .expected = tokenizer.decode(probes[i].answer, /*skip_special_tokens=*/false),
+                       .answer = tokenizer.decode(outcomes[i].decoded, /*skip_special_tokens=*/false),
+                       .correct = outcomes[i].correct,
+                       .margin = outcomes[i].margin});
+  }
+  return answers;
 }
 
 std::vector<NeedleCell> score_needle_probes(const Transformer& model, const std::vector<NeedleProbe>& probes,

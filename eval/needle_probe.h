@@ -114,6 +114,11 @@ struct NeedleScoringOptions {
 struct NeedleOutcome {
   std::vector<int32_t> decoded;  // greedy tokens, cut at the first one that misses the answer
   bool correct = false;          // decoded == answer
+  // The smallest decision margin over the decoded steps (GreedyDecoding's
+  // margins): how far the outcome is from flipping. A correct answer with
+  // margin m survives any perturbation of the logits by less than m / 2; a
+  // miss has its smallest margin at or before the step it missed.
+  double margin = 0;
 };
 
 // Greedy decoding through a cache from `make_cache` for each probe: the
@@ -128,6 +133,12 @@ std::vector<NeedleOutcome> answer_needle_probes(const Transformer& model, const 
 // Outcomes counted per (context, depth) cell, in the probes' order.
 std::vector<NeedleCell> needle_cells(const std::vector<NeedleProbe>& probes,
                                      const std::vector<NeedleOutcome>& outcomes);
+
+// Each probe's outcome as ConfigurationEvaluation::needle_answers: probe
+// index within its cell, expected and decoded text (`tokenizer` decodes),
+// correctness and margin. std::invalid_argument when the counts differ.
+std::vector<NeedleAnswer> needle_answers(const Tokenizer& tokenizer, const std::vector<NeedleProbe>& probes,
+                                         const std::vector<NeedleOutcome>& outcomes);
 
 // answer_needle_probes then needle_cells: ConfigurationEvaluation::needles.
 std::vector<NeedleCell> score_needle_probes(const Transformer& model, const std::vector<NeedleProbe>& probes,

@@ -169,7 +169,7 @@ std::vector<TaskAnswer> answer_user_tasks(const Transformer& model, const Tokeni
           const int32_t token = chosen.back();
           return (options.eos && token == *options.eos) || holds_newline(tokenizer, token);
         });
-    std::vector<int32_t> tokens = decoded.front();
+    std::vector<int32_t> tokens = decoded.front().tokens;
     if (!tokens.empty() && options.eos && tokens.back() == *options.eos) tokens.pop_back();
     std::string text = tokenizer.decode(tokens, /*skip_special_tokens=*/true);
     if (const size_t newline = text.find('\n'); newline != std::string::npos) text.resize(newline);

@@ -78,6 +78,14 @@ Evaluation sample_evaluation() {
   rtn.needles = needle_grid([](int c, int d) { return static_cast<int64_t>(std::max(0, 3 - c - d / 2)); });
   rtn.tasks = {{"capital", "Paris, France", false, true}, {"2", "4", false, false}, {"color", "blue", true, true}};
 
+  // Two probes' answers per configuration (the JSON's per-probe records;
+  // the cells above stand for the whole grid).
+  fp16.needle_answers = {{256, 0, 0, "k3x9q\"", "k3x9q\"", true, 2.75}, {1024, 0.5, 3, "ab12cd\"", "ab12cd\"", true, 0.5}};
+  kvquant.needle_answers = fp16.needle_answers;
+  kvquant.needle_answers[1] = {1024, 0.5, 3, "ab12cd\"", "ab1", false, 3.0e-6};
+  kivi.needle_answers = kvquant.needle_answers;
+  rtn.needle_answers = {{256, 0, 0, "k3x9q\"", "x", false, 1.25}, {1024, 0.5, 3, "ab12cd\"", "q", false, 0.125}};
+
   e.configurations = {fp16, kvquant, kivi, rtn};
   return e;
 }

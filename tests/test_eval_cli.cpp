@@ -6,8 +6,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <utility>
 #include <fstream>
 #include <string>
 
@@ -153,6 +157,99 @@ TEST(EvalCli, ThroughTheKernelsPerplexityEqualsTheSimulatedCacheAtChunkOne) {
     const double q = y.at("configurations").at(i).at("perplexity").at("perplexity").get<double>();
     EXPECT_NEAR(q, p, 1e-5 * p) << x.at("configurations").at(i).at("name");
   }
+}
+
+fs::path compare_script() {
+  return testing::fixtures_dir().parent_path().parent_path() / "scripts" / "compare_eval_runs.py";
+}
+
+// scripts/compare_eval_runs.py A B: its exit status, stdout and stderr in one text.
+std::pair<int, std::string> compare_runs(const fs::path& a, const fs::path& b, const std::string& flags = "") {
+  const fs::path output = inputs().dir / "compare.txt";
+  const std::string command = "python3 " + quoted(compare_script()) + " " + quoted(a) + " " + quoted(b) + " " + flags +
+                              " > " + quoted(output) + " 2>&1";
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, testing::read_file(output)};
+}
+
+void write_json(const fs::path& path, const nlohmann::json& document) { testing::write_file(path, document.dump(1)); }
+
+// Issue 9's comparison on the CPU, as the GPU script runs it with --device
+// cuda: the simulated cache and the runtime kernels (CPU reference) on the
+// same windows and needle probes, every token a decoding step, compared by
+// scripts/compare_eval_runs.py: perplexity within 0.5% (it is within 1e-5:
+// ThroughTheKernelsPerplexityEqualsTheSimulatedCacheAtChunkOne) and every
+// needle answer the same. The two store the same codes for the same inputs
+// and attend within a few float32 ulps, so an answer can differ only where a
+// float32 difference flips a quantization decision (a near-tie, or a value
+// on a calibrated threshold, docs/evaluation.md); these probes have none.
+// Then the script itself: a changed answer fails (exit 1) unless both
+// margins are below --allow-margin, a 1% perplexity change fails, and
+// probes that do not match are refused (exit 2).
+TEST(EvalCli, ThroughTheKernelsAgreesWithTheSimulatedCacheOnEveryNeedle) {
+  const fs::path simulated = inputs().dir / "agree_simulated.json", kernels = inputs().dir / "agree_kernels.json";
+  const std::string needles = "--needle-contexts 160 --needle-depths 0,1 --needle-probes 2 --prefill-chunk 1 ";
+  const std::string common = "--configs kivi-2bit,rtn-2bit --ctx 192 --max-windows 1 --chunk 1 " + needles + "--json ";
+  const auto a = testing::run_kvforge(eval_flags(common + quoted(simulated)));
+  ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
+  const auto b = testing::run_kvforge(eval_flags(common + quoted(kernels) + " --through-kernels"));
+  ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
+  const auto [status, text] = compare_runs(simulated, kernels);
+  EXPECT_EQ(status, 0) << text;
+  for (const char* line : {"fp16: perplexity", "kivi-2bit: perplexity", "rtn-2bit: perplexity", "needles agree 4/4"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
+  }
+  const nlohmann::json x = read_json(simulated);
+  for (const auto& configuration : x.at("configurations")) {
+    ASSERT_EQ(configuration.at("needle_probes").size(), 4u) << configuration.at("name");
+    for (const auto& probe : configuration.at("needle_probes")) EXPECT_GE(probe.at("margin").get<double>(), 0.0);
+  }
+
+  // The needle probes do not depend on whether perplexity is measured
+  // (BOS is prepended either way): the 16-bit cache's margins are the same.
+  const fs::path alone = inputs().dir / "agree_no_perplexity.json";
+  const auto c = testing::run_kvforge("eval --quiet --model " + quoted(testing::pyllama_dir()) + " --data " +
+                                      quoted(testing::shared_dir() / "data" / "heldout.txt") + " --no-perplexity " +
+                                      needles + "--json " + quoted(alone));
+  ASSERT_EQ(c.exit_code, 0) << c.stderr_text;
+  EXPECT_EQ(read_json(alone).at("configurations")[0].at("needle_probes"),
+            x.at("configurations")[0].at("needle_probes"));
+
+  // A disagreeing answer: failed, or reported as a near-tie when both of
+  // its margins are below --allow-margin.
+  nlohmann::json changed = read_json(kernels);
+  nlohmann::json& probe = changed["configurations"][1]["needle_probes"][0];
+  probe["answer"] = "zz";
+  probe["correct"] = false;
+  probe["margin"] = 2e-6;
+  const fs::path changed_path = inputs().dir / "agree_changed.json";
+  write_json(changed_path, changed);
+  const double margin = x.at("configurations")[1].at("needle_probes")[0].at("margin").get<double>();
+  const auto [failed, failed_text] = compare_runs(simulated, changed_path);
+  EXPECT_EQ(failed, 1) << failed_text;
+  EXPECT_NE(failed_text.find("needles agree 3/4"), std::string::npos) << failed_text;
+  EXPECT_NE(failed_text.find("'zz'"), std::string::npos) << failed_text;
+  const auto [tied, tied_text] = compare_runs(simulated, changed_path, "--allow-margin " + std::to_string(margin * 2));
+  EXPECT_EQ(tied, 0) << tied_text;
+  EXPECT_NE(tied_text.find("near-tie"), std::string::npos) << tied_text;
+
+  // Perplexity 1% off fails at the default 0.5%, passes at 2%.
+  nlohmann::json shifted = read_json(kernels);
+  nlohmann::json& perplexity = shifted["configurations"][2]["perplexity"]["perplexity"];
+  perplexity = perplexity.get<double>() * 1.01;
+  const fs::path shifted_path = inputs().dir / "agree_shifted.json";
+  write_json(shifted_path, shifted);
+  EXPECT_EQ(compare_runs(simulated, shifted_path).first, 1);
+  EXPECT_EQ(compare_runs(simulated, shifted_path, "--ppl-tolerance 0.02").first, 0);
+
+  // Probes that do not match (another grid) cannot be compared: exit 2.
+  nlohmann::json fewer = read_json(kernels);
+  fewer["configurations"][1]["needle_probes"].erase(3);
+  const fs::path fewer_path = inputs().dir / "agree_fewer.json";
+  write_json(fewer_path, fewer);
+  const auto [refused, refused_text] = compare_runs(simulated, fewer_path);
+  EXPECT_EQ(refused, 2) << refused_text;
+  EXPECT_NE(refused_text.find("missing here"), std::string::npos) << refused_text;
 }
 
 TEST(EvalCli, BadInputIsOneLineAndLeavesNoOutput) {

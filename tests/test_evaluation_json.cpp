@@ -70,6 +70,17 @@ void expect_same(const Evaluation& a, const Evaluation& b) {
       EXPECT_EQ(x.needles[n].probes, y.needles[n].probes);
       EXPECT_EQ(x.needles[n].correct, y.needles[n].correct);
     }
+    ASSERT_EQ(x.needle_answers.size(), y.needle_answers.size());
+    for (std::size_t n = 0; n < x.needle_answers.size(); ++n) {
+      const NeedleAnswer &p = x.needle_answers[n], &q = y.needle_answers[n];
+      EXPECT_EQ(p.context, q.context);
+      EXPECT_SAME_NUMBER(p.depth, q.depth);
+      EXPECT_EQ(p.probe, q.probe);
+      EXPECT_EQ(p.expected, q.expected);
+      EXPECT_EQ(p.answer, q.answer);
+      EXPECT_EQ(p.correct, q.correct);
+      EXPECT_SAME_NUMBER(p.margin, q.margin);
+    }
     ASSERT_EQ(x.tasks.size(), y.tasks.size());
     for (std::size_t t = 0; t < x.tasks.size(); ++t) {
       EXPECT_EQ(x.tasks[t].id, y.tasks[t].id);
@@ -90,6 +101,7 @@ Evaluation awkward_sample() {
   e.configurations[3].effective_bits = 2.0 / 3.0 + 1e-17 * 3;
   e.configurations[3].perplexity.reset();
   e.configurations[3].tasks[0].answer = "line one\nline \"two\"\t\xC3\xA9\x01";
+  e.configurations[2].needle_answers[1].margin = 1.0 / 3.0 * 1e-7;
   e.command_line = "kvforge eval --gate 'needle>=0.98*fp16'";
   return e;
 }
@@ -173,9 +185,10 @@ TEST(EvaluationJson, EveryMissingFieldIsOneLineNamingIt) {
     EXPECT_EQ(error, "eval.json: " + path + ": a required field, missing");
     ++checked;
   }
-  // 10 top-level fields + per configuration 11 fields, 9 in perplexity,
-  // 4 per attention layer (5), 4 per needle cell (15), 4 per task (3).
-  EXPECT_EQ(checked, 10 + 4 * (11 + 9 + 5 * 4 + 15 * 4 + 3 * 4));
+  // 10 top-level fields + per configuration 12 fields, 9 in perplexity,
+  // 4 per attention layer (5), 4 per needle cell (15), 7 per needle
+  // answer (2), 4 per task (3).
+  EXPECT_EQ(checked, 10 + 4 * (12 + 9 + 5 * 4 + 15 * 4 + 2 * 7 + 3 * 4));
 }
 
 TEST(EvaluationJson, MistypedFieldsNameTheFieldAndWhatWasExpected) {
@@ -205,8 +218,15 @@ TEST(EvaluationJson, MistypedFieldsNameTheFieldAndWhatWasExpected) {
 TEST(EvaluationJson, ChecksTheSchemaAndThatFp16ComesFirst) {
   json complete = evaluation_to_json(testing::sample_evaluation());
   json future = complete;
-  future["schema"] = 2;
-  EXPECT_EQ(error_of(future), "eval.json: schema: 1 (this kvforge's evaluation format), got 2");
+  future["schema"] = 3;
+  EXPECT_EQ(error_of(future), "eval.json: schema: 1 to 2 (this kvforge's evaluation formats), got 3");
+  // Schema 1 (before per-probe needle answers) still reads, without them.
+  json first = complete;
+  first["schema"] = 1;
+  for (json& c : first["configurations"]) c.erase("needle_probes");
+  const Evaluation old = evaluation_from_json(first, "eval.json");
+  EXPECT_TRUE(old.configurations[1].needle_answers.empty());
+  EXPECT_EQ(old.configurations[1].needles.size(), 15u);
   json swapped = complete;
   std::swap(swapped["configurations"][0], swapped["configurations"][1]);
   EXPECT_EQ(error_of(swapped),

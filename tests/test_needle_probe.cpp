@@ -267,17 +267,48 @@ TEST_F(NeedleScoring, ChunkedGreedyDecodingEqualsGreedyGenerate) {
   ASSERT_EQ(decoded.size(), 2u);
   for (size_t row = 0; row < 2; ++row) {
     const GenerationResult reference = greedy_generate(*model_, prompts[row], generation);
-    EXPECT_EQ(decoded[row], reference.tokens) << "row " << row;
+    EXPECT_EQ(decoded[row].tokens, reference.tokens) << "row " << row;
+    ASSERT_EQ(decoded[row].margins.size(), decoded[row].tokens.size()) << "row " << row;
   }
   // A row stops once `finished` says so; the other goes on.
   const auto stopped = greedy_decode_through_cache(*model_, prompts, *cache, {.chunk = 64, .max_new_tokens = 12},
                                                    [](size_t row, std::span<const int32_t> chosen) {
                                                      return row == 0 && chosen.size() == 3;
                                                    });
-  EXPECT_EQ(stopped[0], std::vector<int32_t>(decoded[0].begin(), decoded[0].begin() + 3));
-  EXPECT_EQ(stopped[1], decoded[1]);
+  EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>(decoded[0].tokens.begin(), decoded[0].tokens.begin() + 3));
+  EXPECT_EQ(stopped[1].tokens, decoded[1].tokens);
   prompts[1].pop_back();
   EXPECT_THROW(greedy_decode_through_cache(*model_, prompts, *cache, {}, {}), std::invalid_argument);
+}
+
+// Per-probe answers name each probe by its index within its cell (the
+// fact drawn for the context), carry the answer texts, and keep the
+// outcome's correctness and margin.
+TEST_F(NeedleScoring, NeedleAnswersNameEachProbeWithinItsCell) {
+  const auto probes = build_needle_probes(*tokenizer_, *stream_, default_needle_template(),
+                                          {.contexts = {150}, .depths = {0, 1}, .probes_per_cell = 2}, kBos);
+  ASSERT_EQ(probes.size(), 4u);
+  std::vector<NeedleOutcome> outcomes(4);
+  for (size_t i = 0; i < 4; ++i) {
+    outcomes[i].decoded = probes[i].answer;
+    outcomes[i].correct = i != 2;
+    outcomes[i].margin = 0.25 * static_cast<double>(i);
+  }
+  outcomes[2].decoded.resize(1);
+  const auto answers = needle_answers(*tokenizer_, probes, outcomes);
+  ASSERT_EQ(answers.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(answers[i].context, 150);
+    EXPECT_EQ(answers[i].depth, i < 2 ? 0.0 : 1.0);
+    EXPECT_EQ(answers[i].probe, static_cast<int64_t>(i % 2));
+    EXPECT_EQ(answers[i].expected, probes[i].value + "\"");
+    EXPECT_EQ(answers[i].correct, i != 2);
+    EXPECT_EQ(answers[i].margin, 0.25 * static_cast<double>(i));
+  }
+  EXPECT_EQ(answers[0].answer, answers[0].expected);
+  EXPECT_EQ(answers[2].answer, tokenizer_->decode(std::vector<int32_t>{probes[2].answer.front()}));
+  outcomes.pop_back();
+  EXPECT_THROW(needle_answers(*tokenizer_, probes, outcomes), std::invalid_argument);
 }
 
 // The README reports 0.99 (100 probes per depth) at 2048 tokens with the
@@ -352,6 +383,7 @@ TEST_F(NeedleScoring, ScorerAgreesWithTeacherForcedBruteForce) {
   const auto single = answer_needle_probes(*model_, probes, cache_policy_maker(*model_, nullptr),
                                            {.chunk = 200, .batch = 1});
   int compared = 0, missed = 0;
+  double worst_margin_error = 0;
   for (size_t i = 0; i < originals; ++i) {
     const NeedleProbe& p = probes[i];
     std::vector<int64_t> ids(p.prompt.begin(), p.prompt.end());
@@ -382,10 +414,17 @@ TEST_F(NeedleScoring, ScorerAgreesWithTeacherForcedBruteForce) {
       // Decoding stops at the first miss: one token past the matched prefix.
       EXPECT_EQ(batched[k].decoded.size(), std::min(first_miss + 1, answer.size())) << "probe " << k;
       EXPECT_EQ(batched[k].decoded, single[k].decoded) << "probe " << k;
+      // The decision margin is the brute force's over the same steps (the
+      // matched prefix and the miss): the smallest top-2 logit gap, equal up
+      // to the float32 noise the 1e-3 threshold above is clear of.
+      EXPECT_NEAR(batched[k].margin, margin, 1e-3) << "probe " << k;
+      EXPECT_NEAR(single[k].margin, margin, 1e-3) << "probe " << k;
+      worst_margin_error = std::max(worst_margin_error, std::abs(batched[k].margin - margin));
     }
   }
   EXPECT_GE(compared, 20);
   EXPECT_GE(missed, 10);
+  std::printf("largest |margin - brute-force margin| over %d probes: %.3g\n", compared, worst_margin_error);
 }
 
 // KIVI-2 as its paper runs it (keys per channel in 32-token groups with a

@@ -106,6 +106,7 @@ EvaluationPlan plan_of(const EvalFlags& flags, const ModelConfig& config, const 
     needles.grid.seed = flags.seed;
     needles.scoring.chunk = flags.prefill_chunk;
     needles.scoring.batch = flags.needle_batch;
+    needles.bos = bos;
     plan.needles = needles;
   }
   if (!flags.tasks.empty()) {
