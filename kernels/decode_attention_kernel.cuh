@@ -14,9 +14,9 @@
 //     (online softmax in float32, updated once per tile). It writes the
 //     split's (max, sum, acc[D]) state.
 //   decode_merge_kernel<D>: one block of D threads per (query head,
-//     sequence) merges the splits in split order (the reference's
-//     arithmetic and order), rotates the output back by the values'
-//     rotation and stores it in the io type.
+//     sequence) merges the non-empty split states (these and the tensor-core
+//     kernel's, decode_tensor_core_kernel.cuh), rotates the output back by
+//     the values' rotation and stores it in the io type.
 //
 // Every page of a split is read once for all query heads of its KV head.
 // Inside a split the order of the sums differs from the CPU reference's
