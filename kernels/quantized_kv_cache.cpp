@@ -22,7 +22,7 @@ void* CpuReferenceBackend::allocate(int64_t bytes) {
   return memory;
 }
 
-void CpuReferenceBackend::release(void* memory) { std::free(memory); }
+void CpuReferenceBackend::release(void* memory) noexcept { std::free(memory); }
 
 void CpuReferenceBackend::copy_in(void* backend_memory, const void* host, int64_t bytes) {
   if (bytes > 0) std::memcpy(backend_memory, host, static_cast<size_t>(bytes));

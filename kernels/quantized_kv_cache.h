@@ -57,7 +57,9 @@ class KernelBackend {
   virtual ~KernelBackend() = default;
   // Zeroed bytes the kernels can address; null only for 0 bytes.
   virtual void* allocate(int64_t bytes) = 0;
-  virtual void release(void* memory) = 0;
+  // Never throws: it runs in destructors, also while an exception (a failed
+  // kernel's) unwinds and at interpreter exit.
+  virtual void release(void* memory) noexcept = 0;
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
   virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
   // Whether the host may read backend memory directly (else read_token
@@ -74,7 +76,7 @@ class KernelBackend {
 class CpuReferenceBackend final : public KernelBackend {
  public:
   void* allocate(int64_t bytes) override;
-  void release(void* memory) override;
+  void release(void* memory) noexcept override;
   void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
   bool host_addressable() const override { return true; }
