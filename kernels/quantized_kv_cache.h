@@ -139,7 +139,7 @@ class QuantizedKVCache {
   // `io`). `tally` (optional) records the bytes read.
   // `backend_memory`: queries and output already lie in the backend's memory
   // (as AppendBatch::backend_memory) and are read and written in place; the
-  // output is complete when the call returns.
+  // output is complete when the call returns. An empty batch does nothing.
   void decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries, void* output,
                         ReadTally* tally = nullptr, bool backend_memory = false,
                         ElementType io = ElementType::kFloat32);

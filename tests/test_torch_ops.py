@@ -362,6 +362,9 @@ def check_cuda_first_calls(cache, make_on, model, case):
     want = values[:1].half().double().repeat_interleave(group, dim=1)  # [1, heads, D]
     error = (out.cpu().double() - want).abs()
     assert (error <= 4 * U * want.abs()).all(), f"(f0) one token: output off its value by {error.max().item():.3g}"
+    step("(f0) an empty decode_attention and an empty append on cuda")
+    assert cache.decode_attention(layer, q[:0], []).shape == (0, model.heads, model.head_dim)
+    cache.append(layer, k[:0], v[:0], [], [])
     step("(f0) remove_sequence")
     cache.remove_sequence(s)
     count = torch.cuda.device_count()
@@ -516,6 +519,10 @@ def check_refusals(make, model, artifact, model_dir):
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d), [s]), "holds no tokens")
     cache.append(0, good, good, [s], [3])
     assert cache.length(s, 0) == 3 and cache.length(s, 1) == 0
+    # Empty batches are no-ops (an empty decode once read the longest of no lengths: a segfault).
+    assert cache.decode_attention(0, torch.randn(0, h, d), []).shape == (0, h, d)
+    cache.append(0, torch.randn(0, kv, d), torch.randn(0, kv, d), [], [])
+    assert cache.length(s, 0) == 3
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(2, h, d), [s]), "queries", "of shape",
                    "[len(sequences), num_heads, head_dim]")
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d).double(), [s]), "queries",
