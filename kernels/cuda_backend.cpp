@@ -5,38 +5,84 @@
 #include "kernels/decode_attention_launch.h"
 
 namespace kvforge::kernels {
+namespace {
+
+// Makes `device` current until the end of the scope, then the caller's
+// device again: torch reads the current device for "cuda" without an index,
+// so a backend on cuda:1 must not leave it there.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    KVFORGE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      KVFORGE_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(previous_);  // best effort: a destructor does not throw
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+// The non-throwing paths (release, the destructor): the device made current
+// when possible, the caller's restored, and the runtime's last error cleared,
+// so that a later cudaGetLastError() after a launch reports only that launch.
+template <class Body>
+void quietly_on(int device, Body&& body) noexcept {
+  int previous = 0;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  body();
+  if (switched) cudaSetDevice(previous);
+  cudaGetLastError();
+}
+
+}  // namespace
 
 CudaBackend::CudaBackend(int device) : device_(device) {
-  KVFORGE_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope scope(device_);
   KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
 CudaBackend::~CudaBackend() {
-  if (stream_ != nullptr) {
-    cudaStreamSynchronize(stream_);  // no throwing from a destructor: errors surface at the next call
+  if (stream_ == nullptr) return;
+  quietly_on(device_, [this] {
+    cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
-  }
+  });
 }
 
 void* CudaBackend::allocate(int64_t bytes) {
   if (bytes <= 0) return nullptr;
-  KVFORGE_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope scope(device_);
   void* memory = nullptr;
   KVFORGE_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(bytes)));
   // Ordered before every later copy and kernel on the stream.
-  KVFORGE_CUDA_CHECK(cudaMemsetAsync(memory, 0, static_cast<size_t>(bytes), stream_));
+  const cudaError_t zeroed = cudaMemsetAsync(memory, 0, static_cast<size_t>(bytes), stream_);
+  if (zeroed != cudaSuccess) {
+    cudaFree(memory);
+    KVFORGE_CUDA_CHECK(zeroed);
+  }
   return memory;
 }
 
-void CudaBackend::release(void* memory) {
+void CudaBackend::release(void* memory) noexcept {
   if (memory == nullptr) return;
-  // A kernel still running on the stream may use the memory.
-  KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  KVFORGE_CUDA_CHECK(cudaFree(memory));
+  quietly_on(device_, [&] {
+    cudaStreamSynchronize(stream_);  // a kernel still running on the stream may use the memory
+    cudaFree(memory);
+  });
 }
 
 void CudaBackend::copy_in(void* backend_memory, const void* host, int64_t bytes) {
   if (bytes <= 0) return;
+  const DeviceScope scope(device_);
   KVFORGE_CUDA_CHECK(
       cudaMemcpyAsync(backend_memory, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
   KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -44,22 +90,26 @@ void CudaBackend::copy_in(void* backend_memory, const void* host, int64_t bytes)
 
 void CudaBackend::copy_out(void* host, const void* backend_memory, int64_t bytes) {
   if (bytes <= 0) return;
+  const DeviceScope scope(device_);
   KVFORGE_CUDA_CHECK(
       cudaMemcpyAsync(host, backend_memory, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_));
   KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaBackend::append(const AppendParams& params) {
-  KVFORGE_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope scope(device_);
   launch_append(params, stream_);
 }
 
 void CudaBackend::decode_attention(const DecodeParams& params) {
-  KVFORGE_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope scope(device_);
   launch_decode_attention(params, stream_);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
-void CudaBackend::synchronize() { KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  const DeviceScope scope(device_);
+  KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
 
 }  // namespace kvforge::kernels

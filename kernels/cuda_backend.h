@@ -11,17 +11,23 @@
 
 namespace kvforge::kernels {
 
+// Every call makes the backend's device current for its duration and gives
+// the caller's current device back (a host program such as torch keeps its
+// own); a failed CUDA call throws std::runtime_error naming the call and
+// CUDA's one-line error string, except in release and the destructor, which
+// never throw (they run while exceptions unwind and at interpreter exit).
 class CudaBackend final : public KernelBackend {
  public:
-  // Uses `device` (std::runtime_error naming the CUDA call when it fails) and
-  // a stream of its own.
+  // Uses `device` and a stream of its own.
   explicit CudaBackend(int device = 0);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   void* allocate(int64_t bytes) override;
-  void release(void* memory) override;
+  // Waits for the stream, frees; CUDA errors are ignored (a failed kernel's
+  // sticky error was reported by the call that met it).
+  void release(void* memory) noexcept override;
   // Both copies return when the bytes have arrived (the host side may be a
   // temporary).
   void copy_in(void* backend_memory, const void* host, int64_t bytes) override;

@@ -22,7 +22,7 @@ void* CpuReferenceBackend::allocate(int64_t bytes) {
   return memory;
 }
 
-void CpuReferenceBackend::release(void* memory) { std::free(memory); }
+void CpuReferenceBackend::release(void* memory) noexcept { std::free(memory); }
 
 void CpuReferenceBackend::copy_in(void* backend_memory, const void* host, int64_t bytes) {
   if (bytes > 0) std::memcpy(backend_memory, host, static_cast<size_t>(bytes));
@@ -692,6 +692,7 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
       throw std::invalid_argument(context + ": sequence " + std::to_string(sequence) + " holds no tokens");
     }
   }
+  if (count == 0) return;  // an empty batch: no output rows (and no longest sequence to plan for)
   Buffer slots(*backend_, count * 4), device_lengths(*backend_, count * 8);
   backend_->copy_in(slots.data, sequences.data(), count * 4);
   backend_->copy_in(device_lengths.data, lengths.data(), count * 8);

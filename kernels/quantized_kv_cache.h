@@ -57,7 +57,9 @@ class KernelBackend {
   virtual ~KernelBackend() = default;
   // Zeroed bytes the kernels can address; null only for 0 bytes.
   virtual void* allocate(int64_t bytes) = 0;
-  virtual void release(void* memory) = 0;
+  // Never throws: it runs in destructors, also while an exception (a failed
+  // kernel's) unwinds and at interpreter exit.
+  virtual void release(void* memory) noexcept = 0;
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
   virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
   // Whether the host may read backend memory directly (else read_token
@@ -74,7 +76,7 @@ class KernelBackend {
 class CpuReferenceBackend final : public KernelBackend {
  public:
   void* allocate(int64_t bytes) override;
-  void release(void* memory) override;
+  void release(void* memory) noexcept override;
   void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
   bool host_addressable() const override { return true; }
@@ -137,7 +139,7 @@ class QuantizedKVCache {
   // `io`). `tally` (optional) records the bytes read.
   // `backend_memory`: queries and output already lie in the backend's memory
   // (as AppendBatch::backend_memory) and are read and written in place; the
-  // output is complete when the call returns.
+  // output is complete when the call returns. An empty batch does nothing.
   void decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries, void* output,
                         ReadTally* tally = nullptr, bool backend_memory = false,
                         ElementType io = ElementType::kFloat32);

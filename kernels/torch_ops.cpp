@@ -29,6 +29,7 @@
 #include "model/rope.h"
 
 #ifdef KVFORGE_TORCH_OPS_CUDA
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/cuda_backend.h"
@@ -84,6 +85,16 @@ c10::Device parse_device(const std::string& device) {
               "': this library was built without the CUDA kernels: expected cpu");
 #endif
   if (parsed.is_cuda() && !parsed.has_index()) parsed.set_index(0);
+#ifdef KVFORGE_TORCH_OPS_CUDA
+  // Checked here, in torch's terms, rather than met as cudaSetDevice's
+  // "invalid device ordinal" inside the backend.
+  if (parsed.is_cuda()) {
+    const int count = c10::cuda::device_count();
+    TORCH_CHECK(count > 0, "kvforge.QuantizedKVCache: device '", device, "': this process sees no CUDA device: expected cpu");
+    TORCH_CHECK(parsed.index() < count, "kvforge.QuantizedKVCache: device '", device, "': this process sees ", count,
+                " CUDA device(s): expected cuda:0..cuda:", count - 1);
+  }
+#endif
   return parsed;
 }
 

@@ -138,8 +138,16 @@ kernel_checks() {
   done
   if [ -z "${SKIP_TORCH_OPS:-}" ]; then
     step "kernels: the PyTorch op library on CUDA against its CPU cache (tests/test_torch_ops.py)"
-    ctest --test-dir build-gpu -R '^test_torch_ops$' --output-on-failure > "$LOGS/test_torch_ops.log" 2>&1 || status=1
-    grep -E "tests passed|Failed|FAIL|cuda|Error" "$LOGS/test_torch_ops.log" | head -20
+    # -V: the test's lines also when it passes; it prints a timed line before
+    # each part and each CUDA call, and faulthandler the Python stack of a
+    # crash, so the end of the log names where it stopped.
+    if ctest --test-dir build-gpu -R '^test_torch_ops$' -V --output-on-failure > "$LOGS/test_torch_ops.log" 2>&1; then
+      grep -E "^[0-9]+:   \(f0?\)|CUDA runtimes mapped|tests passed" "$LOGS/test_torch_ops.log" | head -24
+    else
+      status=1
+      echo "FAILED: test_torch_ops; the end of its log:"
+      tail -45 "$LOGS/test_torch_ops.log"
+    fi
   fi
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"

@@ -983,6 +983,30 @@ TEST(RuntimeKernelsCpuRefusals, BadCallsAreOneLine) {
   EXPECT_THROW(cache.add_sequence(), std::length_error);
 }
 
+// Empty batches (no sequences) are accepted and do nothing: decode writes no
+// output (it once read the longest length of no sequences) and append stores
+// nothing.
+TEST(RuntimeKernelsCpuEmptyBatches, DecodeAndAppendOfNoSequencesDoNothing) {
+  kernels::CacheOptions options;
+  options.max_context = 40;
+  options.max_sequences = 2;
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options);
+  const int32_t a = cache.add_sequence();
+  std::vector<float> rows(3 * 2 * 64, 0.5f);
+  cache.append(0, kernels::AppendBatch{{a}, {0}, {3}, rows.data(), rows.data()});
+  float q[4 * 64] = {}, o[4 * 64];
+  std::fill(std::begin(o), std::end(o), -7.0f);
+  for (bool backend_memory : {false, true}) {
+    cache.decode_attention(0, std::span<const int32_t>(), q, o, nullptr, backend_memory);
+    cache.decode_attention(0, std::span<const int32_t>(), nullptr, nullptr, nullptr, backend_memory);
+    kernels::AppendBatch empty;
+    empty.backend_memory = backend_memory;
+    cache.append(0, empty);
+  }
+  for (float x : o) ASSERT_EQ(x, -7.0f);
+  EXPECT_EQ(cache.length(a, 0), 3);
+}
+
 TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveTheirPagesBack) {
   QuantizerConfig c = small_rtn(2, 64);
   c.settings.values.outlier_fraction = 0.02;

@@ -25,14 +25,33 @@ torch.classes.load_library and checks
       removed and its slot reused, in float32, float16 and bfloat16: the same lengths and
       decode outputs within 1e-3 of the values' magnitude (issue 10) plus the io rounding.
 Exit code 77 (ctest SKIP_RETURN_CODE) only when python3 has no torch.
+
+Diagnosable when it crashes: stdout is line-buffered (ctest's pipe would otherwise hold
+every line back until exit, and a crash loses them), faulthandler prints the Python
+stack of a segfault or abort on stderr, and each part, each CUDA call of (f) included,
+says what it starts with the seconds since the start, so the last line of a crashed
+run names the step it died in.
 """
+import faulthandler
 import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
+faulthandler.enable()  # before torch: a segfault anywhere after this prints the Python stack
+sys.stdout.reconfigure(line_buffering=True)
+START = time.monotonic()
+
+
+def step(text):
+    """One line naming what starts now, flushed before it starts."""
+    print(f"[{time.monotonic() - START:7.1f} s] {text}", flush=True)
+
+
+step(f"python {sys.version.split()[0]} at {sys.executable}: importing torch")
 try:
     import torch
 except ImportError:
@@ -314,6 +333,48 @@ def check_dtypes(make, model, config, keys, values, queries, lengths, layer):
               f"(worst {(error / bound.clamp(min=1e-300)).max().item():.2f} of it)")
 
 
+# A cuda cache held until the interpreter exits (check_cuda fills it).
+KEPT_UNTIL_EXIT = []
+
+
+def check_cuda_first_calls(cache, make_on, model, case):
+    """(f), first: each public method once on a new cuda cache, a line before each call, so
+    that a crash names the call. One float32 token of an exact configuration: attention over
+    one token is its value (weight exp(0) / exp(0) = 1), stored rounded to float16; the
+    kernel's float32 arithmetic on it (the weight, the split merge's rescaling by
+    exp(0) = 1) may round at most a few times: |o - v| <= 4 u |v|. Then a CUDA error (a
+    device that does not exist) is a one-line RuntimeError, not a crash."""
+    config, _, keys, values, queries, _, layer = case
+    group = model.heads // model.kv_heads
+    step(f"(f0) {config} on {cache.device()}: add_sequence")
+    s = cache.add_sequence()
+    step("(f0) moving one token to cuda (torch's first CUDA tensors)")
+    k, v = keys[:1].contiguous().cuda(), values[:1].contiguous().cuda()
+    q = queries[:1].contiguous().cuda()
+    step("(f0) append of one float32 token on cuda")
+    cache.append(layer, k, v, [s], [1])
+    step("(f0) length")
+    assert cache.length(s, layer) == 1, cache.length(s, layer)
+    step("(f0) decode_attention on cuda")
+    out = cache.decode_attention(layer, q, [s])
+    assert out.device.type == "cuda" and out.dtype == torch.float32 and out.shape == q.shape, (out.device, out.shape)
+    step("(f0) copying the output to the cpu")
+    want = values[:1].half().double().repeat_interleave(group, dim=1)  # [1, heads, D]
+    error = (out.cpu().double() - want).abs()
+    assert (error <= 4 * U * want.abs()).all(), f"(f0) one token: output off its value by {error.max().item():.3g}"
+    step("(f0) an empty decode_attention and an empty append on cuda")
+    assert cache.decode_attention(layer, q[:0], []).shape == (0, model.heads, model.head_dim)
+    cache.append(layer, k[:0], v[:0], [], [])
+    step("(f0) remove_sequence")
+    cache.remove_sequence(s)
+    count = torch.cuda.device_count()
+    step(f"(f0) a cache on cuda:{count}, a device this process does not see")
+    expect_refusal(lambda: make_on(f"cuda:{count}", config, "fp16"), f"device 'cuda:{count}'",
+                   f"{count} CUDA device")
+    print(f"  (f0) {config}: add_sequence, append, length, decode_attention (one token: its value), "
+          f"remove_sequence on {cache.device()}; cuda:{count} refused")
+
+
 def check_cuda(make_on, model, cases):
     """(f): a 'cuda' cache against a 'cpu' cache fed the same inputs through the same public
     methods. `cases`: (config, exact, keys, values, queries, lengths, layer); `exact`: the
@@ -330,17 +391,21 @@ def check_cuda(make_on, model, cases):
     if not torch.cuda.is_available():
         print("  (f) SKIP: torch.cuda.is_available() is false")
         return
+    step(f"(f) {torch.cuda.device_count()} CUDA device(s): constructing the first cuda cache")
     try:
-        make_on("cuda", cases[0][0], "fp16")
+        first = make_on("cuda", cases[0][0], "fp16")
     except RuntimeError as e:
         if "built without the CUDA kernels" in str(e):
             print("  (f) SKIP: the library was built without the CUDA kernels")
             return
         raise
+    check_cuda_first_calls(first, make_on, model, cases[0])
+    del first
     for config, exact, keys, values, queries, lengths, layer in cases:
         for dtype, element in DTYPES.items():
             if dtype == torch.float32:
                 element = "fp16"  # float32 inputs into the serving element type
+            step(f"(f) {config} {DTYPES[dtype]} (element {element}): constructing a cuda and a cpu cache")
             gpu, cpu = make_on("cuda", config, element), make_on("cpu", config, element)
             assert gpu.device() == "cuda:0" and cpu.device() == "cpu", (gpu.device(), cpu.device())
             k, v, q = keys.to(dtype), values.to(dtype), queries.to(dtype)
@@ -354,6 +419,7 @@ def check_cuda(make_on, model, cases):
             def compare(active, rows_of, what):
                 nonlocal worst
                 want = cpu.decode_attention(layer, q[:len(active)].contiguous(), [ids[cpu][i] for i in active])
+                step(f"(f)   decode_attention on cuda of sequences {active} {what}")
                 got = gpu.decode_attention(layer, q[:len(active)].contiguous().cuda(), [ids[gpu][i] for i in active])
                 assert got.device.type == "cuda" and got.dtype == dtype and got.shape == want.shape
                 got = got.cpu()
@@ -372,6 +438,7 @@ def check_cuda(make_on, model, cases):
                 return v[starts[i]:starts[i] + done[cpu][i]]
 
             for tokens in schedule(lengths, 3):
+                step(f"(f)   append of {tokens} tokens ({DTYPES[dtype]}) to both caches")
                 for cache in (gpu, cpu):
                     append_step(cache, layer, *rows[cache], ids[cache], starts, done[cache], tokens)
                 for a, b in zip(ids[gpu], ids[cpu]):
@@ -380,6 +447,7 @@ def check_cuda(make_on, model, cases):
                 if active and tokens != [0] * len(tokens):
                     compare(active, held_rows, f"after appending {tokens}")
             # The first sequence removed and its slot reused by a new, shorter one.
+            step("(f)   remove_sequence, add_sequence (the slot reused) and an append to it")
             gpu.remove_sequence(ids[gpu][0])
             cpu.remove_sequence(ids[cpu][0])
             ids[gpu][0], ids[cpu][0] = gpu.add_sequence(), cpu.add_sequence()
@@ -397,6 +465,12 @@ def check_cuda(make_on, model, cases):
             compare(list(range(len(lengths))), rows_after_reuse, "after a removed slot was reused")
             print(f"  (f) {config} {DTYPES[dtype]} (element {element}): lengths {lengths}, cuda within "
                   f"{worst:.2e} of the bound of the cpu cache")
+            if not KEPT_UNTIL_EXIT:
+                # Destruction at interpreter exit: a cache held by a module-level name
+                # frees its device memory while the interpreter shuts down.
+                KEPT_UNTIL_EXIT.append(gpu)
+            step("(f)   destroying the caches")
+            del gpu, cpu, ids, rows, compare
 
 
 def expect_refusal(call, *words):
@@ -445,6 +519,10 @@ def check_refusals(make, model, artifact, model_dir):
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d), [s]), "holds no tokens")
     cache.append(0, good, good, [s], [3])
     assert cache.length(s, 0) == 3 and cache.length(s, 1) == 0
+    # Empty batches are no-ops (an empty decode once read the longest of no lengths: a segfault).
+    assert cache.decode_attention(0, torch.randn(0, h, d), []).shape == (0, h, d)
+    cache.append(0, torch.randn(0, kv, d), torch.randn(0, kv, d), [], [])
+    assert cache.length(s, 0) == 3
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(2, h, d), [s]), "queries", "of shape",
                    "[len(sequences), num_heads, head_dim]")
     expect_refusal(lambda: cache.decode_attention(0, torch.randn(1, h, d).double(), [s]), "queries",
@@ -455,11 +533,24 @@ def check_refusals(make, model, artifact, model_dir):
     print("  (c) bad inputs raise one-line RuntimeErrors naming what was expected")
 
 
+def mapped_cuda_runtimes():
+    """The CUDA runtime files mapped into this process (one expected: torch's, which the
+    library's libcudart.so.13 resolves to; a static runtime would not show here)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "libcudart" in line})
+    except OSError:
+        return ["(no /proc/self/maps)"]
+
+
 def main():
     library, binary, model_dir, calib = sys.argv[1:5]
+    step(f"torch {torch.__version__} (CUDA {torch.version.cuda}): loading {library}")
     torch.classes.load_library(library)
+    step(f"loaded; CUDA runtimes mapped: {mapped_cuda_runtimes() or 'none'}")
     model = Model(model_dir)
     with tempfile.TemporaryDirectory(prefix="kvforge-torch-ops-") as work:
+        step("building the artifact (kvforge capture and calibrate)")
         artifact = build_artifact(binary, model_dir, calib, work)
 
         def make_on(device, config, element):
@@ -468,16 +559,19 @@ def main():
         def make(config, element):
             return make_on("cpu", config, element)
 
+        step("(a,d) exact configurations on the cpu against float64 attention")
         check_exact(make, model, "exact-pre-rope", "fp32", True)
         check_exact(make, model, "exact-post-rope", "fp32", False)
         check_exact(make, model, "exact-pre-rope", "fp16", True)
         check_exact(make, model, "exact-post-rope", "bf16", False)
+        step("(b) 2-bit configurations on the cpu")
         check_quantized(make, model, "int2-rot-2bit", *random_case(model), layer=0)
         captured = captured_case(os.path.join(work, "acts.h5"), 2, True, [256, 180])
         if captured is None:
             print("  (b) kvquant-2bit: not checked (python3 has no h5py to read the capture)")
         else:
             check_quantized(make, model, "kvquant-2bit", *captured, layer=2)
+        step("(e) float16 and bfloat16 inputs on the cpu")
         exact_case = exact_inputs(model)
         check_dtypes(make, model, "exact-pre-rope", *exact_case, layer=1)
         check_dtypes(make, model, "int2-rot-2bit", *random_case(model), layer=0)
@@ -486,9 +580,13 @@ def main():
         if captured is not None:
             check_dtypes(make, model, "kvquant-2bit", *captured, layer=2)
             cases.append(("kvquant-2bit", False, *captured, 2))
+        step("(f) a cuda cache against a cpu cache")
         check_cuda(make_on, model, cases)
+        step("(c) refusals")
         check_refusals(make, model, artifact, model_dir)
     print("PASS")
+    if KEPT_UNTIL_EXIT:
+        step("exiting with a cuda cache alive (its memory is freed at interpreter exit)")
 
 
 if __name__ == "__main__":
