@@ -17,6 +17,25 @@ void check_fraction(double fraction) {
   }
 }
 
+// The threshold that separates the chosen calibration value `sample` (the
+// last inlier) from `beyond` (the next distinct value, the first outlier):
+// a float32 strictly between them, their midpoint rounded to float32 (the
+// float32 nearest to the exact midpoint lies strictly between whenever any
+// float32 does; the next float32 after `sample` covers a midpoint that
+// float64 could not represent exactly), or `sample` itself when the two are
+// adjacent float32 values. A threshold that is a calibration value would make
+// elements equal to it (layer-0 keys repeat with their token) flip between
+// inlier and outlier on a last-bit difference in the model's arithmetic.
+float threshold_between(float sample, float beyond) {
+  const auto strictly_between = [&](float t) {
+    return sample < beyond ? sample < t && t < beyond : beyond < t && t < sample;
+  };
+  const float middle = static_cast<float>((static_cast<double>(sample) + static_cast<double>(beyond)) / 2);
+  if (strictly_between(middle)) return middle;
+  const float next = std::nextafter(sample, beyond);
+  return strictly_between(next) ? next : sample;
+}
+
 }  // namespace
 
 ChannelThresholds fit_channel_thresholds(const at::Tensor& x, double fraction) {
@@ -68,8 +87,12 @@ ChannelThresholds fit_channel_thresholds(const at::Tensor& x, double fraction) {
     }
     wanted_low -= static_cast<double>(below);
     wanted_high -= static_cast<double>(above);
-    low_out[row] = lo;
-    high_out[row] = hi;
+    // The selection is made; move each threshold off the sample values into
+    // the gap before the first outlier (s[below - 1] is the largest value
+    // below lo, s[n - above] the smallest above hi), which selects the same
+    // calibration elements. Nothing beyond: the sample stays.
+    low_out[row] = below > 0 ? threshold_between(lo, s[below - 1]) : lo;
+    high_out[row] = above > 0 ? threshold_between(hi, s[n - above]) : hi;
   }
   ChannelThresholds result;
   result.low = low;

@@ -11,10 +11,17 @@
 // (#{x <= s[j]}) is nearer. Each channel's target carries the shortfall of
 // the channels before it (error diffusion: j = round(running target -
 // running selection), at most (n - 1) / 2), so the total over the layer is
-// within about one tie of f n. high mirrors low. The channel's inliers are
-// normalized into [-1, 1] by offset = (low + high) / 2 and scale =
-// (high - low) / 2; a constant channel gets scale = max(|offset|, 1) * 2^-20
-// instead of 0.
+// within about one tie of f n. high mirrors low. Once the selection is
+// made, a threshold that selected anything is moved off the sample values:
+// low becomes the float32 nearest to the midpoint of that sample and the
+// largest value below it (strictly between the two; the sample itself when
+// they are adjacent float32 values), high likewise with the smallest value
+// above it, so the same calibration elements are outliers and none equals
+// a threshold (except low = the channel's minimum, high = its maximum).
+// The channel's inliers are normalized into [-1, 1] by offset = (low +
+// high) / 2 and scale = (high - low) / 2, scale rounded so that both stored
+// thresholds map into [-1, 1]; a constant channel gets scale =
+// max(|offset|, 1) * 2^-20 instead of 0.
 //
 // Per token with OutlierRule::kTokenTau (kvforge's variant; KVQuant's own
 // per-token rule, kTokenTopBottom, needs nothing fitted): r = |x - mean_t| / std_t, with mean_t and

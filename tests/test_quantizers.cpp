@@ -10,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "capture/activation_recorder.h"
@@ -250,6 +251,213 @@ TEST(ChannelThresholds, StoredOffsetAndScaleKeepTheThresholdsInsideTheGrid) {
       }
     }
   }
+}
+
+// The calibration values the channel thresholds are chosen from, by the rule
+// of calib/outlier_thresholds.h written out with counts over each channel in
+// float64: which elements are outliers (those below `low` or above `high`),
+// before the thresholds are moved off the samples. channels[h * D + d] holds
+// channel d of head h, in the order whose shortfalls carry on.
+struct ChosenSamples {
+  std::vector<double> low, high;
+};
+
+ChosenSamples chosen_samples_by_counting(const std::vector<std::vector<double>>& channels, double fraction) {
+  ChosenSamples chosen;
+  double wanted_low = 0, wanted_high = 0;
+  for (const std::vector<double>& values : channels) {
+    const auto n = static_cast<int64_t>(values.size());
+    const auto count = [&](auto&& keep) { return static_cast<int64_t>(std::count_if(values.begin(), values.end(), keep)); };
+    std::vector<double> s = values;
+    std::sort(s.begin(), s.end());
+    const int64_t middle = (n - 1) / 2;
+    wanted_low += static_cast<double>(n) * fraction / 2;
+    wanted_high += static_cast<double>(n) * fraction / 2;
+    // Low: s[j] selects #{x < s[j]}; the next larger value, #{x <= s[j]}, when
+    // that stays within the lower half and is nearer the running target.
+    double low = s[static_cast<size_t>(std::clamp<int64_t>(std::llround(wanted_low), 0, middle))];
+    int64_t below = count([&](double x) { return x < low; });
+    const int64_t through = count([&](double x) { return x <= low; });
+    if (through <= middle && std::abs(static_cast<double>(through) - wanted_low) <
+                                 std::abs(static_cast<double>(below) - wanted_low)) {
+      low = s[static_cast<size_t>(through)];
+      below = through;
+    }
+    // High, mirrored.
+    double high = s[static_cast<size_t>(n - 1 - std::clamp<int64_t>(std::llround(wanted_high), 0, middle))];
+    int64_t above = count([&](double x) { return x > high; });
+    const int64_t from = count([&](double x) { return x >= high; });
+    if (n - from >= n - middle && std::abs(static_cast<double>(from) - wanted_high) <
+                                      std::abs(static_cast<double>(above) - wanted_high)) {
+      high = s[static_cast<size_t>(n - from - 1)];
+      above = from;
+    }
+    wanted_low -= static_cast<double>(below);
+    wanted_high -= static_cast<double>(above);
+    chosen.low.push_back(low);
+    chosen.high.push_back(high);
+  }
+  return chosen;
+}
+
+// x: [B, H, T, D] float32 -> per channel (h * D + d) its B T values.
+std::vector<std::vector<double>> channel_values(const at::Tensor& x) {
+  const auto a = x.accessor<float, 4>();
+  std::vector<std::vector<double>> channels(static_cast<size_t>(x.size(1) * x.size(3)));
+  for (int64_t h = 0; h < x.size(1); ++h) {
+    for (int64_t d = 0; d < x.size(3); ++d) {
+      for (int64_t b = 0; b < x.size(0); ++b) {
+        for (int64_t t = 0; t < x.size(2); ++t) channels[static_cast<size_t>(h * x.size(3) + d)].push_back(a[b][h][t][d]);
+      }
+    }
+  }
+  return channels;
+}
+
+// Random channels whose values repeat (a few values drawn many times, as
+// layer-0 keys repeat with their token) so that ties fall on the quantiles,
+// mixed with distinct values, constant channels and channels of two adjacent
+// float32 values.
+at::Tensor channels_with_ties(uint32_t seed) {
+  std::mt19937 generator(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 4);
+  const int64_t batch = 2, heads = 2, tokens = 41, dim = 24;
+  at::Tensor x = at::empty({batch, heads, tokens, dim}, at::kFloat);
+  auto a = x.accessor<float, 4>();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const float magnitude = std::ldexp(1.0f, static_cast<int>(d % 7) - 3);
+      std::vector<float> pool(5);
+      for (float& v : pool) v = magnitude * normal(generator);
+      const float adjacent = std::nextafter(pool[0], 1e30f);
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t t = 0; t < tokens; ++t) {
+          float& v = a[b][h][t][d];
+          switch (d % 6) {
+            case 0: v = pool[static_cast<size_t>(pick(generator))]; break;                  // ties only
+            case 1: v = pick(generator) < 2 ? pool[0] : magnitude * normal(generator); break;  // ties and distinct
+            case 2: v = magnitude * normal(generator); break;                                 // distinct
+            case 3: v = pool[0]; break;                                                       // constant
+            case 4: v = pick(generator) < 2 ? pool[0] : adjacent; break;                      // adjacent float32s
+            default: v = pick(generator) < 4 ? pool[0] : magnitude * normal(generator);       // heavy ties
+          }
+        }
+      }
+    }
+  }
+  return x;
+}
+
+// The float32 the rule puts between a chosen sample and the next distinct
+// calibration value beyond it: their midpoint rounded, the sample when no
+// float32 lies between them.
+float expected_threshold(double sample, double beyond) {
+  const auto s = static_cast<float>(sample);
+  if (std::nextafter(s, static_cast<float>(beyond)) == static_cast<float>(beyond)) return s;
+  return static_cast<float>((sample + beyond) / 2);
+}
+
+TEST(ChannelThresholds, SelectTheChosenSamplesOutliersWithNoCalibrationValueOnAThreshold) {
+  for (const uint32_t seed : {1u, 2u, 3u}) {
+    const at::Tensor x = channels_with_ties(seed);
+    const std::vector<std::vector<double>> channels = channel_values(x);
+    for (const double fraction : {0.0, 0.01, 0.05, 0.2, 0.6, 0.95}) {
+      SCOPED_TRACE("seed " + std::to_string(seed) + ", fraction " + std::to_string(fraction));
+      const ChosenSamples chosen = chosen_samples_by_counting(channels, fraction);
+      const ChannelThresholds t = fit_channel_thresholds(x, fraction);
+      const at::Tensor low = t.low.reshape({-1}).to(at::kDouble), high = t.high.reshape({-1}).to(at::kDouble);
+      const at::Tensor offset = t.offset.reshape({-1}).to(at::kDouble), scale = t.scale.reshape({-1}).to(at::kDouble);
+      int64_t moved = 0, outliers = 0;
+      for (size_t c = 0; c < channels.size(); ++c) {
+        const std::vector<double>& values = channels[c];
+        const auto i = static_cast<int64_t>(c);
+        const double lo = low[i].item<double>(), hi = high[i].item<double>();
+        // The same calibration elements are outliers as with the chosen samples.
+        for (const double v : values) {
+          const bool before = v < chosen.low[c] || v > chosen.high[c];
+          ASSERT_EQ(v < lo || v > hi, before) << "channel " << c << " value " << v;
+          outliers += before;
+        }
+        // Each threshold lies strictly between the chosen sample and the next
+        // distinct value beyond it (their midpoint in float32), so no value
+        // equals it; with nothing beyond, or no float32 between, it is the sample.
+        double below = -std::numeric_limits<double>::infinity(), above = -below;
+        for (const double v : values) {
+          if (v < chosen.low[c]) below = std::max(below, v);
+          if (v > chosen.high[c]) above = std::min(above, v);
+        }
+        if (std::isinf(below)) {
+          EXPECT_EQ(lo, chosen.low[c]) << "channel " << c;
+        } else {
+          EXPECT_EQ(lo, expected_threshold(chosen.low[c], below)) << "channel " << c;
+          EXPECT_TRUE(below < lo && lo <= chosen.low[c]) << "channel " << c;
+          if (lo < chosen.low[c]) {
+            ++moved;
+            EXPECT_EQ(std::count(values.begin(), values.end(), lo), 0) << "channel " << c;
+          }
+        }
+        if (std::isinf(above)) {
+          EXPECT_EQ(hi, chosen.high[c]) << "channel " << c;
+        } else {
+          EXPECT_EQ(hi, expected_threshold(chosen.high[c], above)) << "channel " << c;
+          EXPECT_TRUE(chosen.high[c] <= hi && hi < above) << "channel " << c;
+          if (hi > chosen.high[c]) {
+            ++moved;
+            EXPECT_EQ(std::count(values.begin(), values.end(), hi), 0) << "channel " << c;
+          }
+        }
+        // The stored offset and scale still map both thresholds into [-1, 1].
+        EXPECT_GE((lo - offset[i].item<double>()) / scale[i].item<double>(), -1.0) << "channel " << c;
+        EXPECT_LE((hi - offset[i].item<double>()) / scale[i].item<double>(), 1.0) << "channel " << c;
+      }
+      // The cases above are all exercised: thresholds moved wherever anything
+      // was selected, except in the channels of adjacent float32 values.
+      if (fraction >= 0.05) {
+        EXPECT_GT(moved, 0);
+        EXPECT_GT(outliers, 0);
+      }
+    }
+  }
+}
+
+// One channel's thresholds: x holds its values, [1, 1, n, 1].
+std::pair<float, float> one_channel_thresholds(const std::vector<float>& values, double fraction) {
+  const at::Tensor x = at::tensor(at::ArrayRef<float>(values)).view({1, 1, -1, 1});
+  const ChannelThresholds t = fit_channel_thresholds(x, fraction);
+  return {t.low.item<float>(), t.high.item<float>()};
+}
+
+TEST(ChannelThresholds, EdgeCasesByHand) {
+  // All equal: nothing beyond either side; both thresholds are the value, and
+  // the scale is the constant channel's max(|offset|, 1) 2^-20.
+  {
+    const at::Tensor x = at::full({1, 1, 10, 1}, 0.75f);
+    const ChannelThresholds t = fit_channel_thresholds(x, 0.5);
+    EXPECT_EQ(t.low.item<float>(), 0.75f);
+    EXPECT_EQ(t.high.item<float>(), 0.75f);
+    EXPECT_EQ(t.offset.item<float>(), 0.75f);
+    EXPECT_EQ(t.scale.item<float>(), std::ldexp(1.0f, -20));
+  }
+  // Fewer samples than asked for: n = 2, f = 0.9 asks for 0.9 per side, but
+  // each side may take at most (n - 1) / 2 = 0: the minimum and the maximum.
+  EXPECT_EQ(one_channel_thresholds({3.0f, -1.0f}, 0.9), std::make_pair(-1.0f, 3.0f));
+  // n = 3, f = 0.9: 1.35 per side, at most 1: -2 and 4 are outliers, the
+  // thresholds the midpoints of each with the middle value 0.5.
+  EXPECT_EQ(one_channel_thresholds({4.0f, -2.0f, 0.5f}, 0.9), std::make_pair(-0.75f, 2.25f));
+  // f = 0: the minimum and the maximum are the chosen samples with nothing
+  // beyond; they stay.
+  EXPECT_EQ(one_channel_thresholds({0.25f, -1.5f, 7.0f, 2.0f}, 0.0), std::make_pair(-1.5f, 7.0f));
+  // Ties at the quantile: n = 10, f = 0.4, 2 per side. Low: s[2] = 0 selects
+  // nothing, the next value 1 selects the three zeros, nearer 2 by 1 than 0
+  // by 2, so 1 is chosen, and the threshold is between 0 and 1. High: s[7] =
+  // 5 selects 6 and 7; the threshold is between 5 and 6.
+  EXPECT_EQ(one_channel_thresholds({0, 0, 0, 1, 2, 3, 4, 5, 6, 7}, 0.4), std::make_pair(0.5f, 5.5f));
+  // Adjacent float32 values: n = 3, f = 0.9, 1 per side. Below the low sample
+  // 1 + 2^-23 lies 1, with no float32 between: the sample stays (1 is still
+  // an outlier). The high side's midpoint 3 + 2^-24 rounds to 3.
+  const float above_one = std::nextafter(1.0f, 2.0f);
+  EXPECT_EQ(one_channel_thresholds({1.0f, above_one, 5.0f}, 0.9), std::make_pair(above_one, 3.0f));
 }
 
 TEST(Simulation, PerTokenUniformWithClipSinkAndResidual) {
@@ -1060,6 +1268,21 @@ TEST_F(CapturedStore, KvquantOutliersSelectTheRequestedFraction) {
     const double key_share = static_cast<double>(selected) / static_cast<double>(total);
     EXPECT_NEAR(key_share, 0.01, 0.001) << "layer " << layer;
     EXPECT_NEAR(lq.stats.key_outlier_fraction, key_share, 1e-12) << "layer " << layer;
+    // No calibration key lies on a threshold (layer 0's keys repeat with their
+    // token), except a threshold that is its channel's minimum or maximum.
+    for (int64_t h = 0; h < keys.size(1); ++h) {
+      for (int64_t c = 0; c < keys.size(3); ++c) {
+        const size_t i = static_cast<size_t>(h * keys.size(3) + c);
+        const at::Tensor channel = keys.select(1, h).narrow(1, 1, kSeqLen - 1).select(2, c);
+        const float low = lq.keys.outlier_low.values[i], high = lq.keys.outlier_high.values[i];
+        if (low != channel.min().item<float>()) {
+          EXPECT_EQ(channel.eq(low).sum().item<int64_t>(), 0) << "layer " << layer << " [" << h << ", " << c << "]";
+        }
+        if (high != channel.max().item<float>()) {
+          EXPECT_EQ(channel.eq(high).sum().item<int64_t>(), 0) << "layer " << layer << " [" << h << ", " << c << "]";
+        }
+      }
+    }
     // Values: KVQuant's per-token rule over both heads' 256 channels: the 2
     // largest and 2 smallest of each token past the sink, k = 256 -
     // ceil(255 x 0.995) = 2 (no ties within a row in these activations).
