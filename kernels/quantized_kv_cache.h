@@ -55,10 +55,20 @@ enum class TensorKind { kKeys, kValues };
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
-  // Zeroed bytes the kernels can address; null only for 0 bytes.
+  // Zeroed bytes the kernels can address; null only for 0 bytes. release
+  // waits for the kernels that may still use the memory.
   virtual void* allocate(int64_t bytes) = 0;
   virtual void release(void* memory) = 0;
+  // Returns when the bytes have arrived (the host side may be a temporary).
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
+  // Queues the copy before every later kernel and copy, without waiting: the
+  // host bytes must stay unchanged until the next synchronize() or copy_out()
+  // returns. A synchronous backend copies at once (the default).
+  virtual void enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) {
+    copy_in(backend_memory, host, bytes);
+  }
+  // Returns when the bytes have arrived, so after every kernel and copy
+  // issued before it.
   virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
   // Whether the host may read backend memory directly (else read_token
   // copies the pools out first).
