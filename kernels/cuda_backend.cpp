@@ -50,6 +50,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
+CudaBackend::DeviceMemory::~DeviceMemory() {
+  if (data != nullptr) cudaFree(data);  // no throwing from a destructor
+}
+
 CudaBackend::~CudaBackend() {
   if (stream_ == nullptr) return;
   quietly_on(device_, [this] {
@@ -88,6 +92,13 @@ void CudaBackend::copy_in(void* backend_memory, const void* host, int64_t bytes)
   KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void CudaBackend::enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) {
+  if (bytes <= 0) return;
+  const DeviceScope scope(device_);
+  KVFORGE_CUDA_CHECK(
+      cudaMemcpyAsync(backend_memory, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
+}
+
 void CudaBackend::copy_out(void* host, const void* backend_memory, int64_t bytes) {
   if (bytes <= 0) return;
   const DeviceScope scope(device_);
@@ -103,7 +114,24 @@ void CudaBackend::append(const AppendParams& params) {
 
 void CudaBackend::decode_attention(const DecodeParams& params) {
   const DeviceScope scope(device_);
-  launch_decode_attention(params, stream_);
+  if (params.workspace != nullptr || params.batch.count <= 0) {
+    launch_decode_attention(params, stream_);
+  } else {
+    // Else the launch would allocate and free its workspace on every call.
+    const int64_t bytes = decode_workspace_bytes(params);
+    if (bytes > workspace_.bytes) {
+      KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // an earlier decode may still use the old one
+      KVFORGE_CUDA_CHECK(cudaFree(workspace_.data));
+      workspace_.data = nullptr;
+      workspace_.bytes = 0;
+      KVFORGE_CUDA_CHECK(cudaMalloc(&workspace_.data, static_cast<size_t>(bytes)));
+      workspace_.bytes = bytes;
+    }
+    DecodeParams with_workspace = params;
+    with_workspace.workspace = workspace_.data;
+    with_workspace.workspace_bytes = workspace_.bytes;
+    launch_decode_attention(with_workspace, stream_);
+  }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -2,7 +2,8 @@
 // The CUDA kernel backend of QuantizedKVCache: device memory (zeroed on
 // allocation), copies on the backend's stream, and the two kernels:
 // append (kernels/append_kernel.cu) and decode_attention
-// (kernels/decode_attention.cu). Host code in C++20 (a .cpp: QuantizedKVCache
+// (kernels/decode_attention.cu), whose split workspace the backend keeps
+// between calls (grown when a call needs more). Host code in C++20 (a .cpp: QuantizedKVCache
 // is C++20, the CUDA sources C++17). Device memory is not host-addressable:
 // QuantizedKVCache copies what it inspects out through copy_out.
 #include <cuda_runtime.h>
@@ -32,8 +33,11 @@ class CudaBackend final : public KernelBackend {
   // temporary).
   void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
+  // cudaMemcpyAsync on the stream, no wait.
+  void enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   bool host_addressable() const override { return false; }
-  // Launch on the stream; the params' pointers are device pointers.
+  // Launch on the stream; the params' pointers are device pointers. A
+  // decode without params.workspace gets the backend's.
   void append(const AppendParams& params) override;
   void decode_attention(const DecodeParams& params) override;
   void synchronize() override;  // the backend's stream
@@ -41,8 +45,19 @@ class CudaBackend final : public KernelBackend {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  // Device memory freed on destruction (after the stream has finished).
+  struct DeviceMemory {
+    DeviceMemory() = default;
+    DeviceMemory(const DeviceMemory&) = delete;
+    DeviceMemory& operator=(const DeviceMemory&) = delete;
+    ~DeviceMemory();
+    void* data = nullptr;
+    int64_t bytes = 0;
+  };
+
   int device_;
   cudaStream_t stream_ = nullptr;
+  DeviceMemory workspace_;  // decode_attention's split states
 };
 
 }  // namespace kvforge::kernels

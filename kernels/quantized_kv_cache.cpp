@@ -50,11 +50,47 @@ struct QuantizedKVCache::Buffer {
   int64_t bytes;
 };
 
+// What append and decode_attention pass their kernels besides the cache's
+// own state, one buffer per purpose: the call's small arrays packed into one
+// upload, and the rows of callers whose rows lie in host memory.
+struct QuantizedKVCache::CallScratch {
+  // Backend memory that only grows: a call asks for what it needs and gets
+  // the buffer of the calls before it when that is large enough, so
+  // steady-state calls allocate nothing.
+  class GrowingBuffer {
+   public:
+    explicit GrowingBuffer(KernelBackend& backend) : backend_(&backend) {}
+    // At least `bytes` (> 0) of backend memory, holding whatever an earlier
+    // call left there.
+    void* reserve(int64_t bytes) {
+      if (buffer_ == nullptr || buffer_->bytes < bytes) {
+        // Twice the old size (amortized growth), in 256-byte units; the old
+        // buffer goes first (release waits for the kernels that may read it).
+        const int64_t grown = align_up(std::max(bytes, buffer_ ? 2 * buffer_->bytes : int64_t{0}), 256);
+        buffer_.reset();
+        buffer_ = std::make_unique<Buffer>(*backend_, grown);
+      }
+      return buffer_->data;
+    }
+
+   private:
+    KernelBackend* backend_;
+    std::unique_ptr<Buffer> buffer_;
+  };
+
+  explicit CallScratch(KernelBackend& backend) : call_arrays(backend), rows(backend), queries(backend), output(backend) {}
+  GrowingBuffer call_arrays;  // lengths, token offsets, slots (call_arrays_layout)
+  GrowingBuffer rows;         // staged keys, then values
+  GrowingBuffer queries, output;
+  std::vector<uint8_t> host_call_arrays;  // their host side (unchanged until the call's final sync)
+};
+
 struct QuantizedKVCache::TensorState {
   TensorPageLayout layout;
   int64_t outlier_pages_total = 0, outlier_table_stride = 0;
   std::unique_ptr<Buffer> pages, exact, outlier_pages, outlier_table, entry_counts, pages_used, free_outlier_pages,
-      free_outlier_count, exhausted;
+      free_outlier_count;
+  int32_t* exhausted = nullptr;  // this tensor's flag in exhausted_flags_
   std::unique_ptr<Buffer> levels, midpoints, channel_scale, channel_offset, outlier_low, outlier_high, matrix, centre,
       pair_cos, pair_sin;
   Quantization quantization;
@@ -77,7 +113,7 @@ struct QuantizedKVCache::TensorState {
     a.pages_used = pages_used->as<int32_t>();
     a.free_pages = free_outlier_pages ? free_outlier_pages->as<int32_t>() : nullptr;
     a.free_count = free_outlier_count->as<int32_t>();
-    a.exhausted = exhausted->as<int32_t>();
+    a.exhausted = exhausted;
     return a;
   }
 };
@@ -338,6 +374,42 @@ double nominal_outliers_per_token(const TensorQuantizerSettings& tensor, const T
   return std::min(1.0, 2 * tensor.outlier_fraction) * static_cast<double>(layout.outlier_spans * n);
 }
 
+// Byte offsets of one call's small arrays in its single upload: the 8-byte
+// arrays first, so that each array is aligned to its element.
+struct CallArrays {
+  int64_t lengths = 0, token_offsets = 0, slots = 0, bytes = 0;
+};
+
+CallArrays call_arrays_layout(int64_t count, bool with_token_offsets) {
+  CallArrays a;
+  a.token_offsets = count * 8;
+  a.slots = a.token_offsets + (with_token_offsets ? (count + 1) * 8 : 0);
+  a.bytes = a.slots + count * 4;
+  return a;
+}
+
+// Page table entries closer than this are uploaded in one copy with the
+// unchanged entries between them: one copy call costs microseconds, in which
+// the link moves tens of KiB (64 KiB of int32 entries).
+constexpr int64_t kPageTableCopyGap = 16384;
+
+// The ranges ({begin, end} entries) sorted, with those that overlap or lie
+// within max_gap entries of each other merged.
+template <class Range>
+std::vector<Range> coalesced(std::vector<Range> ranges, int64_t max_gap) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::vector<Range> merged;
+  for (const Range& r : ranges) {
+    if (r.end <= r.begin) continue;
+    if (!merged.empty() && r.begin - merged.back().end <= max_gap) {
+      merged.back().end = std::max(merged.back().end, r.end);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  return merged;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------ construction
@@ -359,7 +431,9 @@ QuantizedKVCache::QuantizedKVCache(const QuantizerConfig& config, ModelDimension
   lengths_.assign(static_cast<size_t>(slots), std::vector<int64_t>(static_cast<size_t>(model_.num_layers), 0));
   for (int64_t page = options_.max_pages - 1; page >= 0; --page) free_pages_.push_back(static_cast<int32_t>(page));
   device_page_table_ = std::make_unique<Buffer>(*backend_, static_cast<int64_t>(page_table_.size()) * 4);
-  upload_tables();
+  backend_->copy_in(device_page_table_->data, page_table_.data(), device_page_table_->bytes);
+  exhausted_flags_ = std::make_unique<Buffer>(*backend_, model_.num_layers * 2 * 4);
+  scratch_ = std::make_unique<CallScratch>(*backend_);
   rope_frequencies_ =
       std::make_unique<Buffer>(*backend_, static_cast<int64_t>(model_.rope_inverse_frequencies.size()) * 4);
   backend_->copy_in(rope_frequencies_->data, model_.rope_inverse_frequencies.data(), rope_frequencies_->bytes);
@@ -410,7 +484,7 @@ QuantizedKVCache::QuantizedKVCache(const QuantizerConfig& config, ModelDimension
       t.pages_used = std::make_unique<Buffer>(*backend_, slots * 4);
       const auto free_count = static_cast<int32_t>(t.outlier_pages_total);
       t.free_outlier_count = upload(&free_count, 4);
-      t.exhausted = std::make_unique<Buffer>(*backend_, 4);
+      t.exhausted = exhausted_flags_->as<int32_t>() + layer * 2 + (is_keys ? 0 : 1);
       // Dequantization: levels and per-channel constants.
       const int levels = 1 << config.settings.bits, top = levels - 1;
       std::vector<float> table(static_cast<size_t>(levels));
@@ -508,8 +582,19 @@ const QuantizedKVCache::TensorState& QuantizedKVCache::tensor(int64_t layer, Ten
 
 const TensorPageLayout& QuantizedKVCache::layout(TensorKind kind) const { return tensor(0, kind).layout; }
 
-void QuantizedKVCache::upload_tables() {
-  backend_->copy_in(device_page_table_->data, page_table_.data(), static_cast<int64_t>(page_table_.size()) * 4);
+void QuantizedKVCache::upload_page_table_changes() {
+  if (page_table_changes_.empty()) return;
+  for (const EntryRange& r : coalesced(std::move(page_table_changes_), kPageTableCopyGap)) {
+    backend_->enqueue_copy_in(device_page_table_->as<int32_t>() + r.begin, page_table_.data() + r.begin,
+                              (r.end - r.begin) * 4);
+  }
+  page_table_changes_.clear();
+}
+
+std::vector<int32_t> QuantizedKVCache::copy_page_table() const {
+  std::vector<int32_t> table(page_table_.size());
+  backend_->copy_out(table.data(), device_page_table_->data, static_cast<int64_t>(table.size()) * 4);
+  return table;
 }
 
 // ------------------------------------------------------------ sequences
@@ -534,13 +619,15 @@ void QuantizedKVCache::check_sequence(int32_t sequence, const char* what) const 
 void QuantizedKVCache::remove_sequence(int32_t sequence) {
   check_sequence(sequence, "remove_sequence");
   const auto slot = static_cast<size_t>(sequence);
+  const int64_t row = static_cast<int64_t>(slot) * page_table_stride_;
   for (int64_t p = 0; p < pages_of_[slot]; ++p) {
-    int32_t& entry = page_table_[slot * page_table_stride_ + p];
+    int32_t& entry = page_table_[row + p];
     free_pages_.push_back(entry);
     entry = -1;
   }
+  page_table_changes_.push_back({row, row + pages_of_[slot]});
   pages_of_[slot] = 0;
-  upload_tables();
+  upload_page_table_changes();  // the copy_out below synchronizes
   for (int64_t layer = 0; layer < model_.num_layers; ++layer) {
     for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
       TensorState& t = tensor(layer, kind);
@@ -588,8 +675,10 @@ void QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
                             std::to_string(options_.max_pages) + " pages of " + std::to_string(options_.page_size) +
                             " tokens; raise max_pages)");
   }
+  const int64_t row = static_cast<int64_t>(slot) * page_table_stride_;
+  if (pages_of_[slot] < needed) page_table_changes_.push_back({row + pages_of_[slot], row + needed});
   while (pages_of_[slot] < needed) {
-    page_table_[slot * page_table_stride_ + pages_of_[slot]] = free_pages_.back();
+    page_table_[row + pages_of_[slot]] = free_pages_.back();
     free_pages_.pop_back();
     ++pages_of_[slot];
   }
@@ -597,56 +686,75 @@ void QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
 
 // ------------------------------------------------------------ kernels
 
+// Per call, once the scratch buffers have grown to the batch: no
+// allocation, one upload of the call's small arrays (plus the page table
+// entries of new pages, and host rows), the kernels, and one synchronizing
+// copy_out (append: the layer's two pool-exhaustion flags; decode_attention:
+// the output, or synchronize() for an output in backend memory). That sync is
+// the one the documented semantics need: append's caller may reuse its rows
+// and decode_attention's may read its output when the call returns; it also
+// frees the host sides of the queued copies for the next call.
+
 void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
-  const std::string context = "quantized KV cache '" + name_ + "': append to layer " + std::to_string(layer);
-  if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context + ": no such layer");
+  const auto context = [&] { return "quantized KV cache '" + name_ + "': append to layer " + std::to_string(layer); };
+  if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context() + ": no such layer");
   const size_t count = batch.sequences.size();
   if (batch.positions.size() != count || batch.tokens.size() != count) {
-    throw std::invalid_argument(context + ": sequences, positions and tokens differ in length");
+    throw std::invalid_argument(context() + ": sequences, positions and tokens differ in length");
   }
-  std::vector<int64_t> offsets{0}, lengths;
+  const CallArrays arrays = call_arrays_layout(static_cast<int64_t>(count), true);
+  std::vector<uint8_t>& host = scratch_->host_call_arrays;
+  host.resize(static_cast<size_t>(arrays.bytes));
+  const auto lengths = reinterpret_cast<int64_t*>(host.data() + arrays.lengths);
+  const auto offsets = reinterpret_cast<int64_t*>(host.data() + arrays.token_offsets);
+  offsets[0] = 0;
   for (size_t i = 0; i < count; ++i) {
     const int32_t sequence = batch.sequences[i];
     check_sequence(sequence, "append");
     if (std::count(batch.sequences.begin(), batch.sequences.end(), sequence) != 1) {
-      throw std::invalid_argument(context + ": sequence " + std::to_string(sequence) + " appears twice in one batch");
+      throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " appears twice in one batch");
     }
     const int64_t length = lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)];
     if (batch.positions[i] != length || batch.tokens[i] < 0) {
-      throw std::invalid_argument(context + ": sequence " + std::to_string(sequence) + " gets " +
+      throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " gets " +
                                   std::to_string(batch.tokens[i]) + " tokens at position " +
                                   std::to_string(batch.positions[i]) + ", expected its length " +
                                   std::to_string(length));
     }
-    lengths.push_back(length);
-    offsets.push_back(offsets.back() + batch.tokens[i]);
+    lengths[i] = length;
+    offsets[i + 1] = offsets[i] + batch.tokens[i];
   }
-  if (offsets.back() > 0 && (batch.keys == nullptr || batch.values == nullptr)) {
-    throw std::invalid_argument(context + ": keys and values are null");
+  const int64_t rows = offsets[count];
+  if (rows > 0 && (batch.keys == nullptr || batch.values == nullptr)) {
+    throw std::invalid_argument(context() + ": keys and values are null");
   }
   for (size_t i = 0; i < count; ++i) ensure_pages(batch.sequences[i], lengths[i] + batch.tokens[i]);
-  upload_tables();
+  upload_page_table_changes();
 
-  // The batch's small arrays, in backend memory.
-  Buffer slots(*backend_, static_cast<int64_t>(count) * 4), device_lengths(*backend_, static_cast<int64_t>(count) * 8),
-      device_offsets(*backend_, static_cast<int64_t>(offsets.size()) * 8);
-  backend_->copy_in(slots.data, batch.sequences.data(), static_cast<int64_t>(count) * 4);
-  backend_->copy_in(device_lengths.data, lengths.data(), static_cast<int64_t>(count) * 8);
-  backend_->copy_in(device_offsets.data, offsets.data(), static_cast<int64_t>(offsets.size()) * 8);
-  // Rows in host memory are staged through backend buffers; rows already in
-  // backend memory go to the kernel as they are.
-  const int64_t rows_bytes =
-      batch.backend_memory ? 0 : offsets.back() * model_.num_kv_heads * model_.head_dim * element_bytes(batch.input);
-  Buffer keys(*backend_, rows_bytes), values(*backend_, rows_bytes);
-  backend_->copy_in(keys.data, batch.keys, rows_bytes);
-  backend_->copy_in(values.data, batch.values, rows_bytes);
+  std::memcpy(host.data() + arrays.slots, batch.sequences.data(), count * 4);
+  auto* const device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(arrays.bytes));
+  backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+  // Rows in host memory are staged through the scratch (keys, then values);
+  // rows already in backend memory go to the kernel as they are.
+  const void* keys = batch.keys;
+  const void* values = batch.values;
+  if (!batch.backend_memory && rows > 0) {
+    const int64_t rows_bytes = rows * model_.num_kv_heads * model_.head_dim * element_bytes(batch.input);
+    const int64_t values_at = align_up(rows_bytes, 256);
+    auto* const staged = static_cast<uint8_t*>(scratch_->rows.reserve(values_at + rows_bytes));
+    backend_->enqueue_copy_in(staged, batch.keys, rows_bytes);
+    backend_->enqueue_copy_in(staged + values_at, batch.values, rows_bytes);
+    keys = staged;
+    values = staged + values_at;
+  }
 
   AppendParams params;
-  params.batch = {static_cast<int32_t>(count), slots.as<int32_t>(), device_page_table_->as<int32_t>(),
-                  page_table_stride_, device_lengths.as<int64_t>()};
-  params.token_offsets = device_offsets.as<int64_t>();
-  params.keys = batch.backend_memory ? batch.keys : keys.data;
-  params.values = batch.backend_memory ? batch.values : values.data;
+  params.batch = {static_cast<int32_t>(count), reinterpret_cast<const int32_t*>(device + arrays.slots),
+                  device_page_table_->as<int32_t>(), page_table_stride_,
+                  reinterpret_cast<const int64_t*>(device + arrays.lengths)};
+  params.token_offsets = reinterpret_cast<const int64_t*>(device + arrays.token_offsets);
+  params.keys = keys;
+  params.values = values;
   params.input = batch.input;
   const TensorState& k = tensor(layer, TensorKind::kKeys);
   const TensorState& v = tensor(layer, TensorKind::kValues);
@@ -660,19 +768,19 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.value_outliers = v.allocator();
   backend_->append(params);
 
-  for (const TensorState* t : {&k, &v}) {
-    int32_t exhausted = 0;
-    backend_->copy_out(&exhausted, t->exhausted->data, 4);
-    if (exhausted != 0) {
-      const int32_t cleared = 0;
-      backend_->copy_in(t->exhausted->data, &cleared, 4);
-      throw std::length_error(context + ": the " + std::string(t == &k ? "keys'" : "values'") +
-                              " outlier pool is exhausted (" + std::to_string(t->outlier_pages_total) + " pages of " +
-                              std::to_string(options_.outlier_page_entries) +
-                              " entries, at most " + std::to_string(t->outlier_table_stride) +
-                              " per sequence; raise max_outlier_pages or max_outlier_pages_per_sequence); the "
-                              "batch's sequences must be removed");
-    }
+  // The call's one sync: the flags of keys and values lie side by side.
+  int32_t exhausted[2] = {0, 0};
+  backend_->copy_out(exhausted, k.exhausted, 8);
+  if (exhausted[0] != 0 || exhausted[1] != 0) {
+    const int32_t cleared[2] = {0, 0};
+    backend_->copy_in(k.exhausted, cleared, 8);
+    const TensorState& t = exhausted[0] != 0 ? k : v;
+    throw std::length_error(context() + ": the " + std::string(&t == &k ? "keys'" : "values'") +
+                            " outlier pool is exhausted (" + std::to_string(t.outlier_pages_total) + " pages of " +
+                            std::to_string(options_.outlier_page_entries) + " entries, at most " +
+                            std::to_string(t.outlier_table_stride) +
+                            " per sequence; raise max_outlier_pages or max_outlier_pages_per_sequence); the "
+                            "batch's sequences must be removed");
   }
   for (size_t i = 0; i < count; ++i) {
     lengths_[static_cast<size_t>(batch.sequences[i])][static_cast<size_t>(layer)] += batch.tokens[i];
@@ -681,42 +789,56 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
 
 void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries,
                                         void* output, ReadTally* tally, bool backend_memory, ElementType io) {
-  const std::string context = "quantized KV cache '" + name_ + "': decode_attention on layer " + std::to_string(layer);
-  if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context + ": no such layer");
+  const auto context = [&] {
+    return "quantized KV cache '" + name_ + "': decode_attention on layer " + std::to_string(layer);
+  };
+  if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context() + ": no such layer");
   const auto count = static_cast<int64_t>(sequences.size());
-  std::vector<int64_t> lengths;
-  for (int32_t sequence : sequences) {
+  const CallArrays arrays = call_arrays_layout(count, false);
+  std::vector<uint8_t>& host = scratch_->host_call_arrays;
+  host.resize(static_cast<size_t>(arrays.bytes));
+  const auto lengths = reinterpret_cast<int64_t*>(host.data() + arrays.lengths);
+  int64_t max_length = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t sequence = sequences[static_cast<size_t>(i)];
     check_sequence(sequence, "decode_attention");
-    lengths.push_back(lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)]);
-    if (lengths.back() < 1) {
-      throw std::invalid_argument(context + ": sequence " + std::to_string(sequence) + " holds no tokens");
+    lengths[i] = lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)];
+    if (lengths[i] < 1) {
+      throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " holds no tokens");
     }
+    max_length = std::max(max_length, lengths[i]);
   }
-  if (count == 0) return;  // an empty batch: no output rows (and no longest sequence to plan for)
-  Buffer slots(*backend_, count * 4), device_lengths(*backend_, count * 8);
-  backend_->copy_in(slots.data, sequences.data(), count * 4);
-  backend_->copy_in(device_lengths.data, lengths.data(), count * 8);
-  // Host queries and output are staged through backend buffers (none when
-  // the caller's arrays are already in backend memory).
+  if (count == 0) return;  // an empty batch: no output rows, nothing to plan
+  if (count > 0) std::memcpy(host.data() + arrays.slots, sequences.data(), static_cast<size_t>(count) * 4);
+  auto* const device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(std::max<int64_t>(arrays.bytes, 1)));
+  backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+  // Host queries and output are staged through the scratch (none when the
+  // caller's arrays are already in backend memory).
   const int64_t io_bytes = count * model_.num_heads * model_.head_dim * element_bytes(io);
-  const int64_t staged_bytes = backend_memory ? 0 : io_bytes;
-  Buffer device_queries(*backend_, staged_bytes), device_output(*backend_, staged_bytes);
-  backend_->copy_in(device_queries.data, queries, staged_bytes);
+  const void* kernel_queries = queries;
+  void* kernel_output = output;
+  if (!backend_memory && io_bytes > 0) {
+    void* const staged = scratch_->queries.reserve(io_bytes);
+    backend_->enqueue_copy_in(staged, queries, io_bytes);
+    kernel_queries = staged;
+    kernel_output = scratch_->output.reserve(io_bytes);
+  }
 
   DecodeParams params = decode_params(layer);
   params.batch.count = static_cast<int32_t>(count);
-  params.batch.slots = slots.as<int32_t>();
-  params.batch.lengths = device_lengths.as<int64_t>();
-  params.batch.max_length = *std::max_element(lengths.begin(), lengths.end());
-  params.queries = backend_memory ? queries : device_queries.data;
-  params.output = backend_memory ? output : device_output.data;
+  params.batch.slots = reinterpret_cast<const int32_t*>(device + arrays.slots);
+  params.batch.lengths = reinterpret_cast<const int64_t*>(device + arrays.lengths);
+  params.batch.max_length = max_length;
+  params.queries = kernel_queries;
+  params.output = kernel_output;
   params.io = io;
   params.read_tally = tally;
   backend_->decode_attention(params);
-  if (backend_memory) {
-    backend_->synchronize();  // the output is the caller's to read on return
+  // The call's one sync: the output is the caller's to read on return.
+  if (backend_memory || io_bytes == 0) {
+    backend_->synchronize();
   } else {
-    backend_->copy_out(output, device_output.data, io_bytes);
+    backend_->copy_out(output, kernel_output, io_bytes);
   }
 }
 

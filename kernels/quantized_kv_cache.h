@@ -55,12 +55,22 @@ enum class TensorKind { kKeys, kValues };
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
-  // Zeroed bytes the kernels can address; null only for 0 bytes.
+  // Zeroed bytes the kernels can address; null only for 0 bytes. release
+  // waits for the kernels that may still use the memory.
   virtual void* allocate(int64_t bytes) = 0;
   // Never throws: it runs in destructors, also while an exception (a failed
   // kernel's) unwinds and at interpreter exit.
   virtual void release(void* memory) noexcept = 0;
+  // Returns when the bytes have arrived (the host side may be a temporary).
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
+  // Queues the copy before every later kernel and copy, without waiting: the
+  // host bytes must stay unchanged until the next synchronize() or copy_out()
+  // returns. A synchronous backend copies at once (the default).
+  virtual void enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) {
+    copy_in(backend_memory, host, bytes);
+  }
+  // Returns when the bytes have arrived, so after every kernel and copy
+  // issued before it.
   virtual void copy_out(void* host, const void* backend_memory, int64_t bytes) = 0;
   // Whether the host may read backend memory directly (else read_token
   // copies the pools out first).
@@ -130,7 +140,8 @@ class QuantizedKVCache {
 
   // Quantize-on-append of one layer's new tokens; std::invalid_argument for a
   // position that is not the sequence's length, std::length_error when a
-  // sequence would exceed max_context or a pool is exhausted.
+  // sequence would exceed max_context or a pool is exhausted. Returns after
+  // the kernel: the caller may reuse keys and values at once.
   void append(int64_t layer, const AppendBatch& batch);
 
   // One query per sequence at its last position: queries and output
@@ -166,17 +177,29 @@ class QuantizedKVCache {
   // allocators' state (runtime_layout.h's bytes_held() is the formula).
   TensorBytes held_bytes(int64_t layer, TensorKind kind, int32_t sequence) const;
   int64_t free_pages() const { return static_cast<int64_t>(free_pages_.size()); }
+  // The host's page table [max_sequences][page_table_stride] (-1 where no
+  // page is allocated) and the copy the kernels read, copied out through the
+  // backend: equal whenever no call is running.
+  std::span<const int32_t> page_table() const { return page_table_; }
+  std::vector<int32_t> copy_page_table() const;
 
  private:
   struct Buffer;
+  struct CallScratch;
   struct TensorState;
   struct LayerState;
+  struct EntryRange {
+    int64_t begin = 0, end = 0;  // page table entries [begin, end)
+  };
 
   TensorState& tensor(int64_t layer, TensorKind kind);
   const TensorState& tensor(int64_t layer, TensorKind kind) const;
   void check_sequence(int32_t sequence, const char* what) const;
   void ensure_pages(int32_t sequence, int64_t tokens);
-  void upload_tables();
+  // Queues the copies of the page table entries changed since the last
+  // upload (the host table must stay unchanged until the backend next
+  // synchronizes: every public call that queues them ends with a sync).
+  void upload_page_table_changes();
 
   std::string name_;
   ModelDimensions model_;
@@ -189,8 +212,11 @@ class QuantizedKVCache {
   std::vector<int32_t> free_pages_;  // host page allocator (a stack)
   std::vector<uint8_t> in_use_;
   std::vector<std::vector<int64_t>> lengths_;  // [slot][layer]
+  std::vector<EntryRange> page_table_changes_;  // entries not yet uploaded
   std::unique_ptr<Buffer> device_page_table_;
   std::unique_ptr<Buffer> rope_frequencies_;  // the model's, in backend memory
+  std::unique_ptr<Buffer> exhausted_flags_;   // [layer][keys, values]: the outlier allocators' flags
+  std::unique_ptr<CallScratch> scratch_;      // the calls' arrays and staged rows, reused across calls
   std::vector<LayerState> layers_;
 };
 

@@ -19,11 +19,15 @@
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <numbers>
+#include <numeric>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -1132,6 +1136,229 @@ TEST(RuntimeKernelsCpuInputTypes, SixteenBitRowsAndQueriesStoreAndAttendAsTheirF
       EXPECT_TRUE(at::equal(got_in_place, want.to(scalar)));
     }
   }
+}
+
+// ------------------------------------------------------------ scratch reuse
+
+// The cache reuses its call scratch (packed lengths, offsets and slots,
+// staged rows, queries and output) and uploads only the page table entries
+// that changed. A long history of appends and decodes over batches that grow
+// and shrink, with sequences removed and slots and pages reused, must store
+// and attend exactly as a fresh cache fed each surviving sequence's chunks
+// one sequence per call: any state leaking from one call into the next (a
+// stale slot, length or offset, a page table entry not uploaded) stores a
+// token in the wrong place or reads the wrong page.
+struct FedSequence {
+  int32_t slot = -1;
+  // Per layer, the chunks appended in order: keys and values [tokens][2][64].
+  std::vector<std::vector<std::vector<float>>> keys{2}, values{2};
+};
+
+constexpr int64_t kScratchWidth = 2 * 64;  // small_dims(): kv_heads x head_dim
+
+QuantizerConfig scratch_config() {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  c.settings.residual_tokens = 4;
+  c.settings.keys = {Grouping::kPerChannelTokens, 4};
+  c.settings.values.outlier_fraction = 0.05;
+  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
+  return c;
+}
+
+kernels::CacheOptions scratch_options() {
+  kernels::CacheOptions options;
+  options.page_size = 4;
+  options.max_context = 64;
+  options.max_sequences = 5;
+  options.tokens_per_split = 8;
+  return options;
+}
+
+void expect_page_table_uploaded(const kernels::QuantizedKVCache& cache, const std::string& when) {
+  const std::span<const int32_t> host = cache.page_table();
+  EXPECT_EQ(cache.copy_page_table(), std::vector<int32_t>(host.begin(), host.end())) << when;
+}
+
+// A fresh cache holding `fed`'s sequences, appended chunk by chunk, one
+// sequence per call; `slots` receives each sequence's slot in it.
+std::unique_ptr<kernels::QuantizedKVCache> replay(const std::vector<FedSequence>& fed, std::vector<int32_t>& slots) {
+  auto cache = std::make_unique<kernels::QuantizedKVCache>(scratch_config(), small_dims(), scratch_options());
+  slots.clear();
+  for (const FedSequence& s : fed) {
+    const int32_t slot = cache->add_sequence();
+    slots.push_back(slot);
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      for (size_t chunk = 0; chunk < s.keys[layer].size(); ++chunk) {
+        const auto tokens = static_cast<int64_t>(s.keys[layer][chunk].size()) / kScratchWidth;
+        kernels::AppendBatch batch{{slot}, {cache->length(slot, layer)}, {tokens}, s.keys[layer][chunk].data(),
+                                   s.values[layer][chunk].data()};
+        cache->append(layer, batch);
+      }
+    }
+  }
+  return cache;
+}
+
+TEST(RuntimeKernelsCpuScratch, CallsOfVaryingBatchesStoreAndAttendAsAFreshCacheFedOneSequenceAtATime) {
+  kernels::QuantizedKVCache cache(scratch_config(), small_dims(), scratch_options());
+  std::mt19937 random(20251201);
+  std::normal_distribution<float> normal;
+  const auto draw = [&](int64_t count) {
+    std::vector<float> v(static_cast<size_t>(count));
+    for (float& x : v) x = normal(random);
+    return v;
+  };
+  const auto uniform = [&](int64_t low, int64_t high) {
+    return std::uniform_int_distribution<int64_t>(low, high)(random);
+  };
+  std::vector<FedSequence> live;
+  int64_t removed = 0, largest_batch = 0, smallest_batch = 1 << 30, decodes = 0;
+  for (int step = 0; step < 60; ++step) {
+    const std::string when = "step " + std::to_string(step);
+    // Churn: remove a sequence now and then, fill free slots.
+    if (!live.empty() && uniform(0, 3) == 0) {
+      const auto victim = static_cast<size_t>(uniform(0, static_cast<int64_t>(live.size()) - 1));
+      cache.remove_sequence(live[victim].slot);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(victim));
+      ++removed;
+      expect_page_table_uploaded(cache, when + " after a removal");
+    }
+    while (static_cast<int64_t>(live.size()) < 5 && uniform(0, 2) != 0) live.push_back({cache.add_sequence()});
+    if (live.empty()) live.push_back({cache.add_sequence()});
+    // Append to a random subset in a random order, both layers, host or
+    // "backend" rows (both host memory here: the staged and the direct path).
+    std::vector<size_t> order(live.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::shuffle(order.begin(), order.end(), random);
+    order.resize(static_cast<size_t>(uniform(1, static_cast<int64_t>(order.size()))));
+    largest_batch = std::max<int64_t>(largest_batch, static_cast<int64_t>(order.size()));
+    smallest_batch = std::min<int64_t>(smallest_batch, static_cast<int64_t>(order.size()));
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      kernels::AppendBatch batch;
+      std::vector<float> keys, values;
+      for (size_t i : order) {
+        const int64_t room = 64 - cache.length(live[i].slot, layer);
+        const int64_t tokens = std::min(room, std::vector<int64_t>{0, 1, 1, 1, 2, 5, 9}[uniform(0, 6)]);
+        const std::vector<float> k = draw(tokens * kScratchWidth), v = draw(tokens * kScratchWidth);
+        keys.insert(keys.end(), k.begin(), k.end());
+        values.insert(values.end(), v.begin(), v.end());
+        if (tokens > 0) {
+          live[i].keys[layer].push_back(k);
+          live[i].values[layer].push_back(v);
+        }
+        batch.sequences.push_back(live[i].slot);
+        batch.positions.push_back(cache.length(live[i].slot, layer));
+        batch.tokens.push_back(tokens);
+      }
+      batch.keys = keys.data();
+      batch.values = values.data();
+      batch.backend_memory = step % 3 == 0;
+      cache.append(layer, batch);
+      expect_page_table_uploaded(cache, when + " layer " + std::to_string(layer));
+    }
+    // Decode a random subset of the sequences holding tokens; the fresh
+    // cache decodes each alone.
+    const int64_t layer = step % 2;
+    std::vector<size_t> holding;
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (cache.length(live[i].slot, layer) > 0) holding.push_back(i);
+    }
+    std::shuffle(holding.begin(), holding.end(), random);
+    if (!holding.empty()) holding.resize(static_cast<size_t>(uniform(1, static_cast<int64_t>(holding.size()))));
+    std::vector<int32_t> slots;
+    for (size_t i : holding) slots.push_back(live[i].slot);
+    const int64_t query_size = 4 * 64;
+    const std::vector<float> queries = draw(static_cast<int64_t>(slots.size()) * query_size);
+    std::vector<float> output(queries.size(), -1.0f);
+    if (!slots.empty()) {
+      cache.decode_attention(layer, slots, queries.data(), output.data(), nullptr, /*backend_memory=*/step % 2 == 1);
+      ++decodes;
+    }
+
+    std::vector<int32_t> fresh_slots;
+    const auto fresh = replay(live, fresh_slots);
+    for (size_t n = 0; n < holding.size(); ++n) {
+      std::vector<float> alone(static_cast<size_t>(query_size), -2.0f);
+      const int32_t slot = fresh_slots[holding[n]];
+      fresh->decode_attention(layer, std::span<const int32_t>(&slot, 1), queries.data() + n * query_size, alone.data());
+      EXPECT_EQ(std::vector<float>(output.begin() + static_cast<std::ptrdiff_t>(n * query_size),
+                                   output.begin() + static_cast<std::ptrdiff_t>((n + 1) * query_size)),
+                alone)
+          << when << ": the output of batch entry " << n;
+    }
+    for (size_t i = 0; i < live.size(); ++i) {
+      const int32_t ours = live[i].slot, theirs = fresh_slots[i];
+      for (int64_t l = 0; l < 2; ++l) {
+        ASSERT_EQ(cache.length(ours, l), fresh->length(theirs, l)) << when;
+        for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+          EXPECT_EQ(cache.outlier_entries(l, kind, ours), fresh->outlier_entries(l, kind, theirs)) << when;
+          for (int64_t t = 0; t < cache.length(ours, l); ++t) {
+            const kernels::TokenReadout got = cache.read_token(l, kind, ours, t);
+            const kernels::TokenReadout want = fresh->read_token(l, kind, theirs, t);
+            ASSERT_EQ(got.quantized, want.quantized) << when << " layer " << l << " token " << t;
+            ASSERT_EQ(got.codes, want.codes) << when << " layer " << l << " token " << t;
+            ASSERT_EQ(got.outliers, want.outliers) << when << " layer " << l << " token " << t;
+            ASSERT_EQ(got.values, want.values) << when << " layer " << l << " token " << t;
+          }
+        }
+      }
+    }
+  }
+  // The history did what it is for.
+  EXPECT_GE(removed, 5);
+  EXPECT_EQ(largest_batch, 5);
+  EXPECT_EQ(smallest_batch, 1);
+  EXPECT_GE(decodes, 50);
+}
+
+// Pages added to rows far apart in a large page table (stride 18750 entries:
+// more than the gap the upload bridges) are uploaded as separate ranges; the
+// copy the kernels read equals the host table after every call, and a
+// removed sequence's entries return to -1 there too.
+TEST(RuntimeKernelsCpuScratch, PageTableUploadsAfterNewPagesEqualTheHostTable) {
+  kernels::CacheOptions options;
+  options.page_size = 16;
+  options.max_context = 300000;
+  options.max_sequences = 3;
+  options.max_pages = 64;
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options);
+  expect_page_table_uploaded(cache, "fresh");
+  const int32_t a = cache.add_sequence(), b = cache.add_sequence(), c = cache.add_sequence();
+  const std::vector<float> rows(40 * kScratchWidth, 0.5f);
+  const auto append = [&](std::vector<int32_t> sequences, std::vector<int64_t> tokens) {
+    kernels::AppendBatch batch;
+    batch.sequences = sequences;
+    for (int32_t s : sequences) batch.positions.push_back(cache.length(s, 0));
+    batch.tokens = tokens;
+    batch.keys = batch.values = rows.data();
+    cache.append(0, batch);
+  };
+  append({a, c}, {17, 33});  // rows 0 and 2: 2 and 3 pages
+  expect_page_table_uploaded(cache, "after a and c");
+  EXPECT_EQ(cache.pages_held(a), 2);
+  EXPECT_EQ(cache.pages_held(c), 3);
+  append({c, b, a}, {1, 16, 15});  // no new page for c, one for b, none for a
+  expect_page_table_uploaded(cache, "after c, b and a");
+  cache.remove_sequence(a);
+  expect_page_table_uploaded(cache, "after removing a");
+  const int32_t again = cache.add_sequence();
+  append({c, again}, {40, 40});
+  expect_page_table_uploaded(cache, "after c and a re-added slot");
+  const std::span<const int32_t> host = cache.page_table();
+  const int64_t stride = static_cast<int64_t>(host.size()) / 3;
+  ASSERT_GT(stride, 16384);
+  std::vector<int32_t> held;
+  for (int32_t s : {b, c, again}) {
+    for (int64_t p = 0; p < stride; ++p) {
+      const int32_t entry = host[static_cast<size_t>(s * stride + p)];
+      EXPECT_EQ(entry >= 0, p < cache.pages_held(s)) << "slot " << s << " page " << p;
+      if (entry >= 0) held.push_back(entry);
+    }
+  }
+  std::sort(held.begin(), held.end());
+  EXPECT_EQ(std::adjacent_find(held.begin(), held.end()), held.end()) << "a page held twice";
+  EXPECT_EQ(static_cast<int64_t>(held.size()) + cache.free_pages(), 64);
 }
 
 }  // namespace
