@@ -156,32 +156,13 @@ struct SlotAddress {
   int64_t in_page = 0;
 };
 
-__device__ inline SlotAddress slot_address(const PagedTensor& cache, const int32_t* page_row, int64_t s) {
-  const int32_t page_size = cache.layout.spec.page_size;
-  const int32_t slot_index = static_cast<int32_t>(s);  // < 2^31: the page table is int32
-  const int64_t page = page_row[slot_index / page_size];
-  return {cache.pages + page * cache.layout.page_bytes, slot_index % page_size};
-}
-
-// The factored affine x = a + b * code of a uniform runtime group from its
-// stored (min, max) (the reference's float32 operations, 6.2).
-__device__ inline Affine uniform_affine(const TensorPageLayout& l, float clip_ratio, const uint8_t* pair, int top) {
-  const ElementType element = l.spec.element;
-  const float min = load_element(element, pair), max = load_element(element, pair + element_bytes(element));
-  if (min == max) return {min, 0.0f};
-  const float lo = __fmul_rn(clip_ratio, min), hi = __fmul_rn(clip_ratio, max);
-  return {lo, __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top))};
-}
-
-// Token-group parameters of a per-token grouping: group `group` of head
-// `head` (token_pair_offset with the pairs per head given: no division).
-__device__ inline Affine token_affine(const PagedTensor& cache, const Dequantization& dq, SlotAddress at, int head,
-                                      int group, int pairs_per_head, int top) {
-  const TensorPageLayout& l = cache.layout;
-  const int32_t index = l.spec.grouping == ScaleGrouping::kPerTokenAllHeads
-                            ? static_cast<int32_t>(at.in_page)
-                            : (head * l.spec.page_size + static_cast<int32_t>(at.in_page)) * pairs_per_head + group;
-  return uniform_affine(l, dq.clip_ratio, at.page + l.params_offset + index * l.pair_bytes, top);
+// The pair index (in the page's parameter section) of group `group` of head
+// `head` of a per-token grouping (runtime_layout.h's token_pair_offset with
+// the pairs per head given, so that no 64-bit division runs per token).
+__device__ inline int32_t token_pair_index(const TensorLayoutSpec& spec, int head, int32_t in_page, int group,
+                                           int pairs_per_head) {
+  if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) return in_page;
+  return (head * spec.page_size + in_page) * pairs_per_head + group;
 }
 
 // Channel parameters of key channel d of head `head` for token slot s:
@@ -213,7 +194,7 @@ __device__ inline Affine channel_affine(const PagedTensor& cache, const Dequanti
   const int32_t position = stream.first_offset + d;
   const int64_t page = page_row[stream.first_entry + position / stream.per_page];
   const uint8_t* params = cache.pages + page * l.page_bytes + l.params_offset;
-  return uniform_affine(l, dq.clip_ratio, params + (position % stream.per_page) * l.pair_bytes, top);
+  return affine_of_pair(l, dq, params + (position % stream.per_page) * l.pair_bytes, top);
 }
 
 // The code of channel d of a token's row (head `head`).
@@ -457,9 +438,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     const int pairs_per_head = values ? value_pairs_per_head : key_pairs_per_head;
     if (valid) {
       for (int kg = 0; kg < groups; ++kg) {
-        const int32_t index = cache.layout.spec.grouping == ScaleGrouping::kPerTokenAllHeads
-                                  ? static_cast<int32_t>(at.in_page)
-                                  : (kv_head * page_size + static_cast<int32_t>(at.in_page)) * pairs_per_head + kg;
+        const int32_t index =
+            token_pair_index(cache.layout.spec, kv_head, static_cast<int32_t>(at.in_page), kg, pairs_per_head);
         const uint8_t* source = at.page + cache.layout.params_offset + index * pair_bytes;
         uint2* target = values ? &stage.value_pairs[j][kg] : &stage.key_pairs[j][kg];
         if (pair_bytes == 4) {
@@ -512,7 +492,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       for (int kg = 0; kg < groups; ++kg) {
         const uint2* pair = values ? &stage.value_pairs[j][kg] : &stage.key_pairs[j][kg];
         (values ? shared.value_affine : shared.key_affine)[warp][j][kg] =
-            valid ? uniform_affine(cache.layout, dq.clip_ratio, reinterpret_cast<const uint8_t*>(pair), kTop)
+            valid ? affine_of_pair(cache.layout, dq, reinterpret_cast<const uint8_t*>(pair), kTop)
                   : Affine{0.0f, 0.0f};
       }
       __syncwarp();
