@@ -217,6 +217,28 @@ __device__ void put_back_outliers(const PagedTensor& cache, int32_t slot, const 
   }
 }
 
+// Element j of query q (D floats) rotated by the keys' rotation of KV head
+// `kv_head` (docs/runtime-layout.md 6.3 step 1, float32): a matrix as fmas
+// over i ascending, pair angles with the float64 tables rounded to float32.
+template <int D>
+__device__ inline float rotated_query_element(const Rotation& rotation, const float* q, int kv_head, int j) {
+  if (rotation.kind == RotationKind::kMatrix) {
+    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+    float out = 0.0f;
+    for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
+    return out;
+  }
+  if (rotation.kind == RotationKind::kPairAngles) {
+    constexpr int kHalf = D / 2;
+    const int pair = j % kHalf;
+    const float c = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
+    const float s = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
+    const float a = q[pair], b = q[pair + kHalf];
+    return j < kHalf ? __fmaf_rn(a, c, -__fmul_rn(b, s)) : __fmaf_rn(a, s, __fmul_rn(b, c));
+  }
+  return q[j];
+}
+
 // RoPE at each token's position, float32 as the reference: angle =
 // float(t) * inv_freq[i], x cos + rotate_half(x) sin.
 template <int D>
@@ -331,24 +353,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     raw_query[i] = load_io(p.io, p.queries, (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + g) * D + d);
   }
   __syncthreads();
-  const Rotation& rotation = p.key_rotation;
   for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
     const int g = i / D, j = i % D;
-    const float* q = raw_query + g * D;
-    float out = q[j];
-    if (rotation.kind == RotationKind::kMatrix) {
-      const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-      out = 0.0f;
-      for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
-    } else if (rotation.kind == RotationKind::kPairAngles) {
-      constexpr int kHalf = D / 2;
-      const int pair = j % kHalf;
-      const float c = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
-      const float s = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
-      const float a = q[pair], b = q[pair + kHalf];
-      out = j < kHalf ? __fmaf_rn(a, c, -__fmul_rn(b, s)) : __fmaf_rn(a, s, __fmul_rn(b, c));
-    }
-    query[i] = out;
+    query[i] = rotated_query_element<D>(p.key_rotation, raw_query + g * D, kv_head, j);
   }
 
   const bool scoring = warp < group;

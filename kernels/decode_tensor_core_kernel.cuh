@@ -318,24 +318,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   __syncthreads();
   for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
     const int h = i / D, j = i % D;
-    const float* q = shared.raw_query[h];
-    float out = q[j];
-    const Rotation& rotation = p.key_rotation;
-    if (h >= group) {
-      out = 0.0f;  // a padding column of the mma
-    } else if (rotation.kind == RotationKind::kMatrix) {
-      const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-      out = 0.0f;
-      for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
-    } else if (rotation.kind == RotationKind::kPairAngles) {
-      constexpr int kHalf = D / 2;
-      const int pair = j % kHalf;
-      const float cs = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
-      const float sn = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
-      const float a = q[pair], b = q[pair + kHalf];
-      out = j < kHalf ? __fmaf_rn(a, cs, -__fmul_rn(b, sn)) : __fmaf_rn(a, sn, __fmul_rn(b, cs));
-    }
-    shared.query[h][j] = out;
+    // Columns past the group are the mma's padding: zero.
+    shared.query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, shared.raw_query[h], kv_head, j) : 0.0f;
   }
   __syncthreads();
 
