@@ -122,32 +122,12 @@ KernelActivations synthetic(int64_t windows, int64_t tokens, int64_t dim, Elemen
 }  // namespace
 
 QuantizerConfig fitted_decode_config(const DecodeCase& c, const RotaryEmbedding& rope) {
-  QuantizerConfig config;
-  config.name = c.name;
-  config.settings = resolve_settings(c.fit, c.head_dim);
-  if (c.key_rotation != RotationForm::kNone || c.value_rotation != RotationForm::kNone) {
-    RotationSettings r;
-    r.keys = c.key_rotation;
-    r.values = c.value_rotation;
-    r.key_centred = c.key_centre;
-    r.steps = 0;
-    config.rotation = r;
-  }
-  const KernelActivations calibration = synthetic(2, 96, c.head_dim, c.element, rope);
-  config.layers.push_back(fit_randomly_rotated_layer(config.settings, c.fit, calibration, kDecodeKvHeads, c.head_dim,
-                                                     c.key_rotation, c.value_rotation, c.key_centre));
-  return config;
+  return fitted_kernel_config(c.name, c.fit, 1, kDecodeKvHeads, c.head_dim, c.element, c.key_rotation, c.value_rotation,
+                              c.key_centre, rope);
 }
 
 kernels::ModelDimensions decode_dimensions(const DecodeCase& c) {
-  kernels::ModelDimensions dims;
-  dims.num_layers = 1;
-  dims.num_heads = c.heads;
-  dims.num_kv_heads = kDecodeKvHeads;
-  dims.head_dim = c.head_dim;
-  const at::Tensor inv = rope_inverse_frequencies(RopeConfig{}, c.head_dim).contiguous();
-  dims.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
-  return dims;
+  return kernel_model_dimensions(1, c.heads, kDecodeKvHeads, c.head_dim, RopeConfig{});
 }
 
 // ------------------------------------------------------------ float64 attention

@@ -89,4 +89,39 @@ LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, co
   return fitted;
 }
 
+QuantizerConfig fitted_kernel_config(const std::string& name, const FitOptions& fit, int64_t layers, int64_t kv_heads,
+                                     int64_t head_dim, kernels::ElementType element, RotationForm key_rotation,
+                                     RotationForm value_rotation, bool key_centre, const RotaryEmbedding& rope) {
+  QuantizerConfig config;
+  config.name = name;
+  config.settings = resolve_settings(fit, head_dim);
+  if (key_rotation != RotationForm::kNone || value_rotation != RotationForm::kNone) {
+    RotationSettings r;
+    r.keys = key_rotation;
+    r.values = value_rotation;
+    r.key_centred = key_centre;
+    r.steps = 0;
+    config.rotation = r;
+  }
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const KernelActivations calibration =
+        synthetic_activations(2, kv_heads, 96, head_dim, 1.0 + 0.5 * static_cast<double>(layer), element, rope);
+    config.layers.push_back(fit_randomly_rotated_layer(config.settings, fit, calibration, kv_heads, head_dim,
+                                                       key_rotation, value_rotation, key_centre));
+  }
+  return config;
+}
+
+kernels::ModelDimensions kernel_model_dimensions(int64_t layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                                 const RopeConfig& rope) {
+  kernels::ModelDimensions d;
+  d.num_layers = layers;
+  d.num_heads = heads;
+  d.num_kv_heads = kv_heads;
+  d.head_dim = head_dim;
+  const at::Tensor inv = rope_inverse_frequencies(rope, head_dim).contiguous();
+  d.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
+  return d;
+}
+
 }  // namespace kvforge::testing

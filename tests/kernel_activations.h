@@ -7,10 +7,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "calib/quantizer_fit.h"
 #include "formats/quantizer_config.h"
+#include "kernels/quantized_kv_cache.h"
 #include "kernels/runtime_layout.h"
 #include "model/rope.h"
 
@@ -42,5 +44,17 @@ std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed
 LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, const FitOptions& fit,
                                            const KernelActivations& calibration, int64_t kv_heads, int64_t head_dim,
                                            RotationForm key_rotation, RotationForm value_rotation, bool key_centre);
+
+// A runtime-kernel test case's configuration: settings resolved from `fit`,
+// the rotation forms recorded (no learning steps), and `layers` layers each
+// fitted by fit_randomly_rotated_layer to 2 synthetic windows of 96 tokens at
+// scale 1 + 0.5 layer (drawn in layer order).
+QuantizerConfig fitted_kernel_config(const std::string& name, const FitOptions& fit, int64_t layers, int64_t kv_heads,
+                                     int64_t head_dim, kernels::ElementType element, RotationForm key_rotation,
+                                     RotationForm value_rotation, bool key_centre, const RotaryEmbedding& rope);
+
+// The model dimensions a test cache needs, with the RoPE inverse frequencies of `rope`.
+kernels::ModelDimensions kernel_model_dimensions(int64_t layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                                 const RopeConfig& rope);
 
 }  // namespace kvforge::testing

@@ -79,37 +79,14 @@ Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer
 }
 
 kernels::ModelDimensions dimensions(const Case& c, const RopeConfig& rope) {
-  kernels::ModelDimensions d;
-  d.num_layers = kLayers;
-  d.num_heads = c.heads;
-  d.num_kv_heads = kKvHeads;
-  d.head_dim = c.head_dim;
-  const at::Tensor inv = rope_inverse_frequencies(rope, c.head_dim).contiguous();
-  d.rope_inverse_frequencies.assign(inv.data_ptr<float>(), inv.data_ptr<float>() + inv.numel());
-  return d;
+  return testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope);
 }
 
 // The case's configuration, fitted by calib on synthetic windows (rotated
 // ones for a rotated case), as test_runtime_kernels_cpu builds it.
 QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
-  QuantizerConfig config;
-  config.name = c.name;
-  config.settings = resolve_settings(c.fit, c.head_dim);
-  if (c.key_rotation != RotationForm::kNone || c.value_rotation != RotationForm::kNone) {
-    RotationSettings r;
-    r.keys = c.key_rotation;
-    r.values = c.value_rotation;
-    r.key_centred = c.key_centre;
-    r.steps = 0;
-    config.rotation = r;
-  }
-  for (int64_t layer = 0; layer < kLayers; ++layer) {
-    const Activations calibration = synthetic(2, 96, c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
-    config.layers.push_back(testing::fit_randomly_rotated_layer(config.settings, c.fit, calibration, kKvHeads,
-                                                                c.head_dim, c.key_rotation, c.value_rotation,
-                                                                c.key_centre));
-  }
-  return config;
+  return testing::fitted_kernel_config(c.name, c.fit, kLayers, kKvHeads, c.head_dim, c.element, c.key_rotation,
+                                       c.value_rotation, c.key_centre, rope);
 }
 
 struct Step {
