@@ -103,10 +103,14 @@ eval_checks() {
 # the serving dtype, where the simulation also rounds dequantized values to
 # bf16 and attends in bf16 while the kernels keep float32: expect near-ties
 # to break there (its margins say which). Artifact: $AGREE_ARTIFACT, else
-# .carry/artifact.h5.
+# .carry/artifact.h5. The default workload (2 perplexity windows of 512,
+# needles at 256 and 512 tokens: 24 probes per configuration) fits one
+# device call with the build: at every token a decoding step, the simulated
+# run and the build alone took 280 s on the H200 with 4 windows and 1024.
+# AGREE_WINDOWS / AGREE_CONTEXTS widen it.
 agree_checks() {
   local artifact=${AGREE_ARTIFACT:-.carry/artifact.h5}
-  local flags="--model $MODEL --data $HELDOUT --artifact $artifact --device cuda --chunk 1 --prefill-chunk 1 --ctx 512 --max-windows 4 --needle-contexts 256,512,1024 --needle-depths 0,0.5,1 --needle-probes 4 --configs ${AGREE_CONFIGS:-kvquant-2bit,kivi-2bit,int2-rot-2bit,rtn-2bit} ${AGREE_FLAGS:-}"
+  local flags="--model $MODEL --data $HELDOUT --artifact $artifact --device cuda --chunk 1 --prefill-chunk 1 --ctx 512 --max-windows ${AGREE_WINDOWS:-2} --needle-contexts ${AGREE_CONTEXTS:-256,512} --needle-depths 0,0.5,1 --needle-probes 4 --configs ${AGREE_CONFIGS:-kvquant-2bit,kivi-2bit,int2-rot-2bit,rtn-2bit} ${AGREE_FLAGS:-}"
   for dtype in ${AGREE_DTYPES:-fp32 bf16}; do
     step "eval --through-kernels vs the simulated cache, cuda $dtype"
     start=$(date +%s.%N)
