@@ -142,6 +142,18 @@ kernel_checks() {
   done
   if [ -z "${SKIP_TORCH_OPS:-}" ]; then
     step "kernels: the PyTorch op library on CUDA against its CPU cache (tests/test_torch_ops.py)"
+    # The smallest repro of the crash seen on this image (2026-12-01: a
+    # segfault in plain torch CPU ops right after load_library): which
+    # libraries the op library brings (outside torch's own) and whether
+    # loading it alone breaks torch.
+    lib=build-gpu/kernels/libkvforge_torch_ops.so
+    ldd "$lib" | grep -v -E "site-packages|linux-vdso|ld-linux" | awk '{print "  ldd:", $1, $3}'
+    timeout 60 python3 -X faulthandler -c "
+import torch
+x = torch.arange(0, 8, 2).float() / 8
+torch.classes.load_library('$lib')
+print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).float() / 8).equal(x), flush=True)
+" 2>&1 | tail -15
     # -V: the test's lines also when it passes; it prints a timed line before
     # each part and each CUDA call, and faulthandler the Python stack of a
     # crash, so the end of the log names where it stopped.
