@@ -103,10 +103,7 @@ void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
   DecodeCase c;
   c.name = std::move(name);
-  c.fit.method = method;
-  c.fit.bits = bits;
-  c.fit.fisher = false;
-  c.fit.max_calibration_tokens = 0;
+  c.fit = kernel_test_fit(method, bits);
   c.head_dim = head_dim;
   c.heads = heads;
   return c;

@@ -89,6 +89,15 @@ LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, co
   return fitted;
 }
 
+FitOptions kernel_test_fit(QuantMethod method, int bits) {
+  FitOptions fit;
+  fit.method = method;
+  fit.bits = bits;
+  fit.fisher = false;
+  fit.max_calibration_tokens = 0;
+  return fit;
+}
+
 QuantizerConfig fitted_kernel_config(const std::string& name, const FitOptions& fit, int64_t layers, int64_t kv_heads,
                                      int64_t head_dim, kernels::ElementType element, RotationForm key_rotation,
                                      RotationForm value_rotation, bool key_centre, const RotaryEmbedding& rope) {

@@ -45,6 +45,10 @@ LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, co
                                            const KernelActivations& calibration, int64_t kv_heads, int64_t head_dim,
                                            RotationForm key_rotation, RotationForm value_rotation, bool key_centre);
 
+// The fit options of a runtime-kernel test case: no Fisher weights, every
+// calibration token used.
+FitOptions kernel_test_fit(QuantMethod method, int bits);
+
 // A runtime-kernel test case's configuration: settings resolved from `fit`,
 // the rotation forms recorded (no learning steps), and `layers` layers each
 // fitted by fit_randomly_rotated_layer to 2 synthetic windows of 96 tokens at

@@ -61,10 +61,7 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
   Case c;
   c.name = std::move(name);
-  c.fit.method = method;
-  c.fit.bits = bits;
-  c.fit.fisher = false;
-  c.fit.max_calibration_tokens = 0;
+  c.fit = testing::kernel_test_fit(method, bits);
   c.head_dim = head_dim;
   c.heads = heads;
   return c;
@@ -125,6 +122,20 @@ std::string first_difference(const std::vector<uint8_t>& a, const std::vector<ui
   return "none";
 }
 
+// The CUDA cache's pools of one layer equal the CPU reference's, byte for
+// byte (pages, exact store, outlier counts); `where` names the step.
+void expect_equal_pools(const kernels::QuantizedKVCache& cpu, const kernels::QuantizedKVCache& cuda, int64_t layer,
+                        const std::string& where) {
+  for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+    const std::string at = where + " layer " + std::to_string(layer) + (kind == TensorKind::kKeys ? " keys" : " values");
+    const kernels::TensorPoolCopy expected = cpu.copy_pools(layer, kind), actual = cuda.copy_pools(layer, kind);
+    ASSERT_TRUE(expected.pages == actual.pages) << at << ": pages differ at " << first_difference(expected.pages, actual.pages);
+    ASSERT_TRUE(expected.exact == actual.exact) << at << ": exact store differs at " << first_difference(expected.exact, actual.exact);
+    ASSERT_EQ(expected.entry_counts, actual.entry_counts) << at;
+    ASSERT_EQ(expected.outlier_pages_used, actual.outlier_pages_used) << at;
+  }
+}
+
 class AppendCuda : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
@@ -183,15 +194,7 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
       batch.values = values.data();
       cpu.append(layer, batch);
       cuda.append(layer, batch);
-      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
-        const std::string where = c.name + " step " + std::to_string(step_index) + " layer " + std::to_string(layer) +
-                                  (kind == TensorKind::kKeys ? " keys" : " values");
-        const kernels::TensorPoolCopy expected = cpu.copy_pools(layer, kind), actual = cuda.copy_pools(layer, kind);
-        ASSERT_TRUE(expected.pages == actual.pages) << where << ": pages differ at " << first_difference(expected.pages, actual.pages);
-        ASSERT_TRUE(expected.exact == actual.exact) << where << ": exact store differs at " << first_difference(expected.exact, actual.exact);
-        ASSERT_EQ(expected.entry_counts, actual.entry_counts) << where;
-        ASSERT_EQ(expected.outlier_pages_used, actual.outlier_pages_used) << where;
-      }
+      ASSERT_NO_FATAL_FAILURE(expect_equal_pools(cpu, cuda, layer, c.name + " step " + std::to_string(step_index)));
     }
     for (auto [seq, n] : step.appends) lengths[seq] += n;
     // Every token of every sequence reads back the same (outliers through
@@ -456,15 +459,7 @@ TEST_P(AppendCudaLarge, PoolsEqualTheCpuReferenceAfterEveryRound) {
       batch.values = v.data();
       cpu.append(layer, batch);
       cuda.append(layer, batch);
-      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
-        const std::string where = c.name + " round " + std::to_string(rounds) + " layer " + std::to_string(layer) +
-                                  (kind == TensorKind::kKeys ? " keys" : " values");
-        const kernels::TensorPoolCopy expected = cpu.copy_pools(layer, kind), actual = cuda.copy_pools(layer, kind);
-        ASSERT_TRUE(expected.pages == actual.pages) << where << ": pages differ at " << first_difference(expected.pages, actual.pages);
-        ASSERT_TRUE(expected.exact == actual.exact) << where << ": exact store differs at " << first_difference(expected.exact, actual.exact);
-        ASSERT_EQ(expected.entry_counts, actual.entry_counts) << where;
-        ASSERT_EQ(expected.outlier_pages_used, actual.outlier_pages_used) << where;
-      }
+      ASSERT_NO_FATAL_FAILURE(expect_equal_pools(cpu, cuda, layer, c.name + " round " + std::to_string(rounds)));
     }
     for (size_t e = 0; e < entries.size(); ++e) lengths[entries[e]] += batch.tokens[e];
   }

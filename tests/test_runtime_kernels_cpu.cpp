@@ -649,10 +649,7 @@ TEST_P(RuntimeKernelsCpu, StreamedBatchReadsBackTheOracleAndAttendsLikeFloat64) 
 Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
   Case c;
   c.name = std::move(name);
-  c.fit.method = method;
-  c.fit.bits = bits;
-  c.fit.fisher = false;
-  c.fit.max_calibration_tokens = 0;
+  c.fit = testing::kernel_test_fit(method, bits);
   c.head_dim = head_dim;
   c.heads = heads;
   return c;
