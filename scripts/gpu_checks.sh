@@ -122,6 +122,13 @@ agree_checks() {
     check python3 scripts/compare_eval_runs.py "$OUT/agree_simulated_$dtype.json" "$OUT/agree_kernels_$dtype.json"
   done
 }
+# The end of a GPU_CHECKS_ONLY mode: the logs packed into $OUT, the verdict,
+# the exit status.
+finish_mode() {
+  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  echo; echo "gpu_checks ($1): $([ $status = 0 ] && echo PASSED || echo FAILED)"
+  exit $status
+}
 kernel_checks() {
   step "kernels: CUDA append and decode attention against the CPU reference"
   # test_append_cuda: 18 layouts byte-equal after every append, then batch 64
@@ -196,27 +203,19 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
     || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
   tail -6 "$LOGS/decode_attention_bench.log"; }
-  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
-  echo; echo "gpu_checks (kernels): $([ $status = 0 ] && echo PASSED || echo FAILED)"
-  exit $status
+  finish_mode kernels
 fi
 if [ "${GPU_CHECKS_ONLY:-}" = agree ]; then
   agree_checks
-  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
-  echo; echo "gpu_checks (agree): $([ $status = 0 ] && echo PASSED || echo FAILED)"
-  exit $status
+  finish_mode agree
 fi
 if [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
   eval_checks
-  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
-  echo; echo "gpu_checks (eval): $([ $status = 0 ] && echo PASSED || echo FAILED)"
-  exit $status
+  finish_mode eval
 fi
 if [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
   rotation_checks
-  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
-  echo; echo "gpu_checks (rotation): $([ $status = 0 ] && echo PASSED || echo FAILED)"
-  exit $status
+  finish_mode rotation
 fi
 
 step "HF transformers reference on this GPU"
