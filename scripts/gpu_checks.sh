@@ -203,6 +203,22 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
     || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
   tail -6 "$LOGS/decode_attention_bench.log"; }
+  # Where the tensor-core kernel's time goes: Nsight Compute on one launch
+  # (32K tokens, batch 8, 2 bits) per method in PROFILE_METHODS: occupancy,
+  # warp stall reasons, issue rates and the hottest SASS lines. Clocks left
+  # alone (--clock-control none), as the device notes ask.
+  if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
+    for method in ${PROFILE_METHODS:-rtn}; do
+      step "kernels: ncu profile of the tensor-core decode kernel ($method, 32K tokens, batch 8, 2 bits)"
+      timeout 150 ncu --clock-control none --kernel-name regex:decode_tensor_core --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches 8 --methods "$method" --bits 2 \
+        --repeats 2 --out /tmp/profile_bench.json > "$LOGS/ncu_$method.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.log"; }
+      grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$method.log" | head -70
+      cp "$LOGS/ncu_$method.log" "$OUT/ncu_$method.txt" 2>/dev/null
+    done
+  fi
   finish_mode kernels
 fi
 if [ "${GPU_CHECKS_ONLY:-}" = agree ]; then
