@@ -135,8 +135,10 @@ kernel_checks() {
   # of mixed lengths and a 128K context (AppendCudaLarge); the decode matrix:
   # the covering design and 64K/128K contexts, a line of worst ratios
   # per case ("[ case ] ..."). SKIP_MATRIX=1 leaves the matrix out.
+  # KERNEL_TESTS names others (empty: none).
   kernel_tests="test_append_cuda test_decode_attention_cuda"
   [ -n "${SKIP_MATRIX:-}" ] || kernel_tests="$kernel_tests test_decode_attention_cuda_matrix"
+  kernel_tests=${KERNEL_TESTS-$kernel_tests}
   for t in $kernel_tests; do
     if [ -x ./build-gpu/tests/$t ]; then
       start=$(date +%s)
@@ -176,16 +178,24 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
     # Small cases of both kernels: decode on three layouts (outliers and
     # pre-RoPE keys, sliding window and sink, plain); append on five (the
-    # same three, int2-rot's rotations, the exhausted outlier pool).
+    # same three, int2-rot's rotations, the exhausted outlier pool); and the
+    # matrix's batches of 8 mixed lengths (1 to 8192 tokens) on both decode
+    # kernels. SANITIZER_TOOLS narrows the tools (default memcheck racecheck).
     decode_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4'
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*"
-    for tool in memcheck racecheck; do
-      for t in test_decode_attention_cuda test_append_cuda; do
-        filter=$decode_filter; [ $t = test_append_cuda ] && filter=$append_filter
-        compute-sanitizer --tool $tool --error-exitcode 9 ./build-gpu/tests/$t \
+    matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+      for t in ${SANITIZER_TESTS:-test_decode_attention_cuda_matrix test_decode_attention_cuda test_append_cuda}; do
+        case $t in
+          test_append_cuda) filter=$append_filter ;;
+          test_decode_attention_cuda_matrix) filter=$matrix_filter ;;
+          *) filter=$decode_filter ;;
+        esac
+        compute-sanitizer --tool $tool --error-exitcode 9 --show-backtrace device ./build-gpu/tests/$t \
           --gtest_filter="$filter" > "$LOGS/sanitizer_${tool}_$t.log" 2>&1 || { echo "FAILED: $tool $t"; status=1; }
-        echo "$tool $t:"; tail -2 "$LOGS/sanitizer_${tool}_$t.log"
+        echo "$tool $t:"; grep -m1 -A14 -E "^========= (Invalid|Error|Race|Misaligned)" "$LOGS/sanitizer_${tool}_$t.log"
+        tail -2 "$LOGS/sanitizer_${tool}_$t.log"
       done
     done
   fi
