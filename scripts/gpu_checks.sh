@@ -171,7 +171,16 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     else
       status=1
       echo "FAILED: test_torch_ops; the end of its log:"
-      tail -45 "$LOGS/test_torch_ops.log"
+      tail -25 "$LOGS/test_torch_ops.log"
+      # The native stack of the crash: cuda-gdb debugs host code too (the
+      # image has no gdb).
+      if command -v cuda-gdb > /dev/null; then
+        echo "--- the test again under cuda-gdb: the native backtrace"
+        timeout 240 cuda-gdb -q -batch -ex "set pagination off" -ex "handle SIGSEGV stop print" -ex run -ex bt \
+          -ex "info symbol \$pc" --args python3 -u tests/test_torch_ops.py "$lib" "$KV" "$MODEL" \
+          "$KVFORGE_SHARED/data/calib.txt" > "$LOGS/test_torch_ops_gdb.log" 2>&1
+        grep -E "^#[0-9]+|SIGSEGV|received signal|in section" "$LOGS/test_torch_ops_gdb.log" | head -40
+      fi
     fi
   fi
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
