@@ -137,15 +137,15 @@ template <int kBytes>
 __device__ inline void copy_async(void* shared, const void* global) {
   const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes) : "memory");
   }
 }
-__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ inline void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---------------------------------------------------------------- addressing
@@ -391,10 +391,6 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
   const int page_size = kl.spec.page_size;
-  // Page-table entries [window, window + 32) of this sequence, entry window + i in lane i.
-  int64_t window = -(int64_t{1} << 40);  // none yet: every entry lies outside
-  int32_t window_pages = -1;
-  const int64_t table_entries = p.batch.page_table_stride;
   const int pair_bytes = static_cast<int>(kl.pair_bytes);
 
   // Starts the copies of tile `tile` into its stage (every lane takes part).
@@ -406,13 +402,11 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     const int64_t t = t0 + j;
     const bool valid = t < last;
     const int32_t s_index = static_cast<int32_t>(t - sink);
-    const int64_t entry = valid ? s_index / page_size : 0;
-    const int64_t tile_entry = static_cast<int32_t>(t0 - sink) / page_size;
-    if (__any_sync(0xffffffffu, valid && (entry < window || entry >= window + kWarpSize))) {
-      window = tile_entry;  // a tile spans at most 17 entries
-      window_pages = window + lane < table_entries ? page_row[window + lane] : -1;
-    }
-    const int page = __shfl_sync(0xffffffffu, window_pages, valid ? static_cast<int>(entry - window) : 0);
+    // Each lane reads its token's page id (the tile's 16 tokens share at
+    // most three entries: one cached load). A window of the page table kept
+    // in the lanes (7aad772) read corrupt ids on batches of mixed lengths
+    // (the decode matrix under memcheck, 2026-12-01) and was removed.
+    const int page = valid ? page_row[s_index / page_size] : 0;
     const PagedTensor& cache = values ? p.value_cache : p.key_cache;
     SlotAddress at;
     if (valid) at = {cache.pages + static_cast<int64_t>(page) * cache.layout.page_bytes, s_index % page_size};

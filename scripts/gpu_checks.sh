@@ -156,7 +156,11 @@ kernel_checks() {
     # libraries the op library brings (outside torch's own) and whether
     # loading it alone breaks torch.
     lib=build-gpu/kernels/libkvforge_torch_ops.so
-    ldd "$lib" | grep -v -E "site-packages|linux-vdso|ld-linux" | awk '{print "  ldd:", $1, $3}'
+    ldd "$lib" | grep -E "libstdc|libgcc" | awk '{print "  ldd:", $1, $3}'
+    # A copy of libstdc++'s locale objects inside the library (a static
+    # libstdc++) breaks std::regex beside torch's shared one (2026-12-01).
+    echo "  the compiler's libstdc++.so: $(${CXX:-c++} -print-file-name=libstdc++.so)"
+    echo "  libstdc++ internals defined in the library: $(nm -C --defined-only "$lib" | grep -c -E 'codecvt_c32|locale::_S_initialize')"
     timeout 60 python3 -X faulthandler -c "
 import torch
 x = torch.arange(0, 8, 2).float() / 8
