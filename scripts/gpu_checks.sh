@@ -26,7 +26,40 @@ step machine
 # name the commit (KVFORGE_COMMIT).
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; echo "${KVFORGE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } | tee "$LOGS/machine.txt"
 
+# GPU_CHECKS_ONLY=stash: the first of the two calls that bring FlashInfer
+# (scripts/prepare_flashinfer_wheels.sh): keep the carried part a in .stash/
+# (ignored, so it stays on the machine while it is warm) and stop.
+if [ "${GPU_CHECKS_ONLY:-}" = stash ]; then
+  mkdir -p .stash && rm -rf .stash/wheels-a && cp -r .carry-wheels/a .stash/wheels-a && ls -la .stash/wheels-a
+  echo "gpu_checks (stash): part a kept; the next call, back to back, carries .carry-wheels/b"
+  exit 0
+fi
+
 step dependencies
+# FlashInfer for the decode baselines, when its second part is carried and
+# the first was stashed by the previous call: joined, checked, installed
+# without network (the small wheels only where the import is missing).
+if [ -d .carry-wheels/b ]; then
+  if [ -f .stash/wheels-a/SHA256 ]; then
+    wheel_dir=$(mktemp -d)
+    wheel=$wheel_dir/$(awk '{print $2}' .stash/wheels-a/SHA256)
+    cat .stash/wheels-a/flashinfer.part-a .carry-wheels/b/flashinfer.part-b > "$wheel"
+    if (cd "$wheel_dir" && sha256sum -c "$OLDPWD/.stash/wheels-a/SHA256" > /dev/null); then
+      for pair in tvm_ffi:apache_tvm_ffi einops:einops tabulate:tabulate pynvml:nvidia_ml_py packaging:packaging \
+                  click:click tqdm:tqdm; do
+        python3 -c "import ${pair%%:*}" 2> /dev/null ||
+          python3 -m pip install -q --no-index --no-deps .carry-wheels/b/"${pair#*:}"-*.whl
+      done
+      python3 -m pip install -q --no-index --no-deps "$wheel" &&
+        python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'installed')"
+    else
+      echo "FlashInfer wheel: SHA256 mismatch (parts from different preparations?); baselines without it"
+    fi
+    rm -rf "$wheel_dir"
+  else
+    echo "FlashInfer wheel: .carry-wheels/b carried but no stashed part a (run GPU_CHECKS_ONLY=stash just before)"
+  fi
+fi
 for pc in libpcre2-8 openssl; do
   if ! pkg-config --exists "$pc" && ls .carry/debs/*.deb >/dev/null 2>&1; then
     echo "$pc missing: unpacking carried -dev packages"
