@@ -1,5 +1,8 @@
 #include "kernels/cuda_backend.h"
 
+#include <cstring>
+#include <iterator>
+
 #include "kernels/append_launch.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
@@ -95,8 +98,67 @@ void CudaBackend::copy_in(void* backend_memory, const void* host, int64_t bytes)
 void CudaBackend::enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) {
   if (bytes <= 0) return;
   const DeviceScope scope(device_);
+  if (bytes > PinnedStagingRing::kBytes) {  // a large prefill's rows: the driver stages them
+    KVFORGE_CUDA_CHECK(
+        cudaMemcpyAsync(backend_memory, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
+    return;
+  }
+  uint8_t* const staged = staging_.reserve(bytes);
+  std::memcpy(staged, host, static_cast<size_t>(bytes));
   KVFORGE_CUDA_CHECK(
-      cudaMemcpyAsync(backend_memory, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
+      cudaMemcpyAsync(backend_memory, staged, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
+  staging_.queued(stream_);
+}
+
+// ------------------------------------------------------------ pinned staging
+
+CudaBackend::PinnedStagingRing::~PinnedStagingRing() {
+  for (const InFlight& f : in_flight_) cudaEventDestroy(f.copied);
+  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+  if (memory_ != nullptr) cudaFreeHost(memory_);
+}
+
+uint8_t* CudaBackend::PinnedStagingRing::reserve(int64_t bytes) {
+  if (memory_ == nullptr) {
+    void* memory = nullptr;
+    KVFORGE_CUDA_CHECK(cudaHostAlloc(&memory, static_cast<size_t>(kBytes), cudaHostAllocPortable));
+    memory_ = static_cast<uint8_t*>(memory);
+  }
+  const int64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  if (head_ + size > kBytes) head_ = 0;  // the ring's tail end stays unused this round
+  const int64_t begin = head_, end = head_ + size;
+  // The newest in-flight copy that read any of [begin, end): once its event
+  // has passed, so have all older ones (one stream, in order).
+  auto newest = in_flight_.end();
+  for (auto f = in_flight_.begin(); f != in_flight_.end(); ++f) {
+    if (f->begin < end && begin < f->end) newest = f;
+  }
+  if (newest != in_flight_.end()) {
+    KVFORGE_CUDA_CHECK(cudaEventSynchronize(newest->copied));
+    const auto past = std::next(newest);
+    for (auto f = in_flight_.begin(); f != past; ++f) spare_events_.push_back(f->copied);
+    in_flight_.erase(in_flight_.begin(), past);
+  }
+  head_ = end;
+  last_begin_ = begin;
+  last_end_ = end;
+  return memory_ + begin;
+}
+
+void CudaBackend::PinnedStagingRing::queued(cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  if (spare_events_.empty()) {
+    KVFORGE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  } else {
+    event = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  const cudaError_t recorded = cudaEventRecord(event, stream);
+  if (recorded != cudaSuccess) {
+    spare_events_.push_back(event);
+    KVFORGE_CUDA_CHECK(recorded);
+  }
+  in_flight_.push_back({last_begin_, last_end_, event});
 }
 
 void CudaBackend::copy_out(void* host, const void* backend_memory, int64_t bytes) {

@@ -8,6 +8,9 @@
 // QuantizedKVCache copies what it inspects out through copy_out.
 #include <cuda_runtime.h>
 
+#include <deque>
+#include <vector>
+
 #include "kernels/quantized_kv_cache.h"
 
 namespace kvforge::kernels {
@@ -33,7 +36,10 @@ class CudaBackend final : public KernelBackend {
   // temporary).
   void copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   void copy_out(void* host, const void* backend_memory, int64_t bytes) override;
-  // cudaMemcpyAsync on the stream, no wait.
+  // No wait: the bytes are copied into pinned staging memory the queued copy
+  // reads (from pageable memory the driver may wait for the stream instead),
+  // so the caller may change them as soon as the call returns. Copies larger
+  // than the staging ring go directly, and may wait.
   void enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) override;
   bool host_addressable() const override { return false; }
   // Launch on the stream; the params' pointers are device pointers. A
@@ -55,9 +61,37 @@ class CudaBackend final : public KernelBackend {
     int64_t bytes = 0;
   };
 
+  // Pinned host memory in a ring: each queued copy takes the next region
+  // and an event recorded after it; a region is reused once the events of
+  // the copies that read it have passed.
+  class PinnedStagingRing {
+   public:
+    static constexpr int64_t kBytes = int64_t{1} << 20;
+    static constexpr int64_t kAlignment = 256;
+    PinnedStagingRing() = default;
+    PinnedStagingRing(const PinnedStagingRing&) = delete;
+    PinnedStagingRing& operator=(const PinnedStagingRing&) = delete;
+    ~PinnedStagingRing();  // after the stream has finished (the backend's destructor)
+    // A region of `bytes` (at most kBytes) whose earlier copies have finished.
+    uint8_t* reserve(int64_t bytes);
+    // The copy reading the region reserve() returned last is queued on `stream`.
+    void queued(cudaStream_t stream);
+
+   private:
+    struct InFlight {
+      int64_t begin = 0, end = 0;
+      cudaEvent_t copied = nullptr;
+    };
+    uint8_t* memory_ = nullptr;
+    int64_t head_ = 0, last_begin_ = 0, last_end_ = 0;
+    std::deque<InFlight> in_flight_;  // oldest first
+    std::vector<cudaEvent_t> spare_events_;
+  };
+
   int device_;
   cudaStream_t stream_ = nullptr;
   DeviceMemory workspace_;  // decode_attention's split states
+  PinnedStagingRing staging_;
 };
 
 }  // namespace kvforge::kernels

@@ -618,6 +618,7 @@ void QuantizedKVCache::check_sequence(int32_t sequence, const char* what) const 
 
 void QuantizedKVCache::remove_sequence(int32_t sequence) {
   check_sequence(sequence, "remove_sequence");
+  check_pending_appends();
   const auto slot = static_cast<size_t>(sequence);
   const int64_t row = static_cast<int64_t>(slot) * page_table_stride_;
   for (int64_t p = 0; p < pages_of_[slot]; ++p) {
@@ -767,24 +768,60 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.key_outliers = k.allocator();
   params.value_outliers = v.allocator();
   backend_->append(params);
-
+  if (options_.asynchronous_append) {
+    // No sync: the flags are read by the next call that synchronizes.
+    for (size_t i = 0; i < count; ++i) {
+      lengths_[static_cast<size_t>(batch.sequences[i])][static_cast<size_t>(layer)] += batch.tokens[i];
+    }
+    pending_appends_.push_back({layer, batch.sequences});
+    return;
+  }
   // The call's one sync: the flags of keys and values lie side by side.
   int32_t exhausted[2] = {0, 0};
   backend_->copy_out(exhausted, k.exhausted, 8);
-  if (exhausted[0] != 0 || exhausted[1] != 0) {
-    const int32_t cleared[2] = {0, 0};
-    backend_->copy_in(k.exhausted, cleared, 8);
-    const TensorState& t = exhausted[0] != 0 ? k : v;
-    throw std::length_error(context() + ": the " + std::string(&t == &k ? "keys'" : "values'") +
-                            " outlier pool is exhausted (" + std::to_string(t.outlier_pages_total) + " pages of " +
-                            std::to_string(options_.outlier_page_entries) + " entries, at most " +
-                            std::to_string(t.outlier_table_stride) +
-                            " per sequence; raise max_outlier_pages or max_outlier_pages_per_sequence); the "
-                            "batch's sequences must be removed");
-  }
+  report_exhaustion(layer, batch.sequences, exhausted, false);
   for (size_t i = 0; i < count; ++i) {
     lengths_[static_cast<size_t>(batch.sequences[i])][static_cast<size_t>(layer)] += batch.tokens[i];
   }
+}
+
+void QuantizedKVCache::report_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags,
+                                         bool late) {
+  if (flags[0] == 0 && flags[1] == 0) return;
+  const TensorState& k = tensor(layer, TensorKind::kKeys);
+  const TensorState& t = flags[0] != 0 ? k : tensor(layer, TensorKind::kValues);
+  const int32_t cleared[2] = {0, 0};
+  backend_->copy_in(k.exhausted, cleared, 8);
+  std::string batch;
+  if (late) {
+    for (const int32_t s : sequences) batch += (batch.empty() ? "" : ", ") + std::to_string(s);
+    batch = " (sequences " + batch + ", reported by a later call: asynchronous_append)";
+  }
+  throw std::length_error("quantized KV cache '" + name_ + "': append to layer " + std::to_string(layer) + batch +
+                          ": the " + std::string(&t == &k ? "keys'" : "values'") + " outlier pool is exhausted (" +
+                          std::to_string(t.outlier_pages_total) + " pages of " +
+                          std::to_string(options_.outlier_page_entries) + " entries, at most " +
+                          std::to_string(t.outlier_table_stride) +
+                          " per sequence; raise max_outlier_pages or max_outlier_pages_per_sequence); the "
+                          "batch's sequences must be removed");
+}
+
+void QuantizedKVCache::check_pending_appends() {
+  if (pending_appends_.empty()) return;
+  std::vector<int32_t> flags(static_cast<size_t>(model_.num_layers * 2));
+  backend_->copy_out(flags.data(), exhausted_flags_->data, static_cast<int64_t>(flags.size()) * 4);
+  const std::vector<PendingAppend> pending = std::move(pending_appends_);
+  pending_appends_.clear();
+  // The first append of an exhausted layer is named: the flag is set by the
+  // append that ran out and stays set.
+  for (const PendingAppend& a : pending) {
+    report_exhaustion(a.layer, a.sequences, flags.data() + a.layer * 2, true);
+  }
+}
+
+void QuantizedKVCache::synchronize() {
+  backend_->synchronize();
+  check_pending_appends();
 }
 
 void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries,
@@ -840,6 +877,7 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   } else {
     backend_->copy_out(output, kernel_output, io_bytes);
   }
+  check_pending_appends();  // after the sync: one small read, only when appends are pending
 }
 
 DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {

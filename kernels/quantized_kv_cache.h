@@ -45,6 +45,12 @@ struct CacheOptions {
   int64_t max_outlier_pages_per_sequence = 0;  // one sequence's outlier page table; 0: from the nominal share
   int64_t tokens_per_split = 256;            // decode_attention's context splits (0: one)
   float softmax_scale = 0;                   // 0: 1 / sqrt(head_dim)
+  // append returns once its copies and kernels are queued, without waiting
+  // for them (a serving loop's appends then overlap its host work and each
+  // other): an outlier pool the append exhausts is reported by the cache's
+  // next decode_attention, synchronize() or remove_sequence instead of by
+  // the append itself. Off: append waits and reports its own exhaustion.
+  bool asynchronous_append = false;
 };
 
 enum class TensorKind { kKeys, kValues };
@@ -63,9 +69,9 @@ class KernelBackend {
   virtual void release(void* memory) noexcept = 0;
   // Returns when the bytes have arrived (the host side may be a temporary).
   virtual void copy_in(void* backend_memory, const void* host, int64_t bytes) = 0;
-  // Queues the copy before every later kernel and copy, without waiting: the
-  // host bytes must stay unchanged until the next synchronize() or copy_out()
-  // returns. A synchronous backend copies at once (the default).
+  // Queues the copy before every later kernel and copy, without waiting; the
+  // host bytes may change as soon as the call returns (a device backend
+  // stages them). A synchronous backend copies at once (the default).
   virtual void enqueue_copy_in(void* backend_memory, const void* host, int64_t bytes) {
     copy_in(backend_memory, host, bytes);
   }
@@ -134,15 +140,24 @@ class QuantizedKVCache {
 
   // A free sequence slot, empty (std::length_error when all are in use).
   int32_t add_sequence();
-  // Frees the sequence's pages and outlier pages.
+  // Frees the sequence's pages and outlier pages (after reporting an outlier
+  // pool exhausted by an asynchronous append).
   void remove_sequence(int32_t sequence);
   int64_t length(int32_t sequence, int64_t layer) const;
 
   // Quantize-on-append of one layer's new tokens; std::invalid_argument for a
   // position that is not the sequence's length, std::length_error when a
-  // sequence would exceed max_context or a pool is exhausted. Returns after
-  // the kernel: the caller may reuse keys and values at once.
+  // sequence would exceed max_context or a pool is exhausted. The caller may
+  // reuse host keys and values at once; keys and values in backend memory
+  // are read by the queued kernel (asynchronous_append: order later writes
+  // to them after synchronize(), or on the backend's stream). Returns after
+  // the kernel, or with asynchronous_append once it is queued (an exhausted
+  // outlier pool is then reported by the next decode_attention,
+  // synchronize() or remove_sequence).
   void append(int64_t layer, const AppendBatch& batch);
+  // Waits for every queued copy and kernel, then reports an outlier pool
+  // exhausted by an asynchronous append (std::length_error).
+  void synchronize();
 
   // One query per sequence at its last position: queries and output
   // [sequences][num_heads][head_dim] of `io`, post-RoPE queries, outputs in
@@ -191,14 +206,26 @@ class QuantizedKVCache {
   struct EntryRange {
     int64_t begin = 0, end = 0;  // page table entries [begin, end)
   };
+  // An asynchronous append whose exhaustion flags are not yet read.
+  struct PendingAppend {
+    int64_t layer = 0;
+    std::vector<int32_t> sequences;
+  };
 
   TensorState& tensor(int64_t layer, TensorKind kind);
   const TensorState& tensor(int64_t layer, TensorKind kind) const;
   void check_sequence(int32_t sequence, const char* what) const;
   void ensure_pages(int32_t sequence, int64_t tokens);
+  // Throws std::length_error naming the append of `layer` to `sequences` if
+  // the layer's outlier allocators report exhaustion in `flags` (keys,
+  // values), clearing the backend's flags first; `late` says it was queued
+  // by an earlier call.
+  void report_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags, bool late);
+  // Reads every layer's flags once (a sync) for the pending asynchronous
+  // appends and reports the first exhausted one.
+  void check_pending_appends();
   // Queues the copies of the page table entries changed since the last
-  // upload (the host table must stay unchanged until the backend next
-  // synchronizes: every public call that queues them ends with a sync).
+  // upload (enqueue_copy_in: the host table may change once they are queued).
   void upload_page_table_changes();
 
   std::string name_;
@@ -217,6 +244,7 @@ class QuantizedKVCache {
   std::unique_ptr<Buffer> rope_frequencies_;  // the model's, in backend memory
   std::unique_ptr<Buffer> exhausted_flags_;   // [layer][keys, values]: the outlier allocators' flags
   std::unique_ptr<CallScratch> scratch_;      // the calls' arrays and staged rows, reused across calls
+  std::vector<PendingAppend> pending_appends_;  // asynchronous appends not yet checked
   std::vector<LayerState> layers_;
 };
 

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numbers>
 #include <string>
 #include <vector>
@@ -587,6 +588,126 @@ TEST(AppendCudaOutlierPool, ExhaustionIsReportedAsOnTheCpu) {
     position += n;
   }
   EXPECT_TRUE(cpu_failed) << "the pool of one page of 16 entries must run out";
+}
+
+// asynchronous_append on CUDA: the same appends, each followed by
+// synchronize(), which reports the exhaustion where the CPU's synchronous
+// append does, naming the layer and the batch.
+TEST(AppendCudaOutlierPool, AsynchronousExhaustionIsReportedBySynchronize) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  Case c = make_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
+  c.fit.outlier_fraction = 0.05;
+  at::manual_seed(3);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = fitted_config(c, rope);
+  kernels::CacheOptions options;
+  options.max_sequences = 2;
+  options.max_context = 256;
+  options.outlier_page_entries = 16;
+  options.max_outlier_pages = 1;
+  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
+  options.asynchronous_append = true;
+  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
+  const Activations a = synthetic(1, 200, c.head_dim, 1.0, c.element, rope);
+  int64_t position = 0;
+  const int32_t id = cpu.add_sequence();
+  ASSERT_EQ(cuda.add_sequence(), id);
+  bool cpu_failed = false, cuda_failed = false;
+  for (int64_t n : {1, 1, 1, 1, 8, 8, 32, 64}) {
+    kernels::AppendBatch batch{{id}, {position}, {n}, nullptr, nullptr};
+    const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
+    const at::Tensor v = a.values.narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
+    batch.keys = k.data_ptr<float>();
+    batch.values = v.data_ptr<float>();
+    try {
+      cpu.append(0, batch);
+    } catch (const std::length_error&) {
+      cpu_failed = true;
+    }
+    ASSERT_NO_THROW(cuda.append(0, batch)) << "an asynchronous append does not wait for its flags";
+    try {
+      cuda.synchronize();
+    } catch (const std::length_error& e) {
+      cuda_failed = true;
+      const std::string what = e.what();
+      EXPECT_NE(what.find("append to layer 0 (sequences " + std::to_string(id)), std::string::npos) << what;
+      EXPECT_NE(what.find("asynchronous_append"), std::string::npos) << what;
+    }
+    ASSERT_EQ(cpu_failed, cuda_failed) << "after " << position + n << " tokens";
+    if (cpu_failed) break;
+    position += n;
+  }
+  EXPECT_TRUE(cpu_failed) << "the pool of one page of 16 entries must run out";
+  EXPECT_NO_THROW(cuda.synchronize()) << "reported once";
+}
+
+// Pipelined asynchronous appends (no sync between them; prefill chunks,
+// then decode steps of every sequence on every layer) from one host buffer
+// the test overwrites with NaN as soon as each append returns: the pools
+// after one synchronize() equal the CPU reference's byte for byte, so every
+// queued copy read the bytes of its own call (CudaBackend's pinned staging).
+TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatTheCpuDoes) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const QuantMethod method : {QuantMethod::kKvquant, QuantMethod::kKivi}) {
+    Case c = make_case(method == QuantMethod::kKvquant ? "kvquant_async" : "kivi_async", method, 2, 128, 8);
+    at::manual_seed(17);
+    const RopeConfig rope_config;
+    const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+    const QuantizerConfig config = fitted_config(c, rope);
+    kernels::CacheOptions options;
+    options.max_sequences = 3;
+    options.max_context = 512;
+    kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
+    options.asynchronous_append = true;
+    kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options,
+                                   std::make_unique<kernels::CudaBackend>());
+    constexpr int kSequences = 3, kPrefill = 100, kSteps = 60;
+    std::vector<std::vector<Activations>> inputs(kSequences);
+    std::vector<int32_t> ids;
+    for (int s = 0; s < kSequences; ++s) {
+      ids.push_back(cpu.add_sequence());
+      ASSERT_EQ(cuda.add_sequence(), ids.back());
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        inputs[s].push_back(synthetic(1, kPrefill + kSteps, c.head_dim, 1.0 + 0.5 * layer, c.element, rope));
+      }
+    }
+    std::vector<float> keys, values;  // one buffer for every call
+    std::vector<int64_t> lengths(kSequences, 0);
+    const auto append_all = [&](int64_t n) {
+      kernels::AppendBatch batch;
+      for (int s = 0; s < kSequences; ++s) {
+        batch.sequences.push_back(ids[s]);
+        batch.positions.push_back(lengths[s]);
+        batch.tokens.push_back(n);
+      }
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        keys.clear();
+        values.clear();
+        for (int s = 0; s < kSequences; ++s) {
+          const Activations& a = inputs[s][layer];
+          const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[s], n);
+          const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous();
+          const at::Tensor vrows = a.values.narrow(2, lengths[s], n)[0].permute({1, 0, 2}).contiguous();
+          keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
+          values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+        }
+        batch.keys = keys.data();
+        batch.values = values.data();
+        cpu.append(layer, batch);
+        cuda.append(layer, batch);
+        std::fill(keys.begin(), keys.end(), std::numeric_limits<float>::quiet_NaN());
+        std::fill(values.begin(), values.end(), std::numeric_limits<float>::quiet_NaN());
+      }
+      for (int s = 0; s < kSequences; ++s) lengths[s] += n;
+    };
+    append_all(kPrefill);
+    for (int step = 0; step < kSteps; ++step) append_all(1);
+    ASSERT_NO_THROW(cuda.synchronize());
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      ASSERT_NO_FATAL_FAILURE(expect_equal_pools(cpu, cuda, layer, c.name + " after the pipelined appends"));
+    }
+  }
 }
 
 }  // namespace

@@ -984,6 +984,62 @@ TEST(RuntimeKernelsCpuEmptyBatches, DecodeAndAppendOfNoSequencesDoNothing) {
   EXPECT_EQ(cache.length(a, 0), 3);
 }
 
+// asynchronous_append: the append that exhausts the outlier pool returns,
+// and the next synchronizing call (decode_attention here, then
+// synchronize() and remove_sequence for later ones) reports it once, naming
+// the layer and the batch; until then, and in every other respect, the
+// cache stores and attends exactly as with synchronous appends.
+TEST(RuntimeKernelsCpuAsynchronousAppend, ExhaustionIsReportedByTheNextSynchronizingCall) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.values.outlier_fraction = 0.02;
+  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  options.outlier_page_entries = 16;
+  options.max_outlier_pages = 3;  // 48 entries; each token has 2 heads x 2k = 4 (k = 1 of 64 at 2%)
+  kernels::QuantizedKVCache synchronous(c, small_dims(), options);
+  options.asynchronous_append = true;
+  kernels::QuantizedKVCache asynchronous(c, small_dims(), options);
+  const int32_t a = synchronous.add_sequence();
+  ASSERT_EQ(asynchronous.add_sequence(), a);
+  const at::Tensor rows = at::randn({20, 2, 64}, at::kFloat).contiguous();
+  kernels::AppendBatch batch{{a}, {0}, {12}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  synchronous.append(0, batch);
+  asynchronous.append(0, batch);
+  const at::Tensor queries = at::randn({1, 4, 64}, at::kFloat).contiguous();
+  std::vector<float> expected(4 * 64), got(4 * 64);
+  synchronous.decode_attention(0, std::span<const int32_t>(&a, 1), queries.data_ptr<float>(), expected.data());
+  asynchronous.decode_attention(0, std::span<const int32_t>(&a, 1), queries.data_ptr<float>(), got.data());
+  EXPECT_EQ(expected, got) << "the same cache and the same attention";
+  EXPECT_NO_THROW(asynchronous.synchronize());
+
+  batch = {{a}, {12}, {1}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  EXPECT_THROW(synchronous.append(0, batch), std::length_error);
+  ASSERT_NO_THROW(asynchronous.append(0, batch)) << "the exhausting append itself returns";
+  EXPECT_EQ(asynchronous.length(a, 0), 13);
+  try {
+    asynchronous.decode_attention(0, std::span<const int32_t>(&a, 1), queries.data_ptr<float>(), got.data());
+    ADD_FAILURE() << "the exhausted pool was not reported by the next decode_attention";
+  } catch (const std::length_error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    EXPECT_NE(what.find("append to layer 0 (sequences " + std::to_string(a) + ", reported by a later call"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("values' outlier pool is exhausted"), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(asynchronous.synchronize()) << "reported once";
+  // A later exhausting append is reported by remove_sequence, which then
+  // removes the sequence when called again.
+  batch = {{a}, {13}, {1}, rows.data_ptr<float>(), rows.data_ptr<float>()};
+  ASSERT_NO_THROW(asynchronous.append(0, batch));
+  EXPECT_THROW(asynchronous.remove_sequence(a), std::length_error);
+  const int64_t free_before = asynchronous.free_pages();
+  asynchronous.remove_sequence(a);
+  EXPECT_EQ(asynchronous.free_pages(), free_before + 1);
+}
+
 TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveTheirPagesBack) {
   QuantizerConfig c = small_rtn(2, 64);
   c.settings.values.outlier_fraction = 0.02;
