@@ -124,6 +124,15 @@ uint8_t* CudaBackend::PinnedStagingRing::reserve(int64_t bytes) {
     KVFORGE_CUDA_CHECK(cudaHostAlloc(&memory, static_cast<size_t>(kBytes), cudaHostAllocPortable));
     memory_ = static_cast<uint8_t*>(memory);
   }
+  // Copies that have finished give their regions back (oldest first), so
+  // that the scan below stays short.
+  while (!in_flight_.empty()) {
+    const cudaError_t state = cudaEventQuery(in_flight_.front().copied);
+    if (state == cudaErrorNotReady) break;
+    KVFORGE_CUDA_CHECK(state);
+    spare_events_.push_back(in_flight_.front().copied);
+    in_flight_.pop_front();
+  }
   const int64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   if (head_ + size > kBytes) head_ = 0;  // the ring's tail end stays unused this round
   const int64_t begin = head_, end = head_ + size;
