@@ -1,6 +1,7 @@
 // The append launcher: host checks of the params, the dispatch on grouping
-// and bits, the shared-memory size, and one launch per tensor kind (keys,
-// then values, on one stream; the kinds share no memory).
+// and bits, the shared-memory size, and one launch for keys and values (the
+// methods' grouping pairs; the kinds share no memory) or one per kind.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -43,24 +44,64 @@ void check(const TensorAppendArgs& args, const char* kind) {
   }
 }
 
+// A kernel's dynamic shared memory beyond the 48 KB a block gets without
+// asking, within the device's opt-in limit.
+template <class Kernel>
+void allow_shared(Kernel kernel, int64_t shared) {
+  if (shared <= 48 * 1024) return;
+  int device = 0, limit = 0;
+  KVFORGE_CUDA_CHECK(cudaGetDevice(&device));
+  KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (shared > limit) {
+    throw std::invalid_argument("append (CUDA): " + std::to_string(shared) +
+                                " bytes of shared memory per block (kv_heads * head_dim, group): the device has " +
+                                std::to_string(limit));
+  }
+  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+}
+
+int64_t shared_bytes(const TensorAppendArgs& args) {
+  return append_device::shared_layout(args.cache.layout, args.quantization).bytes;
+}
+
 template <ScaleGrouping kGrouping, int kBits>
 void launch(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
-  const auto shared = append_device::shared_layout(args.cache.layout, args.quantization).bytes;
+  const int64_t shared = shared_bytes(args);
   const auto kernel = append_device::append_kernel<kGrouping, kBits>;
-  if (shared > 48 * 1024) {
-    int device = 0, limit = 0;
-    KVFORGE_CUDA_CHECK(cudaGetDevice(&device));
-    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (shared > limit) {
-      throw std::invalid_argument("append (CUDA): " + std::to_string(shared) +
-                                  " bytes of shared memory per block (kv_heads * head_dim, group): the device has " +
-                                  std::to_string(limit));
-    }
-    KVFORGE_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  }
+  allow_shared(kernel, shared);
   kernel<<<count, append_device::kThreads, static_cast<size_t>(shared), stream>>>(args);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <ScaleGrouping kKeys, ScaleGrouping kValues, int kBits>
+void launch_pair(const TensorAppendArgs& keys, const TensorAppendArgs& values, int32_t count, cudaStream_t stream) {
+  const int64_t shared = std::max(shared_bytes(keys), shared_bytes(values));
+  const auto kernel = append_device::append_pair_kernel<kKeys, kValues, kBits>;
+  allow_shared(kernel, shared);
+  kernel<<<dim3(static_cast<unsigned>(count), 2), append_device::kThreads, static_cast<size_t>(shared), stream>>>(
+      keys, values);
+  KVFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Keys and values in one launch for the groupings the methods' defaults use
+// (kvquant: per_channel_offline keys, per_token_all_heads values; kivi:
+// per_channel_tokens, per_token; rtn and int2-rot: per_token, per_token);
+// false for any other pair (two launches).
+template <int kBits>
+bool launch_pair_bits(const TensorAppendArgs& keys, const TensorAppendArgs& values, int32_t count,
+                      cudaStream_t stream) {
+  const ScaleGrouping k = keys.cache.layout.spec.grouping, v = values.cache.layout.spec.grouping;
+  using G = ScaleGrouping;
+  if (k == G::kPerChannelOffline && v == G::kPerTokenAllHeads) {
+    launch_pair<G::kPerChannelOffline, G::kPerTokenAllHeads, kBits>(keys, values, count, stream);
+  } else if (k == G::kPerChannelTokens && v == G::kPerToken) {
+    launch_pair<G::kPerChannelTokens, G::kPerToken, kBits>(keys, values, count, stream);
+  } else if (k == G::kPerToken && v == G::kPerToken) {
+    launch_pair<G::kPerToken, G::kPerToken, kBits>(keys, values, count, stream);
+  } else {
+    return false;
+  }
+  return true;
 }
 
 template <int kBits>
@@ -75,8 +116,7 @@ void launch_bits(const TensorAppendArgs& args, int32_t count, cudaStream_t strea
   refuse("", "unknown grouping");
 }
 
-void launch_tensor(const TensorAppendArgs& args, int32_t count, const char* kind, cudaStream_t stream) {
-  check(args, kind);
+void launch_tensor(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
   if (args.cache.layout.spec.bits == 2) {
     launch_bits<2>(args, count, stream);
   } else {
@@ -94,8 +134,16 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
   TensorAppendArgs values{params.batch,          params.token_offsets,       params.values,
                           params.input,          params.value_cache,         params.value_quantization,
                           params.value_rotation, params.value_outliers};
-  launch_tensor(keys, params.batch.count, "keys", stream);
-  launch_tensor(values, params.batch.count, "values", stream);
+  check(keys, "keys");
+  check(values, "values");
+  const int32_t count = params.batch.count;
+  const bool paired = keys.cache.layout.spec.bits == values.cache.layout.spec.bits &&
+                      (keys.cache.layout.spec.bits == 2 ? launch_pair_bits<2>(keys, values, count, stream)
+                                                        : launch_pair_bits<4>(keys, values, count, stream));
+  if (!paired) {
+    launch_tensor(keys, count, stream);
+    launch_tensor(values, count, stream);
+  }
 }
 
 }  // namespace kvforge::kernels

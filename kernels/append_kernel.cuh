@@ -598,4 +598,25 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const __grid_constant_
   appender.run(static_cast<int32_t>(blockIdx.x));
 }
 
+// Keys (blockIdx.y 0) and values (1) of batch entry blockIdx.x in one
+// launch: a decoding step's append is otherwise two small kernels, and at
+// batch 1 their launches, not their work, are its time. The same appenders
+// as append_kernel's (each kind's state in its own static shared memory).
+template <ScaleGrouping kKeys, ScaleGrouping kValues, int kBits>
+__global__ void __launch_bounds__(kThreads)
+    append_pair_kernel(const __grid_constant__ TensorAppendArgs keys, const __grid_constant__ TensorAppendArgs values) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  __shared__ uint32_t entry_count;
+  __shared__ int32_t pages_used, abort;
+  if (blockIdx.y == 0) {
+    __shared__ typename BlockAppender<kKeys, kBits>::Scan::TempStorage key_scan;
+    BlockAppender<kKeys, kBits> appender(keys, shared, key_scan, entry_count, pages_used, abort);
+    appender.run(static_cast<int32_t>(blockIdx.x));
+  } else {
+    __shared__ typename BlockAppender<kValues, kBits>::Scan::TempStorage value_scan;
+    BlockAppender<kValues, kBits> appender(values, shared, value_scan, entry_count, pages_used, abort);
+    appender.run(static_cast<int32_t>(blockIdx.x));
+  }
+}
+
 }  // namespace kvforge::kernels::append_device
