@@ -545,101 +545,85 @@ TEST(AppendCudaCases, EveryLargeWorkloadIsServedByTheRuntime) {
   }
 }
 
-// A pool of one outlier page per layer and kind: both backends run out on
-// the same append and say so (std::length_error, the exhausted flag).
-TEST(AppendCudaOutlierPool, ExhaustionIsReportedAsOnTheCpu) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  Case c = make_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
-  c.fit.outlier_fraction = 0.05;
-  at::manual_seed(3);
+// The case fitted (after at::manual_seed(seed)) and two caches of it with
+// `options`: the CPU reference and CUDA, the latter with asynchronous_append
+// as asked.
+struct CpuAndCuda {
+  RotaryEmbedding rope;
+  QuantizerConfig config;
+  std::unique_ptr<kernels::QuantizedKVCache> cpu, cuda;
+};
+CpuAndCuda cpu_and_cuda(const Case& c, uint64_t seed, kernels::CacheOptions options, bool asynchronous) {
+  at::manual_seed(seed);
   const RopeConfig rope_config;
-  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
-  const QuantizerConfig config = fitted_config(c, rope);
-  kernels::CacheOptions options;
-  options.max_sequences = 2;
-  options.max_context = 256;
-  options.outlier_page_entries = 16;
-  options.max_outlier_pages = 1;
-  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
-  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
-  const Activations a = synthetic(1, 200, c.head_dim, 1.0, c.element, rope);
-  int64_t position = 0;
-  const int32_t id = cpu.add_sequence();
-  ASSERT_EQ(cuda.add_sequence(), id);
-  bool cpu_failed = false, cuda_failed = false;
-  for (int64_t n : {1, 1, 1, 1, 8, 8, 32, 64}) {
-    kernels::AppendBatch batch{{id}, {position}, {n}, nullptr, nullptr};
-    const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
-    const at::Tensor v = a.values.narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
-    batch.keys = k.data_ptr<float>();
-    batch.values = v.data_ptr<float>();
-    try {
-      cpu.append(0, batch);
-    } catch (const std::length_error&) {
-      cpu_failed = true;
-    }
-    try {
-      cuda.append(0, batch);
-    } catch (const std::length_error&) {
-      cuda_failed = true;
-    }
-    ASSERT_EQ(cpu_failed, cuda_failed) << "after " << position + n << " tokens";
-    if (cpu_failed) break;
-    position += n;
-  }
-  EXPECT_TRUE(cpu_failed) << "the pool of one page of 16 entries must run out";
+  CpuAndCuda r{RotaryEmbedding(rope_config, c.head_dim, at::kCPU), {}, nullptr, nullptr};
+  r.config = fitted_config(c, r.rope);
+  const kernels::ModelDimensions dims = dimensions(c, rope_config);
+  r.cpu = std::make_unique<kernels::QuantizedKVCache>(r.config, dims, options);
+  options.asynchronous_append = asynchronous;
+  r.cuda = std::make_unique<kernels::QuantizedKVCache>(r.config, dims, options, std::make_unique<kernels::CudaBackend>());
+  return r;
 }
 
-// asynchronous_append on CUDA: the same appends, each followed by
-// synchronize(), which reports the exhaustion where the CPU's synchronous
-// append does, naming the layer and the batch.
-TEST(AppendCudaOutlierPool, AsynchronousExhaustionIsReportedBySynchronize) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+// A pool of one outlier page per layer and kind, filled by appends of 1 to
+// 64 tokens: CUDA runs out on the same append as the CPU reference and says
+// so (std::length_error, the exhausted flag). With asynchronous_append the
+// CUDA append itself returns, and the synchronize() after it reports the
+// exhaustion, once, naming the layer and the batch.
+void expect_exhaustion_as_on_the_cpu(bool asynchronous) {
   Case c = make_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
   c.fit.outlier_fraction = 0.05;
-  at::manual_seed(3);
-  const RopeConfig rope_config;
-  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
-  const QuantizerConfig config = fitted_config(c, rope);
   kernels::CacheOptions options;
   options.max_sequences = 2;
   options.max_context = 256;
   options.outlier_page_entries = 16;
   options.max_outlier_pages = 1;
-  kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
-  options.asynchronous_append = true;
-  kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
-  const Activations a = synthetic(1, 200, c.head_dim, 1.0, c.element, rope);
+  const CpuAndCuda run = cpu_and_cuda(c, 3, options, asynchronous);
+  const Activations a = synthetic(1, 200, c.head_dim, 1.0, c.element, run.rope);
   int64_t position = 0;
-  const int32_t id = cpu.add_sequence();
-  ASSERT_EQ(cuda.add_sequence(), id);
+  const int32_t id = run.cpu->add_sequence();
+  ASSERT_EQ(run.cuda->add_sequence(), id);
   bool cpu_failed = false, cuda_failed = false;
   for (int64_t n : {1, 1, 1, 1, 8, 8, 32, 64}) {
     kernels::AppendBatch batch{{id}, {position}, {n}, nullptr, nullptr};
-    const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
+    const at::Tensor k = (run.config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
     const at::Tensor v = a.values.narrow(2, position, n)[0].permute({1, 0, 2}).contiguous();
     batch.keys = k.data_ptr<float>();
     batch.values = v.data_ptr<float>();
     try {
-      cpu.append(0, batch);
+      run.cpu->append(0, batch);
     } catch (const std::length_error&) {
       cpu_failed = true;
     }
-    ASSERT_NO_THROW(cuda.append(0, batch)) << "an asynchronous append does not wait for its flags";
     try {
-      cuda.synchronize();
+      if (asynchronous) {
+        ASSERT_NO_THROW(run.cuda->append(0, batch)) << "an asynchronous append does not wait for its flags";
+        run.cuda->synchronize();
+      } else {
+        run.cuda->append(0, batch);
+      }
     } catch (const std::length_error& e) {
       cuda_failed = true;
       const std::string what = e.what();
-      EXPECT_NE(what.find("append to layer 0 (sequences " + std::to_string(id)), std::string::npos) << what;
-      EXPECT_NE(what.find("asynchronous_append"), std::string::npos) << what;
+      const std::string batch_named = asynchronous ? " (sequences " + std::to_string(id) : ":";
+      EXPECT_NE(what.find("append to layer 0" + batch_named), std::string::npos) << what;
     }
     ASSERT_EQ(cpu_failed, cuda_failed) << "after " << position + n << " tokens";
     if (cpu_failed) break;
     position += n;
   }
   EXPECT_TRUE(cpu_failed) << "the pool of one page of 16 entries must run out";
-  EXPECT_NO_THROW(cuda.synchronize()) << "reported once";
+  EXPECT_NO_THROW(run.cuda->synchronize()) << "reported once";
+}
+
+TEST(AppendCudaOutlierPool, ExhaustionIsReportedAsOnTheCpu) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  expect_exhaustion_as_on_the_cpu(false);
+}
+
+TEST(AppendCudaOutlierPool, AsynchronousExhaustionIsReportedBySynchronize) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  expect_exhaustion_as_on_the_cpu(true);
 }
 
 // Pipelined asynchronous appends (no sync between them; prefill chunks,
@@ -651,25 +635,18 @@ TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatThe
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const QuantMethod method : {QuantMethod::kKvquant, QuantMethod::kKivi}) {
     Case c = make_case(method == QuantMethod::kKvquant ? "kvquant_async" : "kivi_async", method, 2, 128, 8);
-    at::manual_seed(17);
-    const RopeConfig rope_config;
-    const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
-    const QuantizerConfig config = fitted_config(c, rope);
     kernels::CacheOptions options;
     options.max_sequences = 3;
     options.max_context = 512;
-    kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
-    options.asynchronous_append = true;
-    kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options,
-                                   std::make_unique<kernels::CudaBackend>());
+    const CpuAndCuda run = cpu_and_cuda(c, 17, options, true);
     constexpr int kSequences = 3, kPrefill = 100, kSteps = 60;
     std::vector<std::vector<Activations>> inputs(kSequences);
     std::vector<int32_t> ids;
     for (int s = 0; s < kSequences; ++s) {
-      ids.push_back(cpu.add_sequence());
-      ASSERT_EQ(cuda.add_sequence(), ids.back());
+      ids.push_back(run.cpu->add_sequence());
+      ASSERT_EQ(run.cuda->add_sequence(), ids.back());
       for (int64_t layer = 0; layer < kLayers; ++layer) {
-        inputs[s].push_back(synthetic(1, kPrefill + kSteps, c.head_dim, 1.0 + 0.5 * layer, c.element, rope));
+        inputs[s].push_back(synthetic(1, kPrefill + kSteps, c.head_dim, 1.0 + 0.5 * layer, c.element, run.rope));
       }
     }
     std::vector<float> keys, values;  // one buffer for every call
@@ -686,7 +663,7 @@ TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatThe
         values.clear();
         for (int s = 0; s < kSequences; ++s) {
           const Activations& a = inputs[s][layer];
-          const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[s], n);
+          const at::Tensor k = (run.config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[s], n);
           const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous();
           const at::Tensor vrows = a.values.narrow(2, lengths[s], n)[0].permute({1, 0, 2}).contiguous();
           keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
@@ -694,8 +671,8 @@ TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatThe
         }
         batch.keys = keys.data();
         batch.values = values.data();
-        cpu.append(layer, batch);
-        cuda.append(layer, batch);
+        run.cpu->append(layer, batch);
+        run.cuda->append(layer, batch);
         std::fill(keys.begin(), keys.end(), std::numeric_limits<float>::quiet_NaN());
         std::fill(values.begin(), values.end(), std::numeric_limits<float>::quiet_NaN());
       }
@@ -703,9 +680,9 @@ TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatThe
     };
     append_all(kPrefill);
     for (int step = 0; step < kSteps; ++step) append_all(1);
-    ASSERT_NO_THROW(cuda.synchronize());
+    ASSERT_NO_THROW(run.cuda->synchronize());
     for (int64_t layer = 0; layer < kLayers; ++layer) {
-      ASSERT_NO_FATAL_FAILURE(expect_equal_pools(cpu, cuda, layer, c.name + " after the pipelined appends"));
+      ASSERT_NO_FATAL_FAILURE(expect_equal_pools(*run.cpu, *run.cuda, layer, c.name + " after the pipelined appends"));
     }
   }
 }

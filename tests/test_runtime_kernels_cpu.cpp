@@ -984,20 +984,32 @@ TEST(RuntimeKernelsCpuEmptyBatches, DecodeAndAppendOfNoSequencesDoNothing) {
   EXPECT_EQ(cache.length(a, 0), 3);
 }
 
+// A configuration with token_top_bottom value outliers and options whose
+// outlier pool holds 48 entries: 12 tokens fill it (each token has 2 heads x
+// 2k = 4 entries, k = 1 of 64 at 2%), the 13th exhausts it.
+QuantizerConfig small_pool_config() {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.values.outlier_fraction = 0.02;
+  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
+  return c;
+}
+kernels::CacheOptions small_pool_options() {
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  options.outlier_page_entries = 16;
+  options.max_outlier_pages = 3;
+  return options;
+}
+
 // asynchronous_append: the append that exhausts the outlier pool returns,
 // and the next synchronizing call (decode_attention here, then
 // synchronize() and remove_sequence for later ones) reports it once, naming
 // the layer and the batch; until then, and in every other respect, the
 // cache stores and attends exactly as with synchronous appends.
 TEST(RuntimeKernelsCpuAsynchronousAppend, ExhaustionIsReportedByTheNextSynchronizingCall) {
-  QuantizerConfig c = small_rtn(2, 64);
-  c.settings.values.outlier_fraction = 0.02;
-  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
-  kernels::CacheOptions options;
-  options.max_context = 64;
-  options.max_sequences = 2;
-  options.outlier_page_entries = 16;
-  options.max_outlier_pages = 3;  // 48 entries; each token has 2 heads x 2k = 4 (k = 1 of 64 at 2%)
+  const QuantizerConfig c = small_pool_config();
+  kernels::CacheOptions options = small_pool_options();
   kernels::QuantizedKVCache synchronous(c, small_dims(), options);
   options.asynchronous_append = true;
   kernels::QuantizedKVCache asynchronous(c, small_dims(), options);
@@ -1041,14 +1053,8 @@ TEST(RuntimeKernelsCpuAsynchronousAppend, ExhaustionIsReportedByTheNextSynchroni
 }
 
 TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveTheirPagesBack) {
-  QuantizerConfig c = small_rtn(2, 64);
-  c.settings.values.outlier_fraction = 0.02;
-  c.settings.values.outlier_rule = OutlierRule::kTokenTopBottom;
-  kernels::CacheOptions options;
-  options.max_context = 64;
-  options.max_sequences = 2;
-  options.outlier_page_entries = 16;
-  options.max_outlier_pages = 3;  // 48 entries; each token has 2 heads x 2k = 4 (k = 1 of 64 at 2%)
+  const QuantizerConfig c = small_pool_config();
+  kernels::CacheOptions options = small_pool_options();
   kernels::QuantizedKVCache cache(c, small_dims(), options);
   const int32_t a = cache.add_sequence();
   const at::Tensor rows = at::randn({20, 2, 64}, at::kFloat).contiguous();
