@@ -270,8 +270,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       timeout 150 ncu --clock-control none --kernel-name regex:decode_tensor_core --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        --import-source yes -f -o "$LOGS/ncu_$method" \
         ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches 8 --methods "$method" --bits 2 \
-        --repeats 2 --out /tmp/profile_bench.json > "$LOGS/ncu_$method.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.log"; }
+        --repeats 2 --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
+      ncu -i "$LOGS/ncu_$method.ncu-rep" --print-summary none > "$LOGS/ncu_$method.log" 2>&1
+      # Per SASS instruction (with its CUDA line): executions and stall
+      # samples, for the per-line breakdown of the tile loop (bench/README).
+      ncu -i "$LOGS/ncu_$method.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$method.csv" 2>&1 ||
+        echo "ncu --page source failed: $(tail -1 "$LOGS/ncu_source_$method.csv")"
+      gzip -kf "$LOGS/ncu_source_$method.csv" && cp "$LOGS/ncu_source_$method.csv.gz" "$OUT/" 2>/dev/null
       grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$method.log" | head -70
       cp "$LOGS/ncu_$method.log" "$OUT/ncu_$method.txt" 2>/dev/null
     done
