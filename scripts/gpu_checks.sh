@@ -158,7 +158,7 @@ agree_checks() {
 # The end of a GPU_CHECKS_ONLY mode: the logs packed into $OUT, the verdict,
 # the exit status.
 finish_mode() {
-  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  tar -czf "$OUT/gpu-logs.tar.gz" --exclude='*.safetensors' --exclude='*.h5' --exclude='*.ncu-rep' --exclude='*.csv' -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
   echo; echo "gpu_checks ($1): $([ $status = 0 ] && echo PASSED || echo FAILED)"
   exit $status
 }
