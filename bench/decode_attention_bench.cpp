@@ -254,6 +254,7 @@ int run(int argc, char** argv) {
           // One decoding step's append: a token for every sequence.
           const at::Tensor one_k = at::randn({batch, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
           const at::Tensor one_v = at::randn_like(one_k);
+          KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());  // made on torch's stream, read on the cache's
           kernels::AppendBatch step;
           step.sequences = sequences;
           for (const int32_t s : sequences) {
