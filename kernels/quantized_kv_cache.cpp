@@ -812,10 +812,15 @@ void QuantizedKVCache::check_pending_appends() {
   backend_->copy_out(flags.data(), exhausted_flags_->data, static_cast<int64_t>(flags.size()) * 4);
   const std::vector<PendingAppend> pending = std::move(pending_appends_);
   pending_appends_.clear();
-  // The first append of an exhausted layer is named: the flag is set by the
-  // append that ran out and stays set.
+  // The first append of an exhausted layer is named (the flag is set by the
+  // append that ran out and stays set); every layer's flags are cleared with
+  // the report, which asks for the batch's sequences to be removed anyway.
   for (const PendingAppend& a : pending) {
-    report_exhaustion(a.layer, a.sequences, flags.data() + a.layer * 2, true);
+    const int32_t* layer_flags = flags.data() + a.layer * 2;
+    if (layer_flags[0] == 0 && layer_flags[1] == 0) continue;
+    const std::vector<int32_t> cleared(flags.size(), 0);
+    backend_->copy_in(exhausted_flags_->data, cleared.data(), static_cast<int64_t>(cleared.size()) * 4);
+    report_exhaustion(a.layer, a.sequences, layer_flags, true);
   }
 }
 
