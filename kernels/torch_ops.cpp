@@ -29,8 +29,10 @@
 #include "model/rope.h"
 
 #ifdef KVFORGE_TORCH_OPS_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include "kernels/cuda_backend.h"
 #endif
@@ -155,8 +157,8 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
  public:
   QuantizedKVCacheClass(std::string artifact_path, std::string config_name, std::string model_dir,
                         std::string device, int64_t page_size, int64_t max_sequences, int64_t max_context,
-                        std::string element)
-      : device_(parse_device(device)) {
+                        std::string element, bool asynchronous_append)
+      : device_(parse_device(device)), asynchronous_append_(asynchronous_append) {
     refusing([&] {
       const Artifact artifact = read_artifact(artifact_path);
       const QuantizerConfig& config = find_config(artifact, config_name, artifact_path);
@@ -167,9 +169,14 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
       options.max_sequences = max_sequences;
       options.max_context = max_context;
       options.element = parse_element(element);
+      options.asynchronous_append = asynchronous_append;
       std::unique_ptr<kernels::KernelBackend> backend;
 #ifdef KVFORGE_TORCH_OPS_CUDA
-      if (device_.is_cuda()) backend = std::make_unique<kernels::CudaBackend>(device_.index());
+      if (device_.is_cuda()) {
+        auto cuda = std::make_unique<kernels::CudaBackend>(device_.index());
+        backend_stream_ = cuda->stream();
+        backend = std::move(cuda);
+      }
 #endif
       layers_ = model.num_layers;
       heads_ = model.num_heads;
@@ -221,10 +228,23 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
       batch.values = values.const_data_ptr();
       batch.input = input;
       batch.backend_memory = true;
-      wait_for_torch();
-      cache_->append(layer, batch);  // returns after the kernel (it reads the pool-exhaustion flag)
+      order_after_torch();
+      cache_->append(layer, batch);
+      // Asynchronous: the kernel reads keys and values after the call; torch
+      // must not hand their memory to a new tensor before it has.
+      if (asynchronous_append_) {
+        keep_until_read(keys);
+        keep_until_read(values);
+      }
     });
   }
+
+  // Waits for every queued append; reports an outlier pool an asynchronous
+  // append exhausted (RuntimeError).
+  void synchronize() {
+    refusing([&] { cache_->synchronize(); });
+  }
+  bool asynchronous_append() const { return asynchronous_append_; }
 
   // queries [S, heads, head_dim] (post-RoPE) float32, float16 or bfloat16
   // on the cache's device, one per sequence; returns [S, heads, head_dim] of
@@ -238,7 +258,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
     at::Tensor output = at::empty({count, heads_, head_dim_}, queries.options());
     refusing([&] {
       const std::vector<int32_t> ids = sequence_ids(sequences, "decode_attention");
-      wait_for_torch();
+      order_after_torch();
       cache_->decode_attention(layer, ids, queries.const_data_ptr(), output.mutable_data_ptr(), nullptr,
                                /*backend_memory=*/true, io);
     });
@@ -261,15 +281,39 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
                 " is not contiguous: expected a contiguous tensor (call .contiguous())");
   }
 
-  // The kernels run on the backend's own stream: what torch's current stream
-  // has queued (the inputs' producers) must have finished first.
-  void wait_for_torch() const {
+  // The kernels run on the backend's own stream: it waits, on the device,
+  // for what torch's current stream has queued (the inputs' producers, the
+  // last users of the output's memory), without a host sync.
+  void order_after_torch() const {
 #ifdef KVFORGE_TORCH_OPS_CUDA
-    if (device_.is_cuda()) c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
+    if (!device_.is_cuda()) return;
+    const cudaStream_t torch_stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    cudaEvent_t ready = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    const cudaError_t recorded = cudaEventRecord(ready, torch_stream);
+    const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(backend_stream_, ready, 0) : recorded;
+    cudaEventDestroy(ready);  // released once the wait has passed
+    C10_CUDA_CHECK(waited);
+#endif
+  }
+
+  // Tells torch's allocator that the backend's stream uses the tensor's
+  // memory, so it is not reused before that stream's queued work has run.
+  void keep_until_read(const at::Tensor& t) const {
+#ifdef KVFORGE_TORCH_OPS_CUDA
+    if (!device_.is_cuda()) return;
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                  c10::cuda::getStreamFromExternal(backend_stream_, device_.index()));
+#else
+    (void)t;
 #endif
   }
 
   c10::Device device_;
+  bool asynchronous_append_ = false;
+#ifdef KVFORGE_TORCH_OPS_CUDA
+  cudaStream_t backend_stream_ = nullptr;
+#endif
   int64_t layers_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   bool keys_pre_rope_ = false;
   std::unique_ptr<kernels::QuantizedKVCache> cache_;
@@ -277,7 +321,11 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
 
 TORCH_LIBRARY(kvforge, m) {
   m.class_<QuantizedKVCacheClass>("QuantizedKVCache")
-      .def(torch::init<std::string, std::string, std::string, std::string, int64_t, int64_t, int64_t, std::string>())
+      .def(torch::init<std::string, std::string, std::string, std::string, int64_t, int64_t, int64_t, std::string,
+                       bool>(),
+           "", {torch::arg("artifact"), torch::arg("config"), torch::arg("model_dir"), torch::arg("device"),
+                torch::arg("page_size"), torch::arg("max_sequences"), torch::arg("max_context"), torch::arg("element"),
+                torch::arg("asynchronous_append") = false})
       .def("add_sequence", &QuantizedKVCacheClass::add_sequence)
       .def("remove_sequence", &QuantizedKVCacheClass::remove_sequence)
       .def("length", &QuantizedKVCacheClass::length)
@@ -285,6 +333,8 @@ TORCH_LIBRARY(kvforge, m) {
       .def("name", &QuantizedKVCacheClass::name)
       .def("device", &QuantizedKVCacheClass::device)
       .def("append", &QuantizedKVCacheClass::append)
+      .def("synchronize", &QuantizedKVCacheClass::synchronize)
+      .def("asynchronous_append", &QuantizedKVCacheClass::asynchronous_append)
       .def("decode_attention", &QuantizedKVCacheClass::decode_attention);
 }
 

@@ -409,9 +409,14 @@ def check_cuda(make_on, model, cases):
         for dtype, element in DTYPES.items():
             if dtype == torch.float32:
                 element = "fp16"  # float32 inputs into the serving element type
-            step(f"(f) {config} {DTYPES[dtype]} (element {element}): constructing a cuda and a cpu cache")
-            gpu, cpu = make_on("cuda", config, element), make_on("cpu", config, element)
+            # bfloat16 inputs go through asynchronous appends on the cuda cache: its
+            # inputs are temporaries torch may reuse as soon as append returns.
+            asynchronous = dtype == torch.bfloat16
+            mode = " (asynchronous appends)" if asynchronous else ""
+            step(f"(f) {config} {DTYPES[dtype]} (element {element}){mode}: constructing a cuda and a cpu cache")
+            gpu, cpu = make_on("cuda", config, element, asynchronous), make_on("cpu", config, element)
             assert gpu.device() == "cuda:0" and cpu.device() == "cpu", (gpu.device(), cpu.device())
+            assert gpu.asynchronous_append() == asynchronous and not cpu.asynchronous_append()
             k, v, q = keys.to(dtype), values.to(dtype), queries.to(dtype)
             rows = {gpu: (k.cuda(), v.cuda()), cpu: (k, v)}
             starts = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -467,7 +472,8 @@ def check_cuda(make_on, model, cases):
                 return v[-fresh:] if i == 0 else held_rows(i)
 
             compare(list(range(len(lengths))), rows_after_reuse, "after a removed slot was reused")
-            print(f"  (f) {config} {DTYPES[dtype]} (element {element}): lengths {lengths}, cuda within "
+            gpu.synchronize()
+            print(f"  (f) {config} {DTYPES[dtype]} (element {element}){mode}: lengths {lengths}, cuda within "
                   f"{worst:.2e} of the bound of the cpu cache")
             if not KEPT_UNTIL_EXIT:
                 # Destruction at interpreter exit: a cache held by a module-level name
@@ -557,8 +563,12 @@ def main():
         step("building the artifact (kvforge capture and calibrate)")
         artifact = build_artifact(binary, model_dir, calib, work)
 
-        def make_on(device, config, element):
-            return torch.classes.kvforge.QuantizedKVCache(artifact, config, model_dir, device, 16, 4, 1024, element)
+        def make_on(device, config, element, asynchronous=False):
+            if not asynchronous:  # the constructor's default
+                return torch.classes.kvforge.QuantizedKVCache(artifact, config, model_dir, device, 16, 4, 1024,
+                                                              element)
+            return torch.classes.kvforge.QuantizedKVCache(artifact, config, model_dir, device, 16, 4, 1024, element,
+                                                          True)
 
         def make(config, element):
             return make_on("cpu", config, element)
@@ -568,6 +578,9 @@ def main():
         check_exact(make, model, "exact-post-rope", "fp32", False)
         check_exact(make, model, "exact-pre-rope", "fp16", True)
         check_exact(make, model, "exact-post-rope", "bf16", False)
+        step("(a) an exact configuration through asynchronous appends on the cpu")
+        check_exact(lambda config, element: make_on("cpu", config, element, True), model, "exact-post-rope", "fp32",
+                    False)
         step("(b) 2-bit configurations on the cpu")
         check_quantized(make, model, "int2-rot-2bit", *random_case(model), layer=0)
         captured = captured_case(os.path.join(work, "acts.h5"), 2, True, [256, 180])
