@@ -779,19 +779,20 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   // The call's one sync: the flags of keys and values lie side by side.
   int32_t exhausted[2] = {0, 0};
   backend_->copy_out(exhausted, k.exhausted, 8);
-  report_exhaustion(layer, batch.sequences, exhausted, false);
+  if (exhausted[0] != 0 || exhausted[1] != 0) {
+    const int32_t cleared[2] = {0, 0};
+    backend_->copy_in(k.exhausted, cleared, 8);
+    throw_exhaustion(layer, batch.sequences, exhausted, false);
+  }
   for (size_t i = 0; i < count; ++i) {
     lengths_[static_cast<size_t>(batch.sequences[i])][static_cast<size_t>(layer)] += batch.tokens[i];
   }
 }
 
-void QuantizedKVCache::report_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags,
-                                         bool late) {
-  if (flags[0] == 0 && flags[1] == 0) return;
+void QuantizedKVCache::throw_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags,
+                                        bool late) const {
   const TensorState& k = tensor(layer, TensorKind::kKeys);
   const TensorState& t = flags[0] != 0 ? k : tensor(layer, TensorKind::kValues);
-  const int32_t cleared[2] = {0, 0};
-  backend_->copy_in(k.exhausted, cleared, 8);
   std::string batch;
   if (late) {
     for (const int32_t s : sequences) batch += (batch.empty() ? "" : ", ") + std::to_string(s);
@@ -820,7 +821,7 @@ void QuantizedKVCache::check_pending_appends() {
     if (layer_flags[0] == 0 && layer_flags[1] == 0) continue;
     const std::vector<int32_t> cleared(flags.size(), 0);
     backend_->copy_in(exhausted_flags_->data, cleared.data(), static_cast<int64_t>(cleared.size()) * 4);
-    report_exhaustion(a.layer, a.sequences, layer_flags, true);
+    throw_exhaustion(a.layer, a.sequences, layer_flags, true);
   }
 }
 

@@ -216,11 +216,11 @@ class QuantizedKVCache {
   const TensorState& tensor(int64_t layer, TensorKind kind) const;
   void check_sequence(int32_t sequence, const char* what) const;
   void ensure_pages(int32_t sequence, int64_t tokens);
-  // Throws std::length_error naming the append of `layer` to `sequences` if
-  // the layer's outlier allocators report exhaustion in `flags` (keys,
-  // values), clearing the backend's flags first; `late` says it was queued
-  // by an earlier call.
-  void report_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags, bool late);
+  // Throws std::length_error naming the append of `layer` to `sequences`
+  // whose outlier allocators set `flags` (keys, values; the caller has
+  // cleared the backend's); `late`: it was queued by an earlier call.
+  [[noreturn]] void throw_exhaustion(int64_t layer, std::span<const int32_t> sequences, const int32_t* flags,
+                                     bool late) const;
   // Reads every layer's flags once (a sync) for the pending asynchronous
   // appends and reports the first exhausted one.
   void check_pending_appends();
