@@ -176,6 +176,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
         auto cuda = std::make_unique<kernels::CudaBackend>(device_.index());
         backend_stream_ = cuda->stream();
         backend = std::move(cuda);
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&torch_ready_, cudaEventDisableTiming));
       }
 #endif
       layers_ = model.num_layers;
@@ -186,6 +187,14 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
       cache_ = std::make_unique<kernels::QuantizedKVCache>(config, dimensions_of(model), options, std::move(backend));
     });
   }
+
+  ~QuantizedKVCacheClass() override {
+#ifdef KVFORGE_TORCH_OPS_CUDA
+    if (torch_ready_ != nullptr) cudaEventDestroy(torch_ready_);  // no throwing from a destructor
+#endif
+  }
+  QuantizedKVCacheClass(const QuantizedKVCacheClass&) = delete;
+  QuantizedKVCacheClass& operator=(const QuantizedKVCacheClass&) = delete;
 
   int64_t add_sequence() {
     return refusing([&] { return static_cast<int64_t>(cache_->add_sequence()); });
@@ -287,13 +296,9 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   void order_after_torch() const {
 #ifdef KVFORGE_TORCH_OPS_CUDA
     if (!device_.is_cuda()) return;
-    const cudaStream_t torch_stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
-    cudaEvent_t ready = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    const cudaError_t recorded = cudaEventRecord(ready, torch_stream);
-    const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(backend_stream_, ready, 0) : recorded;
-    cudaEventDestroy(ready);  // released once the wait has passed
-    C10_CUDA_CHECK(waited);
+    // One event, recorded anew per call: a wait uses the record made before it.
+    C10_CUDA_CHECK(cudaEventRecord(torch_ready_, c10::cuda::getCurrentCUDAStream(device_.index()).stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(backend_stream_, torch_ready_, 0));
 #endif
   }
 
@@ -313,6 +318,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   bool asynchronous_append_ = false;
 #ifdef KVFORGE_TORCH_OPS_CUDA
   cudaStream_t backend_stream_ = nullptr;
+  cudaEvent_t torch_ready_ = nullptr;  // torch's stream at the call, for the backend's to wait on
 #endif
   int64_t layers_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   bool keys_pre_rope_ = false;
