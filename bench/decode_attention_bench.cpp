@@ -13,7 +13,8 @@
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
-// append_time_us, append_over_decode_rate and the FlashInfer times.
+// append_time_us, append_over_decode_rate and the FlashInfer times, and the
+// append step's host and device sides (append_host_us, append_device_us).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -30,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/busy_wait.h"
 #include "calib/quantizer_fit.h"
 #include "formats/hf_config.h"
 #include "kernels/cuda_backend.h"
@@ -172,6 +174,7 @@ int run(int argc, char** argv) {
     for (const nlohmann::json& row : nlohmann::json::parse(in).at("rows")) {
       flashinfer[{row.at("context").get<int64_t>(), row.at("batch").get<int64_t>()}] = row;
     }
+    std::cerr << "baselines: " << flashinfer.size() << " rows from " << baselines << "\n";
   }
   // Device copy bandwidth: bytes read plus written per second.
   double copy_bandwidth = 0;
@@ -207,7 +210,9 @@ int run(int argc, char** argv) {
         options.max_context = contexts.back() + 512;  // the append measurements add tokens
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
-        kernels::QuantizedKVCache cache(config, dims, options, std::make_unique<kernels::CudaBackend>(0));
+        auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
+        const cudaStream_t append_stream = owned_backend->stream();
+        kernels::QuantizedKVCache cache(config, dims, options, std::move(owned_backend));
         std::vector<int32_t> sequences;
         for (int64_t i = 0; i < batch; ++i) sequences.push_back(cache.add_sequence());
         int32_t* slots = nullptr;
@@ -287,6 +292,34 @@ int run(int argc, char** argv) {
                                        },
                                        append_repeats) /
                                    kAppendRun;
+          // Where a step's throughput goes: its host side (the enqueue's wall
+          // clock) and its device side (events around kAppendRun steps queued
+          // behind a busy kernel, so that they run back to back).
+          std::vector<double> host_us, device_us;
+          {
+            cudaEvent_t start, stop;
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
+            for (int i = 0; i < append_repeats; ++i) {
+              busy_wait_on(append_stream, 5'000'000);
+              KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
+              const auto begin = std::chrono::steady_clock::now();
+              for (int r = 0; r < kAppendRun; ++r) one_step();
+              host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count() /
+                                kAppendRun);
+              KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
+              cache.synchronize();
+              float ms = 0;
+              KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+              device_us.push_back(ms * 1e3 / kAppendRun);
+            }
+            cudaEventDestroy(start);
+            cudaEventDestroy(stop);
+          }
+          const auto median = [](std::vector<double> v) {
+            std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+            return v[v.size() / 2];
+          };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
                                 {"batch", batch},
@@ -302,6 +335,8 @@ int run(int argc, char** argv) {
                                 {"bandwidth_fraction", static_cast<double>(bytes) / (time_us * 1e-6) / copy_bandwidth},
                                 {"append_time_us", append_us},
                                 {"append_latency_us", append_latency_us},
+                                {"append_host_us", median(host_us)},
+                                {"append_device_us", median(device_us)},
                                 {"append_over_decode_rate", time_us / append_us}};
           const auto fi = flashinfer.find({context, batch});
           if (fi != flashinfer.end()) {

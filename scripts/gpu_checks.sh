@@ -283,6 +283,23 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       cp "$LOGS/ncu_$method.log" "$OUT/ncu_$method.txt" 2>/dev/null
     done
   fi
+  # The decode-step append kernel (one token per sequence, batch 1 and 32):
+  # its duration and where its time goes. PROFILE_APPEND=1.
+  if [ -n "${PROFILE_APPEND:-}" ] && command -v ncu > /dev/null; then
+    for batch in 1 32; do
+      step "kernels: ncu profile of the decode-step append kernel (rtn, batch $batch, 2 bits)"
+      timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SourceCounters \
+        --import-source yes -f -o "$LOGS/ncu_append_b$batch" \
+        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches $batch --methods rtn --bits 2 \
+        --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_append_b$batch.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_append_b$batch.run.log"; }
+      ncu -i "$LOGS/ncu_append_b$batch.ncu-rep" --print-summary none > "$LOGS/ncu_append_b$batch.log" 2>&1
+      ncu -i "$LOGS/ncu_append_b$batch.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_append_b$batch.csv" 2>&1
+      gzip -kf "$LOGS/ncu_source_append_b$batch.csv" && cp "$LOGS/ncu_source_append_b$batch.csv.gz" "$OUT/" 2>/dev/null
+      grep -E "append|Duration|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Executed Instructions |Dynamic Shared" "$LOGS/ncu_append_b$batch.log" | head -12
+      cp "$LOGS/ncu_append_b$batch.log" "$OUT/ncu_append_b$batch.txt" 2>/dev/null
+    done
+  fi
   finish_mode kernels
 fi
 if [ "${GPU_CHECKS_ONLY:-}" = agree ]; then
