@@ -65,21 +65,22 @@ int64_t shared_bytes(const TensorAppendArgs& args) {
 }
 
 template <ScaleGrouping kGrouping, int kBits>
-void launch(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
+void launch(const TensorAppendArgs& args, const InlineBatchArrays& arrays, int32_t count, cudaStream_t stream) {
   const int64_t shared = shared_bytes(args);
   const auto kernel = append_device::append_kernel<kGrouping, kBits>;
   allow_shared(kernel, shared);
-  kernel<<<count, append_device::kThreads, static_cast<size_t>(shared), stream>>>(args);
+  kernel<<<count, append_device::kThreads, static_cast<size_t>(shared), stream>>>(args, arrays);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <ScaleGrouping kKeys, ScaleGrouping kValues, int kBits>
-void launch_pair(const TensorAppendArgs& keys, const TensorAppendArgs& values, int32_t count, cudaStream_t stream) {
+void launch_pair(const TensorAppendArgs& keys, const TensorAppendArgs& values, const InlineBatchArrays& arrays,
+                 int32_t count, cudaStream_t stream) {
   const int64_t shared = std::max(shared_bytes(keys), shared_bytes(values));
   const auto kernel = append_device::append_pair_kernel<kKeys, kValues, kBits>;
   allow_shared(kernel, shared);
   kernel<<<dim3(static_cast<unsigned>(count), 2), append_device::kThreads, static_cast<size_t>(shared), stream>>>(
-      keys, values);
+      keys, values, arrays);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -88,16 +89,16 @@ void launch_pair(const TensorAppendArgs& keys, const TensorAppendArgs& values, i
 // per_channel_tokens, per_token; rtn and int2-rot: per_token, per_token);
 // false for any other pair (two launches).
 template <int kBits>
-bool launch_pair_bits(const TensorAppendArgs& keys, const TensorAppendArgs& values, int32_t count,
-                      cudaStream_t stream) {
+bool launch_pair_bits(const TensorAppendArgs& keys, const TensorAppendArgs& values, const InlineBatchArrays& arrays,
+                      int32_t count, cudaStream_t stream) {
   const ScaleGrouping k = keys.cache.layout.spec.grouping, v = values.cache.layout.spec.grouping;
   using G = ScaleGrouping;
   if (k == G::kPerChannelOffline && v == G::kPerTokenAllHeads) {
-    launch_pair<G::kPerChannelOffline, G::kPerTokenAllHeads, kBits>(keys, values, count, stream);
+    launch_pair<G::kPerChannelOffline, G::kPerTokenAllHeads, kBits>(keys, values, arrays, count, stream);
   } else if (k == G::kPerChannelTokens && v == G::kPerToken) {
-    launch_pair<G::kPerChannelTokens, G::kPerToken, kBits>(keys, values, count, stream);
+    launch_pair<G::kPerChannelTokens, G::kPerToken, kBits>(keys, values, arrays, count, stream);
   } else if (k == G::kPerToken && v == G::kPerToken) {
-    launch_pair<G::kPerToken, G::kPerToken, kBits>(keys, values, count, stream);
+    launch_pair<G::kPerToken, G::kPerToken, kBits>(keys, values, arrays, count, stream);
   } else {
     return false;
   }
@@ -105,22 +106,22 @@ bool launch_pair_bits(const TensorAppendArgs& keys, const TensorAppendArgs& valu
 }
 
 template <int kBits>
-void launch_bits(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
+void launch_bits(const TensorAppendArgs& args, const InlineBatchArrays& arrays, int32_t count, cudaStream_t stream) {
   switch (args.cache.layout.spec.grouping) {
-    case ScaleGrouping::kPerToken: return launch<ScaleGrouping::kPerToken, kBits>(args, count, stream);
-    case ScaleGrouping::kPerChannelTokens: return launch<ScaleGrouping::kPerChannelTokens, kBits>(args, count, stream);
+    case ScaleGrouping::kPerToken: return launch<ScaleGrouping::kPerToken, kBits>(args, arrays, count, stream);
+    case ScaleGrouping::kPerChannelTokens: return launch<ScaleGrouping::kPerChannelTokens, kBits>(args, arrays, count, stream);
     case ScaleGrouping::kPerChannelOffline:
-      return launch<ScaleGrouping::kPerChannelOffline, kBits>(args, count, stream);
-    case ScaleGrouping::kPerTokenAllHeads: return launch<ScaleGrouping::kPerTokenAllHeads, kBits>(args, count, stream);
+      return launch<ScaleGrouping::kPerChannelOffline, kBits>(args, arrays, count, stream);
+    case ScaleGrouping::kPerTokenAllHeads: return launch<ScaleGrouping::kPerTokenAllHeads, kBits>(args, arrays, count, stream);
   }
   refuse("", "unknown grouping");
 }
 
-void launch_tensor(const TensorAppendArgs& args, int32_t count, cudaStream_t stream) {
+void launch_tensor(const TensorAppendArgs& args, const InlineBatchArrays& arrays, int32_t count, cudaStream_t stream) {
   if (args.cache.layout.spec.bits == 2) {
-    launch_bits<2>(args, count, stream);
+    launch_bits<2>(args, arrays, count, stream);
   } else {
-    launch_bits<4>(args, count, stream);
+    launch_bits<4>(args, arrays, count, stream);
   }
 }
 
@@ -137,12 +138,17 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
   check(keys, "keys");
   check(values, "values");
   const int32_t count = params.batch.count;
+  const InlineBatchArrays& arrays = params.inline_arrays;
+  if (arrays.count != 0 && arrays.count != count) {
+    throw std::invalid_argument("append (CUDA): inline batch arrays of " + std::to_string(arrays.count) +
+                                " entries for a batch of " + std::to_string(count) + ": expected 0 or the batch's");
+  }
   const bool paired = keys.cache.layout.spec.bits == values.cache.layout.spec.bits &&
-                      (keys.cache.layout.spec.bits == 2 ? launch_pair_bits<2>(keys, values, count, stream)
-                                                        : launch_pair_bits<4>(keys, values, count, stream));
+                      (keys.cache.layout.spec.bits == 2 ? launch_pair_bits<2>(keys, values, arrays, count, stream)
+                                                        : launch_pair_bits<4>(keys, values, arrays, count, stream));
   if (!paired) {
-    launch_tensor(keys, count, stream);
-    launch_tensor(values, count, stream);
+    launch_tensor(keys, arrays, count, stream);
+    launch_tensor(values, arrays, count, stream);
   }
 }
 

@@ -37,13 +37,24 @@ struct TensorAppendArgs {
 
 // ------------------------------------------------------------ shared memory
 
+// A runtime group's grid, built once from its inlier (min, max) and then
+// applied to each of its elements: uniform, code = rint((x - origin) / step)
+// with origin = lo and step = (hi - lo) / top; non-uniform, the level nearest
+// to (x - origin) / step with origin = (lo + hi) / 2 and step = (hi - lo) / 2
+// (lo, hi = min, max times the clip ratio). Not valid (every code 0) when
+// hi > lo does not hold.
+struct RuntimeGrid {
+  double origin = 0, step = 0;
+  int32_t valid = 0;
+};
+
 // The dynamic shared memory of one block (byte offsets; doubles first):
 // the token (y), a scratch token (the input before rotation, or a ring token
-// read back), the per-token groups' inlier minima and maxima, the KV heads'
-// token_tau statistics and the outlier bit masks (one per token of a
+// read back), the per-token groups' grids, the KV heads' token_tau
+// statistics and the outlier bit masks (one per token of a
 // per_channel_tokens group, else one).
 struct SharedLayout {
-  int64_t y = 0, scratch = 0, group_min = 0, group_max = 0, head_stats = 0, masks = 0, bytes = 0;
+  int64_t y = 0, scratch = 0, grids = 0, head_stats = 0, masks = 0, bytes = 0;
   int32_t groups = 0, mask_tokens = 0, mask_words = 0;
 };
 
@@ -59,9 +70,8 @@ KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l,
   m.mask_words = static_cast<int32_t>((width + 31) / 32);
   m.y = 0;
   m.scratch = m.y + width * 8;
-  m.group_min = m.scratch + width * 8;
-  m.group_max = m.group_min + m.groups * 8;
-  m.head_stats = m.group_max + m.groups * 8;
+  m.grids = m.scratch + width * 8;
+  m.head_stats = m.grids + m.groups * static_cast<int64_t>(sizeof(RuntimeGrid));
   m.masks = m.head_stats + 2 * static_cast<int64_t>(s.kv_heads) * 8;
   m.bytes = m.masks + static_cast<int64_t>(m.mask_tokens) * m.mask_words * 4;
   return m;
@@ -115,18 +125,38 @@ __device__ inline int clamp_code(double rounded, int top) {
   return static_cast<int>(rounded < 0.0 ? 0.0 : (static_cast<double>(top) < rounded ? static_cast<double>(top) : rounded));
 }
 
-// A runtime group's code of x given the group's inlier (min, max).
+// A runtime group's grid given its inlier (min, max): the reference's
+// operations, split so that the group's part runs once per group.
 template <int kBits>
-__device__ inline int runtime_code(const Quantization& q, double x, double min, double max) {
+__device__ inline RuntimeGrid runtime_grid(const Quantization& q, double min, double max) {
   constexpr int top = (1 << kBits) - 1;
   const double lo = __dmul_rn(min, q.clip_ratio), hi = __dmul_rn(max, q.clip_ratio);
-  if (!(hi > lo)) return 0;
-  if (!q.non_uniform) {
-    const double scale = __ddiv_rn(__dsub_rn(hi, lo), static_cast<double>(top));
-    return clamp_code(rint(__ddiv_rn(__dsub_rn(x, lo), scale)), top);
-  }
-  const double center = __ddiv_rn(__dadd_rn(lo, hi), 2.0), half = __ddiv_rn(__dsub_rn(hi, lo), 2.0);
-  return level_code(__ddiv_rn(__dsub_rn(x, center), half), q.encode_midpoints, top + 1);
+  if (!(hi > lo)) return {};
+  if (!q.non_uniform) return {lo, __ddiv_rn(__dsub_rn(hi, lo), static_cast<double>(top)), 1};
+  return {__ddiv_rn(__dadd_rn(lo, hi), 2.0), __ddiv_rn(__dsub_rn(hi, lo), 2.0), 1};
+}
+
+// The code of x on a runtime group's grid.
+template <int kBits>
+__device__ inline int runtime_code(const Quantization& q, const RuntimeGrid& grid, double x) {
+  constexpr int top = (1 << kBits) - 1;
+  if (grid.valid == 0) return 0;
+  const double normalized = __ddiv_rn(__dsub_rn(x, grid.origin), grid.step);
+  if (!q.non_uniform) return clamp_code(rint(normalized), top);
+  return level_code(normalized, q.encode_midpoints, top + 1);
+}
+
+// The 32-bit code word holding channel i's code, assembled over the lanes
+// that hold its other channels: the caller's lane holds channel i with
+// i % 32 == lane (a word's 32 / bits channels are consecutive and aligned,
+// so they lie in consecutive lanes). Every lane of the warp calls it.
+template <int kBits>
+__device__ inline uint32_t code_word(int code, int64_t i) {
+  constexpr int per_word = 32 / kBits;
+  uint32_t bits = static_cast<uint32_t>(code) << ((i % per_word) * kBits);
+#pragma unroll
+  for (int offset = per_word / 2; offset > 0; offset /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
+  return bits;
 }
 
 template <int kBits>
@@ -182,8 +212,7 @@ class BlockAppender {
         m_(shared_layout(args.cache.layout, args.quantization)),
         y_(reinterpret_cast<double*>(shared + m_.y)),
         scratch_(reinterpret_cast<double*>(shared + m_.scratch)),
-        group_min_(reinterpret_cast<double*>(shared + m_.group_min)),
-        group_max_(reinterpret_cast<double*>(shared + m_.group_max)),
+        grids_(reinterpret_cast<RuntimeGrid*>(shared + m_.grids)),
         head_stats_(reinterpret_cast<double*>(shared + m_.head_stats)),
         masks_(reinterpret_cast<uint32_t*>(shared + m_.masks)),
         scan_(scan),
@@ -195,9 +224,11 @@ class BlockAppender {
         element_(l_.spec.element),
         element_bytes_(kvforge::kernels::element_bytes(l_.spec.element)) {}
 
-  // The block's sequence: its new tokens in order.
-  __device__ void run(int32_t entry) {
-    slot_ = a_.batch.slots[entry];
+  // The block's sequence: its new tokens in order. `arrays`: the launch's
+  // inline batch arrays (used when their count is positive).
+  __device__ void run(int32_t entry, const InlineBatchArrays& arrays) {
+    const bool in_params = arrays.count > 0;
+    slot_ = in_params ? arrays.slots[entry] : a_.batch.slots[entry];
     page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
     const bool outliers = l_.outlier_spans > 0;
     if (threadIdx.x == 0) {
@@ -206,8 +237,9 @@ class BlockAppender {
       abort_ = 0;
     }
     __syncthreads();
-    const int64_t first = a_.token_offsets[entry], last = a_.token_offsets[entry + 1];
-    const int64_t length = a_.batch.lengths[entry];
+    const int64_t* offsets = in_params ? arrays.token_offsets : a_.token_offsets;
+    const int64_t first = offsets[entry], last = offsets[entry + 1];
+    const int64_t length = in_params ? arrays.lengths[entry] : a_.batch.lengths[entry];
     const int64_t sink = l_.spec.sink_tokens, ring = l_.ring_capacity;
     for (int64_t row = first; row < last; ++row) {
       const int64_t token = length + (row - first);
@@ -292,6 +324,10 @@ class BlockAppender {
       out[i] = load_element(element_, exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
     }
   }
+
+  // The channel loops' bound: every lane of a warp runs every round (the
+  // words are assembled with shuffles), lanes past the width with code 0.
+  __device__ int64_t padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
 
   __device__ uint8_t* page_of_slot(int64_t s) const {
     return a_.cache.pages + static_cast<int64_t>(page_row_[s / l_.spec.page_size]) * l_.page_bytes;
@@ -447,8 +483,7 @@ class BlockAppender {
         }
         if (lane == 0) {
           const double min = low.at < 0 ? 0.0 : low.value, max = high.at < 0 ? 0.0 : high.value;
-          group_min_[g] = min;
-          group_max_[g] = max;
+          grids_[g] = runtime_grid<kBits>(q_, min, max);
           const int64_t per_head = dim_ / size;  // kPerToken: groups of one head
           uint8_t* pair = kGrouping == ScaleGrouping::kPerToken
                               ? page + token_pair_offset(l_, g / per_head, in_page, g % per_head)
@@ -459,24 +494,23 @@ class BlockAppender {
       }
       __syncthreads();
     }
-    // A thread per 32-bit word of codes (32 / bits channels of one head).
+    // A thread per channel, its word assembled over the lanes (code_word):
+    // the token's latency is a few channels' division, not a word's 16.
     constexpr int per_word = 32 / kBits;
-    const int64_t words_per_row = l_.row_bytes / 4;
-    for (int64_t word = threadIdx.x; word < l_.spec.kv_heads * words_per_row; word += kThreads) {
-      const int64_t head = word / words_per_row, w = word % words_per_row;
-      uint32_t bits = 0;
-      for (int k = 0; k < per_word; ++k) {
-        const int64_t channel = head * dim_ + w * per_word + k;
-        int code = 0;
+    const int64_t group_size = m_.groups > 0 ? width_ / m_.groups : width_;
+    for (int64_t i = threadIdx.x; i < padded_width(); i += kThreads) {
+      int code = 0;
+      if (i < width_) {
         if constexpr (kGrouping == ScaleGrouping::kPerChannelOffline) {
-          code = offline_code<kBits>(q_, y_[channel], channel);
+          code = offline_code<kBits>(q_, y_[i], i);
         } else {
-          const int64_t g = kGrouping == ScaleGrouping::kPerToken ? channel / (width_ / m_.groups) : 0;
-          code = runtime_code<kBits>(q_, y_[channel], group_min_[g], group_max_[g]);
+          code = runtime_code<kBits>(q_, grids_[i / group_size], y_[i]);
         }
-        bits |= static_cast<uint32_t>(code) << (k * kBits);
       }
-      store_u32(page + code_row_offset(l_, head, in_page) + 4 * w, bits);
+      const uint32_t bits = code_word<kBits>(code, i);
+      if (i < width_ && i % per_word == 0) {
+        store_u32(page + code_row_offset(l_, i / dim_, in_page) + 4 * ((i % dim_) / per_word), bits);
+      }
     }
     if (!outliers) return true;
     return write_outlier_rows(page, in_page, y_, mask);
@@ -507,50 +541,43 @@ class BlockAppender {
         mark_outliers(load_group_token(g, i), masks_ + i * m_.mask_words);
       }
     }
-    // A thread per 32-bit word of codes: its channels' ranges over the group's
-    // tokens in token order (as the reference), their pairs, then each
-    // token's word.
+    // A thread per channel: its range over the group's tokens in token
+    // order (as the reference), its pair, then its code in each token's
+    // word (assembled over the lanes, code_word).
     constexpr int per_word = 32 / kBits;
-    const int64_t words_per_row = l_.row_bytes / 4;
     const int64_t pairs = pairs_per_page(l_);
-    for (int64_t word = threadIdx.x; word < l_.spec.kv_heads * words_per_row; word += kThreads) {
-      const int64_t head = word / words_per_row, w = word % words_per_row;
-      double min[per_word], max[per_word];
-      bool any[per_word];
-      for (int k = 0; k < per_word; ++k) any[k] = false;
-      for (int64_t i = 0; i < group; ++i) {
-        const uint32_t* mask = outliers ? masks_ + i * m_.mask_words : nullptr;
-        for (int k = 0; k < per_word; ++k) {
-          const int64_t channel = head * dim_ + w * per_word + k;
-          if (is_marked(mask, channel)) continue;
+    for (int64_t channel = threadIdx.x; channel < padded_width(); channel += kThreads) {
+      const bool active = channel < width_;
+      RuntimeGrid grid;
+      if (active) {
+        double min = 0, max = 0;
+        bool any = false;
+        for (int64_t i = 0; i < group; ++i) {
+          if (outliers && is_marked(masks_ + i * m_.mask_words, channel)) continue;
           const double v = group_token_value(g, i, channel);
-          if (!any[k]) {
-            min[k] = max[k] = v;
-            any[k] = true;
+          if (!any) {
+            min = max = v;
+            any = true;
           } else {
-            min[k] = v < min[k] ? v : min[k];
-            max[k] = max[k] < v ? v : max[k];
+            min = v < min ? v : min;
+            max = max < v ? v : max;
           }
         }
-      }
-      for (int k = 0; k < per_word; ++k) {
-        if (!any[k]) min[k] = max[k] = 0.0;
-        const int64_t channel = head * dim_ + w * per_word + k;
         const int64_t sigma = channel_pair_stream_index(l_, g, channel);
         uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[sigma / pairs]) * l_.page_bytes +
                         l_.params_offset + (sigma % pairs) * l_.pair_bytes;
-        store_element(element_, min[k], pair);
-        store_element(element_, max[k], pair + element_bytes_);
+        store_element(element_, min, pair);
+        store_element(element_, max, pair + element_bytes_);
+        grid = runtime_grid<kBits>(q_, min, max);
       }
+      const int64_t head = channel / dim_, w = (channel % dim_) / per_word;
       for (int64_t i = 0; i < group; ++i) {
-        uint32_t bits = 0;
-        for (int k = 0; k < per_word; ++k) {
-          const int64_t channel = head * dim_ + w * per_word + k;
-          bits |= static_cast<uint32_t>(runtime_code<kBits>(q_, group_token_value(g, i, channel), min[k], max[k]))
-                  << (k * kBits);
+        const int code = active ? runtime_code<kBits>(q_, grid, group_token_value(g, i, channel)) : 0;
+        const uint32_t bits = code_word<kBits>(code, channel);
+        if (active && channel % per_word == 0) {
+          const int64_t s = g * group + i;
+          store_u32(page_of_slot(s) + code_row_offset(l_, head, s % l_.spec.page_size) + 4 * w, bits);
         }
-        const int64_t s = g * group + i;
-        store_u32(page_of_slot(s) + code_row_offset(l_, head, s % l_.spec.page_size) + 4 * w, bits);
       }
     }
     __syncthreads();
@@ -572,8 +599,7 @@ class BlockAppender {
   const SharedLayout m_;
   double* y_;
   double* scratch_;
-  double* group_min_;
-  double* group_max_;
+  RuntimeGrid* grids_;
   double* head_stats_;
   uint32_t* masks_;
   typename Scan::TempStorage& scan_;
@@ -589,13 +615,14 @@ class BlockAppender {
 
 // One block per batch entry (blockIdx.x) for one tensor kind.
 template <ScaleGrouping kGrouping, int kBits>
-__global__ void __launch_bounds__(kThreads) append_kernel(const __grid_constant__ TensorAppendArgs args) {
+__global__ void __launch_bounds__(kThreads)
+    append_kernel(const __grid_constant__ TensorAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ typename BlockAppender<kGrouping, kBits>::Scan::TempStorage scan;
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
   BlockAppender<kGrouping, kBits> appender(args, shared, scan, entry_count, pages_used, abort);
-  appender.run(static_cast<int32_t>(blockIdx.x));
+  appender.run(static_cast<int32_t>(blockIdx.x), arrays);
 }
 
 // Keys (blockIdx.y 0) and values (1) of batch entry blockIdx.x in one
@@ -604,18 +631,19 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const __grid_constant_
 // as append_kernel's (each kind's state in its own static shared memory).
 template <ScaleGrouping kKeys, ScaleGrouping kValues, int kBits>
 __global__ void __launch_bounds__(kThreads)
-    append_pair_kernel(const __grid_constant__ TensorAppendArgs keys, const __grid_constant__ TensorAppendArgs values) {
+    append_pair_kernel(const __grid_constant__ TensorAppendArgs keys, const __grid_constant__ TensorAppendArgs values,
+                       const __grid_constant__ InlineBatchArrays arrays) {
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
   if (blockIdx.y == 0) {
     __shared__ typename BlockAppender<kKeys, kBits>::Scan::TempStorage key_scan;
     BlockAppender<kKeys, kBits> appender(keys, shared, key_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x));
+    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
   } else {
     __shared__ typename BlockAppender<kValues, kBits>::Scan::TempStorage value_scan;
     BlockAppender<kValues, kBits> appender(values, shared, value_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x));
+    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
   }
 }
 

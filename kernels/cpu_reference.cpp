@@ -584,7 +584,13 @@ struct SplitState {
 
 }  // namespace
 
-void append_reference(const AppendParams& params) {
+void append_reference(const AppendParams& given) {
+  AppendParams params = given;
+  if (given.inline_arrays.count > 0) {  // host memory either way
+    params.batch.slots = params.inline_arrays.slots;
+    params.batch.lengths = params.inline_arrays.lengths;
+    params.token_offsets = params.inline_arrays.token_offsets;
+  }
   const SequenceBatch& batch = params.batch;
   for (int32_t entry = 0; entry < batch.count; ++entry) {
     const int32_t slot = batch.slots[entry];

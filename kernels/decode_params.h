@@ -89,9 +89,24 @@ struct SequenceBatch {
   int64_t max_length = 0;
 };
 
+// A small batch's per-entry arrays carried by value in the append's launch
+// parameters instead of backend memory, so that a decoding step's append
+// queues its kernel and no copy before it (a copy on the stream and its host
+// call cost microseconds, the step's whole budget at batch 1). count > 0:
+// append reads these instead of batch.slots, batch.lengths and token_offsets
+// (which may then be null); count == 0: the pointers.
+inline constexpr int kInlineBatchEntries = 32;
+struct InlineBatchArrays {
+  int32_t count = 0;
+  int32_t slots[kInlineBatchEntries] = {};
+  int64_t lengths[kInlineBatchEntries] = {};
+  int64_t token_offsets[kInlineBatchEntries + 1] = {};
+};
+
 struct AppendParams {
   SequenceBatch batch;
   const int64_t* token_offsets = nullptr;  // [count + 1]: entry i's new tokens are rows [offsets[i], offsets[i + 1])
+  InlineBatchArrays inline_arrays;         // or these (count > 0)
   const void* keys = nullptr;              // [rows][kv_heads][D]; pre-RoPE keys when the configuration says so
   const void* values = nullptr;
   ElementType input = ElementType::kFloat32;

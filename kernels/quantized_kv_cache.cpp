@@ -733,8 +733,14 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   upload_page_table_changes();
 
   std::memcpy(host.data() + arrays.slots, batch.sequences.data(), count * 4);
-  auto* const device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(arrays.bytes));
-  backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+  // A small batch's arrays travel in the launch's parameters; a larger
+  // one's are uploaded.
+  const bool inline_arrays = count > 0 && count <= static_cast<size_t>(kInlineBatchEntries);
+  uint8_t* device = nullptr;
+  if (!inline_arrays) {
+    device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(arrays.bytes));
+    backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+  }
   // Rows in host memory are staged through the scratch (keys, then values);
   // rows already in backend memory go to the kernel as they are.
   const void* keys = batch.keys;
@@ -750,10 +756,20 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   }
 
   AppendParams params;
-  params.batch = {static_cast<int32_t>(count), reinterpret_cast<const int32_t*>(device + arrays.slots),
-                  device_page_table_->as<int32_t>(), page_table_stride_,
-                  reinterpret_cast<const int64_t*>(device + arrays.lengths)};
-  params.token_offsets = reinterpret_cast<const int64_t*>(device + arrays.token_offsets);
+  params.batch.count = static_cast<int32_t>(count);
+  params.batch.page_table = device_page_table_->as<int32_t>();
+  params.batch.page_table_stride = page_table_stride_;
+  if (inline_arrays) {
+    InlineBatchArrays& a = params.inline_arrays;
+    a.count = static_cast<int32_t>(count);
+    std::copy(batch.sequences.begin(), batch.sequences.end(), a.slots);
+    std::copy(lengths, lengths + count, a.lengths);
+    std::copy(offsets, offsets + count + 1, a.token_offsets);
+  } else {
+    params.batch.slots = reinterpret_cast<const int32_t*>(device + arrays.slots);
+    params.batch.lengths = reinterpret_cast<const int64_t*>(device + arrays.lengths);
+    params.token_offsets = reinterpret_cast<const int64_t*>(device + arrays.token_offsets);
+  }
   params.keys = keys;
   params.values = values;
   params.input = batch.input;

@@ -1396,5 +1396,69 @@ TEST(RuntimeKernelsCpuScratch, PageTableUploadsAfterNewPagesEqualTheHostTable) {
   EXPECT_EQ(static_cast<int64_t>(held.size()) + cache.free_pages(), 64);
 }
 
+// A batch of up to kInlineBatchEntries sequences carries its slots, lengths
+// and token offsets in the launch's parameters, a larger one uploads them:
+// the same tokens appended as one batch of 40 (uploaded) and as batches of
+// 8 (inline), in the same sequence order, store the same codes, pairs,
+// outliers and exact rows, and attend alike.
+TEST(RuntimeKernelsCpuScratch, InlineAndUploadedBatchArraysStoreAndAttendAlike) {
+  ASSERT_LT(kernels::kInlineBatchEntries, 40);
+  kernels::CacheOptions options = scratch_options();
+  options.max_sequences = 40;
+  kernels::QuantizedKVCache uploaded(scratch_config(), small_dims(), options);
+  kernels::QuantizedKVCache in_params(scratch_config(), small_dims(), options);
+  std::vector<int32_t> slots;
+  for (int i = 0; i < 40; ++i) {
+    slots.push_back(uploaded.add_sequence());
+    ASSERT_EQ(in_params.add_sequence(), slots.back());
+  }
+  std::mt19937 random(20261201);
+  std::normal_distribution<float> normal;
+  for (int round = 0; round < 4; ++round) {
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      std::vector<int64_t> tokens;
+      for (size_t i = 0; i < slots.size(); ++i) tokens.push_back(static_cast<int64_t>((i + round) % 4));
+      const int64_t rows = std::accumulate(tokens.begin(), tokens.end(), int64_t{0});
+      std::vector<float> keys(static_cast<size_t>(rows * kScratchWidth)), values(keys.size());
+      for (float& x : keys) x = normal(random);
+      for (float& x : values) x = normal(random);
+      kernels::AppendBatch whole;
+      whole.sequences = slots;
+      for (int32_t s : slots) whole.positions.push_back(uploaded.length(s, layer));
+      whole.tokens = tokens;
+      whole.keys = keys.data();
+      whole.values = values.data();
+      uploaded.append(layer, whole);
+      int64_t row = 0;
+      for (size_t begin = 0; begin < slots.size(); begin += 8) {
+        kernels::AppendBatch part;
+        for (size_t i = begin; i < begin + 8; ++i) {
+          part.sequences.push_back(slots[i]);
+          part.positions.push_back(in_params.length(slots[i], layer));
+          part.tokens.push_back(tokens[i]);
+        }
+        const int64_t part_rows = std::accumulate(part.tokens.begin(), part.tokens.end(), int64_t{0});
+        part.keys = keys.data() + row * kScratchWidth;
+        part.values = values.data() + row * kScratchWidth;
+        in_params.append(layer, part);
+        row += part_rows;
+      }
+    }
+  }
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+      const kernels::TensorPoolCopy want = uploaded.copy_pools(layer, kind), got = in_params.copy_pools(layer, kind);
+      EXPECT_EQ(got.pages, want.pages) << "layer " << layer;
+      EXPECT_EQ(got.exact, want.exact) << "layer " << layer;
+      EXPECT_EQ(got.outlier_pages, want.outlier_pages) << "layer " << layer;
+    }
+    const std::vector<float> queries(slots.size() * 4 * 64, 0.25f);
+    std::vector<float> a(queries.size(), -1.0f), b(queries.size(), -2.0f);
+    uploaded.decode_attention(layer, slots, queries.data(), a.data());
+    in_params.decode_attention(layer, slots, queries.data(), b.data());
+    EXPECT_EQ(a, b) << "layer " << layer;
+  }
+}
+
 }  // namespace
 }  // namespace kvforge
