@@ -48,14 +48,17 @@ struct RuntimeGrid {
   int32_t valid = 0;
 };
 
-// The dynamic shared memory of one block (byte offsets; doubles first):
-// the token (y), a scratch token (the input before rotation, or a ring token
-// read back), the per-token groups' grids, the KV heads' token_tau
-// statistics and the outlier bit masks (one per token of a
-// per_channel_tokens group, else one).
+// The dynamic shared memory of one block (byte offsets; 8-byte items
+// first): the token (y), a scratch token (the input before rotation, or a
+// ring token read back), the token_top_bottom sort's keys, the per-token
+// groups' grids, the KV heads' token_tau statistics, the sort's element
+// indices and each element's position, and the outlier bit masks (one per
+// token of a per_channel_tokens group, else one). The sort holds each
+// outlier span padded to a power of two (span_slots).
 struct SharedLayout {
-  int64_t y = 0, scratch = 0, grids = 0, head_stats = 0, masks = 0, bytes = 0;
+  int64_t y = 0, scratch = 0, sort_keys = 0, grids = 0, head_stats = 0, sort_tags = 0, ranks = 0, masks = 0, bytes = 0;
   int32_t groups = 0, mask_tokens = 0, mask_words = 0;
+  int64_t span_slots = 0, sort_slots = 0;
 };
 
 KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l, const Quantization& q) {
@@ -68,11 +71,19 @@ KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l,
   const bool outliers = q.outliers != OutlierSelection::kNone;
   m.mask_tokens = !outliers ? 0 : s.grouping == ScaleGrouping::kPerChannelTokens ? s.group : 1;
   m.mask_words = static_cast<int32_t>((width + 31) / 32);
+  if (q.outliers == OutlierSelection::kTokenTopBottom && l.outlier_span_size > 0) {
+    m.span_slots = 1;
+    while (m.span_slots < l.outlier_span_size) m.span_slots *= 2;
+    m.sort_slots = width / l.outlier_span_size * m.span_slots;
+  }
   m.y = 0;
   m.scratch = m.y + width * 8;
-  m.grids = m.scratch + width * 8;
+  m.sort_keys = m.scratch + width * 8;
+  m.grids = m.sort_keys + m.sort_slots * 8;
   m.head_stats = m.grids + m.groups * static_cast<int64_t>(sizeof(RuntimeGrid));
-  m.masks = m.head_stats + 2 * static_cast<int64_t>(s.kv_heads) * 8;
+  m.sort_tags = m.head_stats + 2 * static_cast<int64_t>(s.kv_heads) * 8;
+  m.ranks = m.sort_tags + m.sort_slots * 4;
+  m.masks = m.ranks + (m.sort_slots > 0 ? width * 4 : 0);
   m.bytes = m.masks + static_cast<int64_t>(m.mask_tokens) * m.mask_words * 4;
   return m;
 }
@@ -212,8 +223,11 @@ class BlockAppender {
         m_(shared_layout(args.cache.layout, args.quantization)),
         y_(reinterpret_cast<double*>(shared + m_.y)),
         scratch_(reinterpret_cast<double*>(shared + m_.scratch)),
+        sort_keys_(reinterpret_cast<uint64_t*>(shared + m_.sort_keys)),
         grids_(reinterpret_cast<RuntimeGrid*>(shared + m_.grids)),
         head_stats_(reinterpret_cast<double*>(shared + m_.head_stats)),
+        sort_tags_(reinterpret_cast<uint32_t*>(shared + m_.sort_tags)),
+        ranks_(reinterpret_cast<int32_t*>(shared + m_.ranks)),
         masks_(reinterpret_cast<uint32_t*>(shared + m_.masks)),
         scan_(scan),
         entry_count_(entry_count),
@@ -337,9 +351,91 @@ class BlockAppender {
     return mask != nullptr && ((mask[i / 32] >> (i % 32)) & 1u) != 0;
   }
 
+  // An unsigned key in the order of the doubles' comparisons: -0 and +0
+  // equal (NaN is not ordered by the reference either).
+  __device__ static uint64_t order_key(double v) {
+    const auto bits = static_cast<uint64_t>(__double_as_longlong(v == 0.0 ? 0.0 : v));
+    return (bits >> 63) != 0 ? ~bits : bits | (uint64_t{1} << 63);
+  }
+
+  // token_top_bottom without comparing every pair (n^2 per span: 230 us per
+  // token over 1024 all-heads channels): each span's elements sorted
+  // ascending by (value, index) with a bitonic network per span (padded to
+  // span_slots with keys above every value), so that an element's count of
+  // smaller values (ties: lower indices) is its position, and its count of
+  // larger ones (ties: lower indices) follows from its run of equal values
+  // [begin, end): n - end + position - begin. ranks_[i] = element i's
+  // position within its span.
+  __device__ void sort_spans(const double* y) {
+    const int64_t n = l_.outlier_span_size, slots_per_span = m_.span_slots;
+    for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
+      const int64_t span = x / slots_per_span, at = x % slots_per_span;
+      const bool real = at < n;
+      sort_keys_[x] = real ? order_key(y[span * n + at]) : ~uint64_t{0};
+      sort_tags_[x] = real ? static_cast<uint32_t>(span * n + at) : ~uint32_t{0};
+    }
+    __syncthreads();
+    for (int64_t size = 2; size <= slots_per_span; size *= 2) {
+      for (int64_t stride = size / 2; stride > 0; stride /= 2) {
+        for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
+          const int64_t partner = x ^ stride;
+          if (partner <= x) continue;
+          // The last merge sorts every span ascending; below it the halves
+          // alternate, as a bitonic merge needs.
+          const bool ascending = size == slots_per_span || (x & size) == 0;
+          const uint64_t a = sort_keys_[x], b = sort_keys_[partner];
+          const uint32_t ta = sort_tags_[x], tb = sort_tags_[partner];
+          const bool greater = a > b || (a == b && ta > tb);
+          if (greater == ascending) {
+            sort_keys_[x] = b;
+            sort_keys_[partner] = a;
+            sort_tags_[x] = tb;
+            sort_tags_[partner] = ta;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
+      if (x % slots_per_span < n) ranks_[sort_tags_[x]] = static_cast<int32_t>(x % slots_per_span);
+    }
+    __syncthreads();
+  }
+
+  // Element i among its span's k largest or k smallest (sort_spans ran).
+  __device__ bool top_or_bottom(const double* y, int64_t i, int64_t k) const {
+    const int64_t n = l_.outlier_span_size;
+    const uint64_t* keys = sort_keys_ + i / n * m_.span_slots;
+    const uint64_t key = order_key(y[i]);
+    // The run of `key`, [begin, end): its lower and upper bound.
+    int64_t begin = 0, end = n;
+    for (int64_t hi = n; begin < hi;) {
+      const int64_t mid = (begin + hi) / 2;
+      if (keys[mid] < key) {
+        begin = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    for (int64_t lo = begin; lo < end;) {
+      const int64_t mid = (lo + end) / 2;
+      if (keys[mid] <= key) {
+        lo = mid + 1;
+      } else {
+        end = mid;
+      }
+    }
+    const int64_t position = ranks_[i];
+    const int64_t smaller = position, larger = n - end + position - begin;
+    return smaller < k || larger < k;
+  }
+
   // The token's outliers (docs/artifact.md rule 3) as bits of `mask`.
   __device__ void mark_outliers(const double* y, uint32_t* mask) {
     for (int32_t w = threadIdx.x; w < m_.mask_words; w += kThreads) mask[w] = 0;
+    const bool sorted = q_.outliers == OutlierSelection::kTokenTopBottom && q_.top_bottom_count > 0 &&
+                        2 * static_cast<int64_t>(q_.top_bottom_count) < l_.outlier_span_size;
+    if (sorted) sort_spans(y);
     if (q_.outliers == OutlierSelection::kTokenTau) {
       // Sums in channel order, as the reference: one thread per head.
       for (int64_t head = threadIdx.x; head < l_.spec.kv_heads; head += kThreads) {
@@ -370,19 +466,7 @@ class BlockAppender {
           // in (value descending, index ascending), likewise the smallest.
           const int64_t n = l_.outlier_span_size, k = q_.top_bottom_count;
           if (k <= 0) break;
-          if (2 * k >= n) {
-            outlier = true;
-            break;
-          }
-          const int64_t begin = i / n * n;
-          const double v = y[i];
-          int64_t above = 0, below = 0;
-          for (int64_t j = begin; j < begin + n; ++j) {
-            const double u = y[j];
-            above += (u > v || (u == v && j < i)) ? 1 : 0;
-            below += (u < v || (u == v && j < i)) ? 1 : 0;
-          }
-          outlier = above < k || below < k;
+          outlier = 2 * k >= n || top_or_bottom(y, i, k);
           break;
         }
         case OutlierSelection::kTokenTau: {
@@ -599,8 +683,11 @@ class BlockAppender {
   const SharedLayout m_;
   double* y_;
   double* scratch_;
+  uint64_t* sort_keys_;
   RuntimeGrid* grids_;
   double* head_stats_;
+  uint32_t* sort_tags_;
+  int32_t* ranks_;
   uint32_t* masks_;
   typename Scan::TempStorage& scan_;
   uint32_t& entry_count_;
