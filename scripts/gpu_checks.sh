@@ -85,6 +85,8 @@ elif [ "${GPU_CHECKS_ONLY:-}" = rotation ]; then
 else
   targets=""
 fi
+# BUILD_TARGETS: only these (a benchmark-only call).
+[ -z "${BUILD_TARGETS:-}" ] || targets="--target $BUILD_TARGETS"
 cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
 KV=build-gpu/tools/kvforge
 MODEL=$KVFORGE_SHARED/models/pyllama-16m
