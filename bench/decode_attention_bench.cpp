@@ -171,7 +171,11 @@ int run(int argc, char** argv) {
   std::map<std::pair<int64_t, int64_t>, nlohmann::json> flashinfer;
   if (!baselines.empty()) {
     std::ifstream in(baselines);
-    for (const nlohmann::json& row : nlohmann::json::parse(in).at("rows")) {
+    // Named: a range-for over a member of the temporary parse() returns
+    // dangles (the temporary dies first before C++23), which left every
+    // FlashInfer column out of the 2026-12-01 runs.
+    const nlohmann::json report = nlohmann::json::parse(in);
+    for (const nlohmann::json& row : report.at("rows")) {
       flashinfer[{row.at("context").get<int64_t>(), row.at("batch").get<int64_t>()}] = row;
     }
     std::cerr << "baselines: " << flashinfer.size() << " rows from " << baselines << "\n";
@@ -352,6 +356,8 @@ int run(int argc, char** argv) {
           if (fi != flashinfer.end()) {
             row["flashinfer_bf16_time_us"] = fi->second.value("flashinfer_bf16_time_us", nlohmann::json());
             row["flashinfer_fp8_time_us"] = fi->second.value("flashinfer_fp8_time_us", nlohmann::json());
+            row["flashinfer_bf16_tensor_cores"] = fi->second.value("flashinfer_bf16_tensor_cores", nlohmann::json());
+            row["flashinfer_fp8_tensor_cores"] = fi->second.value("flashinfer_fp8_tensor_cores", nlohmann::json());
           }
           std::cerr << row.dump() << "\n";
           rows.push_back(row);

@@ -688,8 +688,10 @@ void QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
 // ------------------------------------------------------------ kernels
 
 // Per call, once the scratch buffers have grown to the batch: no
-// allocation, one upload of the call's small arrays (plus the page table
-// entries of new pages, and host rows), the kernels, and one synchronizing
+// allocation, one upload of the call's small arrays (none for an append of
+// up to kInlineBatchEntries sequences: they travel in the launch's
+// parameters) plus the page table entries of new pages and host rows, the
+// kernels, and one synchronizing
 // copy_out (append: the layer's two pool-exhaustion flags; decode_attention:
 // the output, or synchronize() for an output in backend memory). That sync is
 // the one the documented semantics need: append's caller may reuse its rows

@@ -252,7 +252,7 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   kernel_checks
   [ -n "${SKIP_BASELINES:-}" ] || { step "decode baselines: SDPA bf16, FlashInfer (if installed), copy bandwidth"
-  timeout 150 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" > "$LOGS/decode_baselines.log" 2>&1 \
+  timeout 300 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" > "$LOGS/decode_baselines.log" 2>&1 \
     || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
   tail -4 "$LOGS/decode_baselines.log"; }
   [ -n "${SKIP_DECODE_BENCH:-}" ] || { step "decode attention benchmark: the runtime kernels vs bf16 SDPA (and FlashInfer from the baselines)"

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Where a kernel's instructions go, from Nsight Compute's source page.
+
+Input: the CSV of `ncu -i REPORT --page source --csv --print-source cuda,sass`
+(scripts/gpu_checks.sh writes it as ncu_source_<method>.csv.gz; gzipped or
+not). Each source file's section lists its CUDA lines, each followed by the
+SASS instructions compiled from it, with "Instructions Executed" (warp level)
+and "Warp Stall Sampling (All Samples)".
+
+Prints, as markdown tables:
+  - warp instructions by SASS opcode, in total and per work unit when
+    --units N is given (the tensor-core decode: batch x tokens x KV heads /
+    16 tiles);
+  - the CUDA lines with the most executed instructions, with their share of
+    the stall samples.
+
+Usage: bench/ncu_source_breakdown.py FILE [--units N] [--lines 20] [--opcodes 16]
+"""
+import argparse
+import collections
+import csv
+import gzip
+import io
+
+
+def read_rows(path):
+    raw = gzip.open(path, "rb").read() if path.endswith(".gz") else open(path, "rb").read()
+    return list(csv.reader(io.StringIO(raw.decode("utf-8", "replace"))))
+
+
+def breakdown(rows):
+    """(per CUDA line: [instructions, samples, file, line, source]), (per opcode: instructions)."""
+    lines, opcodes, file = [], collections.Counter(), None
+    for r in rows:
+        if not r:
+            continue
+        if r[0] == "File Path":
+            file = r[1].split("/")[-1]
+            continue
+        if r[0] in ("Function Name", "Line No") or len(r) < 8:
+            continue
+        try:
+            executed = int(r[7])
+        except ValueError:
+            continue
+        if r[0] != "" and r[2] == "-":  # a CUDA line (its SASS rows follow)
+            lines.append([executed, int(r[4]) if r[4].isdigit() else 0, file, r[0], r[1].strip()])
+        elif r[0] == "" and r[2].startswith("0x"):  # one SASS instruction
+            text = r[3].strip()
+            if text.startswith("@"):  # a predicate
+                text = text.split(None, 1)[1]
+            opcodes[text.split()[0].split(".")[0]] += executed
+    return lines, opcodes
+
+
+def cell(text):
+    return text.replace("|", "\\|")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("csv")
+    parser.add_argument("--units", type=float, default=0, help="divide instruction counts by this (e.g. tiles)")
+    parser.add_argument("--lines", type=int, default=20)
+    parser.add_argument("--opcodes", type=int, default=16)
+    args = parser.parse_args()
+    lines, opcodes = breakdown(read_rows(args.csv))
+    total = sum(opcodes.values())
+    line_total = sum(l[0] for l in lines) or 1
+    samples = sum(l[1] for l in lines) or 1
+    unit = f" per unit ({args.units:g})" if args.units else ""
+    print(f"| opcode | warp instructions{unit} | share |")
+    print("|---|---|---|")
+    for op, n in opcodes.most_common(args.opcodes):
+        value = f"{n / args.units:.1f}" if args.units else str(n)
+        print(f"| {op} | {value} | {100 * n / total:.1f}% |")
+    print(f"\ntotal: {total} warp instructions" + (f", {total / args.units:.1f} per unit" if args.units else ""))
+    print("\n| instructions | stall samples | line |")
+    print("|---|---|---|")
+    for executed, sampled, file, line, source in sorted(lines, reverse=True)[: args.lines]:
+        print(f"| {100 * executed / line_total:.1f}% | {100 * sampled / samples:.1f}% | "
+              f"`{file}:{line}`: `{cell(source[:110])}` |")
+
+
+if __name__ == "__main__":
+    main()
