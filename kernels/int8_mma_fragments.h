@@ -1,0 +1,122 @@
+#pragma once
+// Operands of the 8-bit integer tensor-core decode (decode_int8_kernel.cuh)
+// for 2-bit codes, as pure functions that host code can run too (the CPU
+// test replays them through an emulation of the PTX fragment layouts).
+//
+// PTX mma.m16n8k32 with 8-bit operands (g = lane / 4, c = lane % 4): A
+// registers 0..3 hold rows g, g + 8, g, g + 8 and columns (k) 4c + i,
+// 4c + i, 16 + 4c + i, 16 + 4c + i in their bytes i = 0..3; B registers 0
+// and 1 hold column g, rows 4c + i and 16 + 4c + i; the int32 C registers
+// rows g, g, g + 8, g + 8 and columns 2c, 2c + 1, 2c, 2c + 1.
+//
+// A 2-bit code row word holds 16 channels, channel d at bits 2d. Shifting
+// it by 2j and masking 0x03030303 leaves channels j, 4 + j, 8 + j and
+// 12 + j as the four bytes: one shift and one mask give an A register, and
+// the dot products do not care which k holds which channel as long as A and
+// B agree. So:
+//   keys (A = codes, M = 16 tokens, K = 32 channels of k step s, B = the
+//   query parts): k = 16h + 4c + i holds channel 32s + 16h + 4i + c, from
+//   word 2s + h of the token's row shifted by 2c;
+//   values (A = V^T codes, M = 16 channels of m tile T, K = 32 tokens,
+//   B = the softmax weights times the token scales): row r holds channel
+//   16T + 4 (r % 4) + (r / 4) % 2 + 2 (r / 8), so that rows g and g + 8 of a
+//   lane are pairs 0/1 and 2/3 of byte g % 4 of word T; the lane gathers
+//   that byte from four tokens' words into one register (three byte
+//   permutes) and shifts and masks it twice.
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/runtime_layout.h"
+
+namespace kvforge::kernels::int8_mma {
+
+inline constexpr uint32_t kCodeBytes = 0x03030303u;
+
+// __byte_perm: byte n of the result is byte (selector >> 4n) & 7 of the
+// eight bytes {x, y} (x the low four).
+KVFORGE_HOST_DEVICE inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, selector);
+#else
+  const uint64_t both = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t result = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t from = (selector >> (4 * n)) & 7u;
+    result |= static_cast<uint32_t>((both >> (8 * from)) & 0xFFu) << (8 * n);
+  }
+  return result;
+#endif
+}
+
+// ---------------------------------------------------------------- keys
+
+// The channel (0..31 within k step s's 32) that k holds.
+KVFORGE_HOST_DEVICE inline int key_channel_of_k(int k) { return 16 * (k / 16) + 4 * (k % 4) + (k % 16) / 4; }
+
+// A register `which` (0..3) of lane column c for k step s, from the code
+// words of the lane's two tokens (rows g and g + 8): row_g and row_g8 point
+// at each row's words.
+KVFORGE_HOST_DEVICE inline uint32_t key_a_register(const uint32_t* row_g, const uint32_t* row_g8, int step, int c,
+                                                   int which) {
+  const uint32_t* row = which % 2 == 0 ? row_g : row_g8;
+  const uint32_t word = row[2 * step + which / 2];
+  return (word >> (2 * c)) & kCodeBytes;
+}
+
+// B register `half` (0, 1) of lane column c for k step s: bytes i are
+// query[32s + 16 half + 4i + c] of the lane's head (`query` its D parts).
+KVFORGE_HOST_DEVICE inline uint32_t key_b_register(const int8_t* query, int step, int c, int half) {
+  uint32_t result = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto byte = static_cast<uint8_t>(query[32 * step + 16 * half + 4 * i + c]);
+    result |= static_cast<uint32_t>(byte) << (8 * i);
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------- values
+
+// The channel (0..15 within an m tile) that A row r holds.
+KVFORGE_HOST_DEVICE inline int value_channel_of_row(int r) { return 4 * (r % 4) + (r / 4) % 2 + 2 * (r / 8); }
+
+// Byte `byte` of word w of four tokens, token i in byte i.
+KVFORGE_HOST_DEVICE inline uint32_t gather_byte(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int byte) {
+  const uint32_t selector = static_cast<uint32_t>(byte) | (static_cast<uint32_t>(4 + byte) << 4);
+  return byte_perm(byte_perm(w0, w1, selector), byte_perm(w2, w3, selector), 0x5410u);
+}
+
+// A registers 0/1 (rows g and g + 8) of lane row g from the gathered byte
+// of four tokens (gather_byte of byte g % 4): the codes of channels
+// 4 (g % 4) + g / 4 and 4 (g % 4) + 2 + g / 4 of those tokens.
+KVFORGE_HOST_DEVICE inline uint32_t value_a_register(uint32_t gathered, int g, int upper) {
+  return (gathered >> (2 * ((g / 4) + 2 * upper))) & kCodeBytes;
+}
+
+// ---------------------------------------------------------------- parts
+
+// x (|x| <= scale * 127) as scale * (hi + lo / 128) with hi, lo int8: the
+// queries' two parts. |x - scale (hi + lo / 128)| <= scale / 256.
+struct SignedParts {
+  int8_t hi = 0, lo = 0;
+};
+KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale) {
+  const float scaled = x * inverse_scale;
+  const float hi = rintf(scaled);
+  const float lo = rintf((scaled - hi) * 128.0f);
+  return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};
+}
+
+// w (0 <= w <= scale * 255) as scale * (hi + lo / 254) with hi uint8 and lo
+// int8: the weights' two parts. |w - scale (hi + lo / 254)| <= scale / 508.
+struct WeightParts {
+  uint8_t hi = 0;
+  int8_t lo = 0;
+};
+KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_scale) {
+  const float scaled = w * inverse_scale;
+  const float hi = fminf(rintf(scaled), 255.0f);
+  const float lo = rintf((scaled - hi) * 254.0f);
+  return {static_cast<uint8_t>(hi), static_cast<int8_t>(lo)};
+}
+
+}  // namespace kvforge::kernels::int8_mma

@@ -1,0 +1,202 @@
+// The 8-bit integer tensor-core decode's operands (kernels/int8_mma_fragments.h)
+// on the CPU: every lane's registers as the kernel builds them, replayed
+// through an emulation of PTX's mma.m16n8k32 fragment layouts (the PTX ISA's
+// "Matrix Fragments for mma.m16n8k32" with 8-bit operands: A rows g, g + 8,
+// g, g + 8 and columns 4c + i, 4c + i, 16 + 4c + i, 16 + 4c + i in registers
+// 0..3; B column g, rows 4c + i and 16 + 4c + i; C rows g, g, g + 8, g + 8
+// and columns 2c, 2c + 1, 2c, 2c + 1), must give the dot products of the
+// codes and the operands they stand for: the keys' scores, the values'
+// weighted sums, and the parts' error bounds.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kernels/int8_mma_fragments.h"
+
+namespace kvforge {
+namespace {
+
+namespace mma = kernels::int8_mma;
+
+using LaneA = std::array<std::array<uint32_t, 4>, 32>;
+using LaneB = std::array<std::array<uint32_t, 2>, 32>;
+using LaneC = std::array<std::array<int64_t, 4>, 32>;
+
+int byte_of(uint32_t word, int i, bool is_signed) {
+  const auto b = static_cast<uint8_t>(word >> (8 * i));
+  return is_signed ? static_cast<int8_t>(b) : b;
+}
+
+// D += A B from the lanes' registers (A unsigned, B signed or not).
+void emulate_m16n8k32(const LaneA& a, const LaneB& b, bool b_signed, LaneC& d) {
+  int A[16][32] = {}, B[32][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, c = lane % 4;
+    for (int reg = 0; reg < 4; ++reg) {
+      for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (reg % 2), col = 4 * c + i + 16 * (reg / 2);
+        A[row][col] = byte_of(a[lane][reg], i, false);
+      }
+    }
+    for (int reg = 0; reg < 2; ++reg) {
+      for (int i = 0; i < 4; ++i) B[4 * c + i + 16 * reg][g] = byte_of(b[lane][reg], i, b_signed);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, c = lane % 4;
+    for (int reg = 0; reg < 4; ++reg) {
+      const int row = g + 8 * (reg / 2), col = 2 * c + reg % 2;
+      int64_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += static_cast<int64_t>(A[row][k]) * B[k][col];
+      d[lane][reg] += sum;
+    }
+  }
+}
+
+// 2-bit code rows: token t's words, channel d at bits 2 (d % 16) of word d / 16.
+std::vector<std::vector<uint32_t>> random_rows(int tokens, int dim, std::mt19937& random, std::vector<std::vector<int>>& codes) {
+  std::uniform_int_distribution<int> code(0, 3);
+  std::vector<std::vector<uint32_t>> rows(static_cast<size_t>(tokens), std::vector<uint32_t>(static_cast<size_t>(dim / 16)));
+  codes.assign(static_cast<size_t>(tokens), std::vector<int>(static_cast<size_t>(dim)));
+  for (int t = 0; t < tokens; ++t) {
+    for (int d = 0; d < dim; ++d) {
+      const int x = code(random);
+      codes[t][d] = x;
+      rows[t][d / 16] |= static_cast<uint32_t>(x) << (2 * (d % 16));
+    }
+  }
+  return rows;
+}
+
+TEST(Int8MmaFragments, KeyChannelsOfKAreAPermutation) {
+  std::vector<int> seen(32, 0);
+  for (int k = 0; k < 32; ++k) ++seen[static_cast<size_t>(mma::key_channel_of_k(k))];
+  EXPECT_EQ(seen, std::vector<int>(32, 1));
+  std::vector<int> rows(16, 0);
+  for (int r = 0; r < 16; ++r) ++rows[static_cast<size_t>(mma::value_channel_of_row(r))];
+  EXPECT_EQ(rows, std::vector<int>(16, 1));
+}
+
+// Scores: 16 tokens (rows) against 8 heads' int8 query parts, head_dim 64
+// and 128, one mma per k step of 32 channels.
+TEST(Int8MmaFragments, KeyOperandsGiveTheDotProductsOfCodesAndQueries) {
+  std::mt19937 random(20261201);
+  std::uniform_int_distribution<int> part(-127, 127);
+  for (const int dim : {64, 128}) {
+    std::vector<std::vector<int>> codes;
+    const auto rows = random_rows(16, dim, random, codes);
+    std::vector<std::vector<int8_t>> query(8, std::vector<int8_t>(static_cast<size_t>(dim)));
+    for (auto& head : query) {
+      for (auto& x : head) x = static_cast<int8_t>(part(random));
+    }
+    LaneC d{};
+    for (int step = 0; step < dim / 32; ++step) {
+      LaneA a{};
+      LaneB b{};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int which = 0; which < 4; ++which) {
+          a[lane][which] = mma::key_a_register(rows[g].data(), rows[g + 8].data(), step, c, which);
+        }
+        for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(query[g].data(), step, c, half);
+      }
+      emulate_m16n8k32(a, b, true, d);
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      for (int reg = 0; reg < 4; ++reg) {
+        const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        int64_t want = 0;
+        for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
+        ASSERT_EQ(d[lane][reg], want) << "head_dim " << dim << " lane " << lane << " register " << reg;
+      }
+    }
+  }
+}
+
+// Weighted sums: 32 tokens (k) of m tile T's 16 channels (rows) against 8
+// heads' weights (uint8 high parts and int8 low parts), head_dim 128.
+TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
+  std::mt19937 random(7);
+  std::vector<std::vector<int>> codes;
+  const auto rows = random_rows(32, 128, random, codes);
+  std::uniform_int_distribution<int> high(0, 255), low(-127, 127);
+  for (const bool is_signed : {false, true}) {
+    // weights[head][token] as the kernel keeps them in shared memory.
+    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));
+    for (auto& head : weights) {
+      for (auto& w : head) w = static_cast<uint8_t>(is_signed ? static_cast<uint8_t>(low(random)) : high(random));
+    }
+    for (int tile = 0; tile < 8; ++tile) {
+      LaneA a{};
+      LaneB b{};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int part = 0; part < 2; ++part) {  // tokens 4c + i, then 16 + 4c + i
+          const int t0 = 16 * part + 4 * c;
+          const uint32_t gathered = mma::gather_byte(rows[t0][tile], rows[t0 + 1][tile], rows[t0 + 2][tile],
+                                                     rows[t0 + 3][tile], g % 4);
+          a[lane][2 * part] = mma::value_a_register(gathered, g, 0);
+          a[lane][2 * part + 1] = mma::value_a_register(gathered, g, 1);
+          uint32_t bytes = 0;
+          for (int i = 0; i < 4; ++i) bytes |= static_cast<uint32_t>(weights[g][t0 + i]) << (8 * i);
+          b[lane][part] = bytes;
+        }
+      }
+      LaneC d{};
+      emulate_m16n8k32(a, b, is_signed, d);
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int reg = 0; reg < 4; ++reg) {
+          const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+          const int channel = 16 * tile + mma::value_channel_of_row(row);
+          int64_t want = 0;
+          for (int t = 0; t < 32; ++t) {
+            const int w = is_signed ? static_cast<int8_t>(weights[head][t]) : weights[head][t];
+            want += static_cast<int64_t>(codes[t][channel]) * w;
+          }
+          ASSERT_EQ(d[lane][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
+        }
+      }
+    }
+  }
+}
+
+// The parts' bounds (the kernel's test bound uses them): queries
+// |x - s (hi + lo / 128)| <= s / 256, weights |w - s (hi + lo / 254)| <= s / 508,
+// plus float32's share: the scale and its inverse round separately (s times
+// 1/s is 1 within 2 ulps) and so does the scaled value: 4 u |x|, u = 2^-24.
+TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
+  std::mt19937 random(11);
+  std::normal_distribution<float> normal;
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> x(128);
+    float largest = 0;
+    for (float& v : x) {
+      v = normal(random) * std::ldexp(1.0f, trial % 20 - 10);
+      largest = std::max(largest, std::fabs(v));
+    }
+    const float scale = largest / 127.0f, inverse = 127.0f / largest;
+    for (float v : x) {
+      const mma::SignedParts p = mma::signed_parts(v, inverse);
+      const double back = static_cast<double>(scale) * (p.hi + p.lo / 128.0);
+      ASSERT_LE(std::fabs(back - v), scale / 256.0 + 0x1p-22 * std::fabs(v)) << v;
+      ASSERT_LE(std::abs(static_cast<int>(p.hi)), 127);
+    }
+    const float weight_max = std::fabs(x[0]) + 1e-30f;
+    const float weight_scale = weight_max / 255.0f, weight_inverse = 255.0f / weight_max;
+    for (float v : x) {
+      const float w = std::min(std::fabs(v), weight_max);
+      const mma::WeightParts p = mma::weight_parts(w, weight_inverse);
+      const double back = static_cast<double>(weight_scale) * (p.hi + p.lo / 254.0);
+      ASSERT_LE(std::fabs(back - w), weight_scale / 508.0 + 0x1p-22 * w) << w;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvforge
