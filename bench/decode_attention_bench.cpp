@@ -14,7 +14,9 @@
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
 // append_time_us, append_over_decode_rate and the FlashInfer times, and the
-// append step's host and device sides (append_host_us, append_device_us).
+// append step's host and device sides (append_host_us, append_device_us);
+// with --int8 also the 8-bit integer tensor-core kernel's time where it
+// reads the layout (int8_time_us, int8_speedup_vs_sdpa, int8_bandwidth_fraction).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -158,6 +160,9 @@ int run(int argc, char** argv) {
   app.add_option("--methods", methods)->delimiter(',');
   app.add_option("--bits", bits)->delimiter(',');
   app.add_option("--repeats", repeats);
+  bool int8 = false;
+  app.add_flag("--int8", int8,
+               "also time the 8-bit integer tensor-core kernel where it reads the layout (int8_* columns)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -352,6 +357,21 @@ int run(int argc, char** argv) {
                                 {"append_host_us", median(host_us)},
                                 {"append_device_us", median(device_us)},
                                 {"append_over_decode_rate", time_us / append_us}};
+          if (int8 && kernels::int8_decode_supported(params)) {
+            kernels::DecodeParams int8_params = params;
+            int8_params.kernel = kernels::DecodeKernel::kInt8TensorCores;
+            const int64_t int8_bytes = kernels::decode_workspace_bytes(int8_params);
+            const at::Tensor int8_workspace =
+                at::empty({int8_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+            int8_params.workspace = int8_workspace.data_ptr();
+            int8_params.workspace_bytes = int8_bytes;
+            const kernels::DecodePlan int8_plan = kernels::plan_decode_attention(int8_params, multiprocessors);
+            const double int8_us = median_us([&] { kernels::launch_decode_attention(int8_params, nullptr); }, repeats);
+            row["int8_time_us"] = int8_us;
+            row["int8_splits"] = int8_plan.splits;
+            row["int8_speedup_vs_sdpa"] = sdpa.at(context) / int8_us;
+            row["int8_bandwidth_fraction"] = static_cast<double>(bytes) / (int8_us * 1e-6) / copy_bandwidth;
+          }
           const auto fi = flashinfer.find({context, batch});
           if (fi != flashinfer.end()) {
             row["flashinfer_bf16_time_us"] = fi->second.value("flashinfer_bf16_time_us", nlohmann::json());

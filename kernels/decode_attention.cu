@@ -1,5 +1,6 @@
 // The launcher of the CUDA decode_attention (decode_attention_kernel.cuh,
-// decode_tensor_core_kernel.cuh): host checks with one-line errors, the plan
+// decode_tensor_core_kernel.cuh, decode_int8_kernel.cuh): host checks with
+// one-line errors, the plan
 // (which kernel, how many splits), the workspace of the splits' states, the
 // dispatch on head_dim, bits, the GQA group size and the channel groups, and
 // the merge.
@@ -10,6 +11,7 @@
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_attention_launch.h"
+#include "kernels/decode_int8_kernel.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
 
 namespace kvforge::kernels {
@@ -123,6 +125,29 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
   }
 }
 
+template <int D>
+void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                 cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+                  static_cast<unsigned>(p.batch.count));
+  constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
+  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(device::decode_int8_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          device::int8_dynamic_shared_bytes<D>()));
+  device::decode_int8_kernel<D><<<grid, kThreads, device::int8_dynamic_shared_bytes<D>(), stream>>>(
+      p, workspace, device::TensorCoreSplits{plan.tokens_per_split});
+}
+
+template <int D>
+int int8_residency() {
+  constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
+  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(device::decode_int8_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          device::int8_dynamic_shared_bytes<D>()));
+  int blocks = 0;
+  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D>, kThreads,
+                                                                   device::int8_dynamic_shared_bytes<D>()));
+  return blocks > 0 ? blocks : 1;
+}
+
 // Blocks of the tensor-core kernel one multiprocessor holds at once (its
 // registers decide), so that the plan fills the device in whole waves.
 template <int D, int kBits>
@@ -134,8 +159,9 @@ int tensor_core_residency(const DecodeParams& p) {
   return blocks > 0 ? blocks : 1;
 }
 
-int tensor_core_blocks_per_multiprocessor(const DecodeParams& p) {
+int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  if (int8) return k.head_dim == 64 ? int8_residency<64>() : int8_residency<128>();
   if (k.head_dim == 64) return k.bits == 2 ? tensor_core_residency<64, 2>(p) : tensor_core_residency<64, 4>(p);
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
 }
@@ -144,7 +170,15 @@ template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
   if (plan.tensor_cores) {
-    launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
+    if constexpr (kBits == 2) {
+      if (plan.int8) {
+        launch_int8<D>(p, workspace, plan, stream);
+      } else {
+        launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
+      }
+    } else {
+      launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
+    }
     if (plan.exact_splits > 0) {
       launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
     }
@@ -205,19 +239,37 @@ bool tensor_core_decode_supported(const DecodeParams& p) {
   return keys_ok && per_token_ok(v);
 }
 
+bool int8_decode_supported(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  const int dim = k.head_dim;
+  if ((dim != 64 && dim != 128) || k.bits != 2 || v.bits != 2) return false;
+  if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
+  if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
+  const auto one_group_per_row = [dim](const TensorLayoutSpec& s) {
+    return s.grouping == ScaleGrouping::kPerTokenAllHeads || (s.grouping == ScaleGrouping::kPerToken && s.group == dim);
+  };
+  const bool keys_ok = one_group_per_row(k) || k.grouping == ScaleGrouping::kPerChannelOffline ||
+                       (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % device::kInt8StepTokens == 0);
+  return keys_ok && one_group_per_row(v);
+}
+
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   DecodePlan plan;
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
   // Enough blocks for a few per multiprocessor, from the longest sequence.
   const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
-  plan.tensor_cores = tensor_core_decode_supported(p);
+  plan.int8 = p.kernel == DecodeKernel::kInt8TensorCores && int8_decode_supported(p);
+  plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
     // As many splits as one wave of resident blocks holds (a second, partial
-    // wave would double the time), at least 256 tokens each.
-    const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p);
+    // wave would double the time), at least 256 tokens each, a whole number
+    // of every warp's tiles (16 tokens; the int8 kernel's steps: 32).
+    const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p, plan.int8);
     const int64_t wave_splits = std::max<int64_t>(1, resident / per_split);
-    constexpr int64_t kQuantum = device::kTensorCoreWarps * device::kTileRows;
+    const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
+                                       : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);

@@ -21,6 +21,7 @@ struct DecodePlan {
   // keys and values; the general kernel the others (sink, windows). Without
   // it the general kernel takes every token.
   bool tensor_cores = false;
+  bool int8 = false;  // the tensor-core kernel is the 8-bit integer one (DecodeKernel::kInt8TensorCores)
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
   int32_t splits = 0;            // its blocks per (KV head, sequence)
   int32_t exact_splits = 0;      // tensor cores: the general kernel's blocks over the exact ranges
@@ -34,6 +35,14 @@ struct DecodePlan {
 // multiple of 16 tokens or offline ones.
 bool tensor_core_decode_supported(const DecodeParams& params);
 
+// Whether the 8-bit integer tensor-core kernel reads it: 2 bits, head_dim 64
+// or 128, uniform levels, post-RoPE keys, at most 8 query heads per KV head,
+// one group per token row (all-heads, or per_token groups of head_dim) for
+// values and per-token keys, or per-channel keys (offline, or groups of a
+// multiple of 32 tokens).
+bool int8_decode_supported(const DecodeParams& params);
+
+// params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
 // Bytes of params.workspace the launch needs on the current device.

@@ -116,6 +116,13 @@ struct AppendParams {
   OutlierAllocator key_outliers, value_outliers;
 };
 
+// Which CUDA decode kernel takes the quantized tokens (the CPU reference
+// ignores it): kAuto the bf16 tensor-core kernel where it reads the layout,
+// else the general one; kGeneral the general kernel for every token;
+// kInt8TensorCores the 8-bit integer tensor-core kernel where it reads the
+// layout (kernels/decode_int8_kernel.cuh), else as kAuto.
+enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2 };
+
 struct DecodeParams {
   SequenceBatch batch;  // one query per entry, at position lengths[i] - 1
   const void* queries = nullptr;  // [count][num_heads][D], post-RoPE
@@ -130,6 +137,7 @@ struct DecodeParams {
   bool keys_pre_rope = false;
   const float* rope_inverse_frequencies = nullptr;  // [D/2], the model's (float32)
   void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
+  DecodeKernel kernel = DecodeKernel::kAuto;  // CUDA only
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

@@ -909,6 +909,7 @@ DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {
     throw std::invalid_argument("quantized KV cache '" + name_ + "': decode_params: no layer " + std::to_string(layer));
   }
   DecodeParams params;
+  params.kernel = options_.decode_kernel;
   params.batch.page_table = device_page_table_->as<int32_t>();
   params.batch.page_table_stride = page_table_stride_;
   params.io = ElementType::kFloat32;

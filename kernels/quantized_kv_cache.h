@@ -51,6 +51,10 @@ struct CacheOptions {
   // next decode_attention, synchronize() or remove_sequence instead of by
   // the append itself. Off: append waits and reports its own exhaustion.
   bool asynchronous_append = false;
+  // Which CUDA decode kernel takes the quantized tokens (DecodeParams::kernel):
+  // kInt8TensorCores opts in to the 8-bit integer tensor-core kernel where it
+  // reads the layout (docs/runtime-layout.md 6.5). The CPU reference ignores it.
+  DecodeKernel decode_kernel = DecodeKernel::kAuto;
 };
 
 enum class TensorKind { kKeys, kValues };

@@ -274,6 +274,15 @@ double io_unit(ElementType io) {
 //   logits: |delta s| <= scale (2^-16 + (D + 16) 2^-23) 3 sum_d |q'_d| max |k'|,
 //     moving the output by <= 4 |delta s| max ||v'||;
 //   values: |delta o_d| <= (2^-16 + 32 * 2^-23) 3 max |v'|.
+// The 8-bit integer kernel (plan.int8; kernels/decode_int8_kernel.cuh)
+// instead: each q'_d (times its channel scale) within max |q'| / (127 * 256)
+// (two int8 parts; max |q'| <= ||q'||) of its value, against codes times a
+// scale, |b code| <= 3 max |k'|, over D channels; each weight W_t = p_t b_t
+// within the step's largest W / (255 * 508) (its two parts), so a step's 32
+// tokens move an output by <= 3 * 32 / (255 * 508) of its largest W, and
+// summed over the steps and normalized by sum p, of max_t b_t <= 3 max |v'|:
+//   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
+//   values: |delta o_d| <= (3 * 32 / (255 * 508) + 32 * 2^-23) 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
                              int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
   const int64_t split = plan.tensor_cores ? plan.tokens_per_split : tokens_per_split;
@@ -282,7 +291,11 @@ double attention_error_bound(const Float64Attention& f, double softmax_scale, in
   const double logit = gamma(2.0 * dim + 16) * softmax_scale * f.query_norm * f.key_norm;
   double bound = 4 * logit * f.value_norm + gamma(4.0 * s + 3.0 * splits + 8 + dim) * f.value_norm +
                  io_unit(io) * f.value_norm;
-  if (plan.tensor_cores) {
+  if (plan.int8) {
+    const double operand_logit =
+        softmax_scale * (3.0 * dim / (127.0 * 256.0) * f.query_norm + (dim + 16.0) * 0x1p-23 * 3 * f.query_l1) * f.key_max;
+    bound += 4 * operand_logit * f.value_norm + (3.0 * 32 / (255.0 * 508.0) + 32 * 0x1p-23) * 3 * f.value_max;
+  } else if (plan.tensor_cores) {
     const double operand_logit = softmax_scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
     bound += 4 * operand_logit * f.value_norm + (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;
   }
@@ -376,6 +389,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.io = c.io;
   host.queries = queries.data();
   host.output = reference.data();
+  host.kernel = c.kernel;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -388,6 +402,9 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     int multiprocessors = 0;
     KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
     plan = kernels::plan_decode_attention(on_device, multiprocessors);
+    if (c.kernel == kernels::DecodeKernel::kInt8TensorCores) {
+      EXPECT_TRUE(plan.int8) << c.name << ": the 8-bit integer kernel does not read this layout";
+    }
     kernels::launch_decode_attention(on_device, nullptr);
     KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
     KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
@@ -433,7 +450,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::printf("[ %s ] %s kernel, splits of %lld tokens\n", c.name.c_str(), plan.tensor_cores ? "tensor-core" : "general",
+  std::printf("[ %s ] %s kernel, splits of %lld tokens\n", c.name.c_str(),
+              plan.int8 ? "int8 tensor-core" : plan.tensor_cores ? "tensor-core" : "general",
               static_cast<long long>(plan.tokens_per_split));
   if (check.print_timing) {
     std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "

@@ -76,6 +76,9 @@ struct DecodeCase {
   bool key_centre = false;
   int64_t tokens_per_split = 256;
   std::vector<int64_t> lengths{1, 5, 37, 300, 1031, 4099};
+  // kInt8TensorCores: the case must be one the 8-bit integer kernel reads
+  // (a test failure otherwise), and its operand terms join the bound.
+  kernels::DecodeKernel kernel = kernels::DecodeKernel::kAuto;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

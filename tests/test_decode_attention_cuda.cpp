@@ -14,6 +14,7 @@
 
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
+#include "model/rope.h"
 #include "tests/decode_attention_check.h"
 
 namespace kvforge {
@@ -106,6 +107,38 @@ std::vector<Case> cases() {
     c.tokens_per_split = 128;
     all.push_back(c);
   }
+  {  // The 8-bit integer tensor-core kernel (DecodeKernel::kInt8TensorCores):
+     // rtn at head_dim 128 and 64 with value outliers, int2-rot rotated with a
+     // sink and a window (GQA 8), per-channel keys of 32 tokens with all-heads
+     // values, bf16 io, a 16K context.
+    Case rtn = make_case("int8_rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
+    rtn.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(rtn);
+    Case outliers = make_case("int8_rtn_outliers_2bit_d64_gqa4_page12", QuantMethod::kRtn, 2, 64, 8);
+    outliers.fit.outlier_fraction = 0.05;
+    outliers.page_size = 12;
+    outliers.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(outliers);
+    Case rotated = make_case("int8_int2rot_rotated_2bit_d128_gqa8", QuantMethod::kInt2Rot, 2, 128, 16);
+    rotated.fit.sink_tokens = 4;
+    rotated.fit.residual_tokens = 16;
+    rotated.key_rotation = RotationForm::kMatrix;
+    rotated.value_rotation = RotationForm::kMatrix;
+    rotated.key_centre = true;
+    rotated.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(rotated);
+    Case channels = make_case("int8_kivi_keys_all_heads_values_2bit_d128_gqa4_bf16", QuantMethod::kKivi, 2, 128, 8);
+    channels.fit.residual_tokens = 32;
+    channels.fit.value_grouping = Grouping::kPerTokenAllHeads;
+    channels.element = ElementType::kBFloat16;
+    channels.io = ElementType::kBFloat16;
+    channels.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(channels);
+    Case long_context = make_case("int8_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
+    long_context.lengths = {16411, 33};
+    long_context.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(long_context);
+  }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
     Case c = make_case("kvquant_32k_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
     c.fit.outlier_fraction = 0.02;
@@ -118,6 +151,33 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, DecodeAttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// On any machine (no GPU needed): the int8 cases are layouts the 8-bit
+// integer kernel reads, and the layouts it does not (4 bits, per-token
+// groups of 32 channels, kvquant's non-uniform pre-RoPE keys) are refused
+// by its test, so that they run the bf16 or the general kernel.
+TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
+  int int8_cases = 0;
+  for (const Case& c : cases()) {
+    const RotaryEmbedding case_rope(RopeConfig{}, c.head_dim, at::kCPU);
+    kernels::CacheOptions options;
+    options.page_size = c.page_size;
+    options.max_sequences = 1;
+    options.max_context = 64;
+    options.element = c.element;
+    const kernels::QuantizedKVCache cache(testing::fitted_decode_config(c, case_rope), testing::decode_dimensions(c),
+                                          options);
+    const bool reads = kernels::int8_decode_supported(cache.decode_params(0));
+    if (c.kernel == kernels::DecodeKernel::kInt8TensorCores) {
+      EXPECT_TRUE(reads) << c.name;
+      ++int8_cases;
+    }
+    const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
+                          c.name == "rtn_2bit_d128_gqa1";
+    EXPECT_EQ(reads, expected) << c.name;
+  }
+  EXPECT_EQ(int8_cases, 5);
+}
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
   kernels::DecodeParams p;

@@ -1,0 +1,544 @@
+#pragma once
+// The 8-bit integer tensor-core decode attention (docs/runtime-layout.md,
+// section 6.5): 2-bit uniform codes of post-RoPE keys and values with one
+// group per token row (or per-channel keys) enter mma.sync as the unsigned
+// bytes they unpack to, which costs one shift and one mask per four codes
+// (the bf16 kernel spends three operations per two); the other operands go
+// in as two 8-bit parts:
+//
+//   - keys: score(t, h) = b_t (q'.c_t) + a_t sum(q') (per-token groups) or
+//     (q' * b).c_t + q'.a (per-channel); the B operand q' (or q' * b) of
+//     head h is s_h (hi + lo / 128), s_h = max |q'| / 127, so that
+//     q'.c = s_h / 128 (128 hi.c + lo.c), exact int32 sums;
+//   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h] over a step of 32
+//     tokens (the mma's K), W = p * b (softmax weight times the token's
+//     scale) as S_h (hi + lo / 254) with S_h the step's largest W of head h
+//     over 255: each step's int32 sums are scaled into float32
+//     accumulators, and the a-term sum_t p_t a_t stays float32;
+//   - outlier entries correct the scores and outputs by q'_d (x - deq) and
+//     p (x - deq) (float32, as the bf16 kernel); the sink, the windows and
+//     every token not quantized for both keys and values are the general
+//     kernel's (its "exact ranges" mode), merged with these states.
+//
+// Operand layouts: kernels/int8_mma_fragments.h (tested on the CPU through
+// an emulation of the PTX fragments). One block of four warps per (context
+// split, KV head, sequence); each warp walks 32-token steps of its run of the
+// split, three steps' bytes in flight (cp.async), with the online softmax of
+// the GQA group's heads (up to 8, the mma's N); the block merges its warps'
+// states into one split state for decode_merge_kernel.
+#include <cstdint>
+
+#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/int8_mma_fragments.h"
+
+namespace kvforge::kernels::decode_attention_device {
+
+inline constexpr int kInt8Warps = 4;
+inline constexpr int kInt8StepTokens = 32;  // tokens per warp step: the values' mma K
+inline constexpr int kInt8Stages = 3;
+
+__device__ inline void mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ inline void mma_u8u8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared memory of one block (static).
+template <int D>
+struct Int8Shared {
+  float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
+  float raw_query[kMaxTensorCoreGroup][D];
+  float out[kInt8Warps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
+  // The step's weights: float (the value outliers' corrections) and the
+  // two 8-bit parts of W as the values' B operand reads them, [head][token].
+  float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
+  uint8_t weight_hi[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
+  int8_t weight_lo[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
+  float alpha[kInt8Warps][kMaxTensorCoreGroup];
+  float value_a_term[kInt8Warps][kMaxTensorCoreGroup];
+  float state_max[kInt8Warps][kMaxTensorCoreGroup], state_sum[kInt8Warps][kMaxTensorCoreGroup];
+  // The step's per-token affines (lane j: token j).
+  Affine key_affine[kInt8Warps][kInt8StepTokens], value_affine[kInt8Warps][kInt8StepTokens];
+  Affine channel[kInt8Warps][D];  // per-channel keys: the current token group's (or the offline) affines
+};
+
+// One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
+// tokens' code rows and group pairs, copied asynchronously, and where each
+// token lies (for the outliers).
+template <int D>
+struct Int8Stage {
+  static constexpr int kRowBytes = D * 2 / 8;
+  static constexpr int kRowWords = kRowBytes / 4;
+  uint4 key_codes[kInt8StepTokens * kRowBytes / 16];
+  uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
+  uint2 key_pairs[kInt8StepTokens];
+  uint2 value_pairs[kInt8StepTokens];
+  SlotAddress key_at[kInt8StepTokens], value_at[kInt8StepTokens];  // page null: past the range
+};
+
+template <int D>
+constexpr int int8_dynamic_shared_bytes() {
+  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D>));
+}
+
+template <int D>
+__global__ void __launch_bounds__(kInt8Warps * kWarpSize)
+    decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
+  constexpr int kSteps = D / 32;    // key k steps (32 channels each)
+  constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
+  constexpr int kTop = 3;
+  using Stage = Int8Stage<D>;
+  constexpr int kRowWords = Stage::kRowWords;
+  constexpr int kRowChunks = Stage::kRowBytes / 16;
+  __shared__ Int8Shared<D> shared;
+  extern __shared__ __align__(16) uint8_t dynamic_shared[];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int kv_heads = p.key_cache.layout.spec.kv_heads;
+  const int group = p.num_heads / kv_heads;
+  const int64_t tokens = p.batch.lengths[entry];
+  int64_t range_begin, range_end;
+  tensor_core_range(p, tokens, range_begin, range_end);
+  const int64_t first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
+  const int64_t last = first + splits.tokens_per_split < range_end ? first + splits.tokens_per_split : range_end;
+  const int64_t state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * group;
+  if (first >= last) {  // an empty split: a state the merge skips
+    if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
+    return;
+  }
+  const int32_t slot = p.batch.slots[entry];
+  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
+  const TensorPageLayout& kl = p.key_cache.layout;
+  const TensorPageLayout& vl = p.value_cache.layout;
+  const int sink = kl.spec.sink_tokens;
+  const bool per_channel_keys =
+      kl.spec.grouping == ScaleGrouping::kPerChannelTokens || kl.spec.grouping == ScaleGrouping::kPerChannelOffline;
+
+  // The group's queries, rotated by the keys' rotation (float32, 6.3 step 1).
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    shared.raw_query[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+  }
+  for (int i = threadIdx.x; i < kInt8Warps * kMaxTensorCoreGroup * D; i += blockDim.x) (&shared.out[0][0][0])[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, j = i % D;
+    // Columns past the group are the mma's padding: zero.
+    shared.query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, shared.raw_query[h], kv_head, j) : 0.0f;
+  }
+  __syncthreads();
+
+  // This warp's steps: a contiguous run of the split's.
+  const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
+  const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
+  const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
+  const float* my_query = shared.query[g];  // B column g (zeros past the group)
+
+  // Key B operands of head g: [k step][register][hi, lo] and the scale
+  // s_g / 128 of the combined int32 sums; the a-term sum(q') (per-token
+  // keys) or q'.a (per-channel), over the 4 lanes of column g.
+  uint32_t key_b[kSteps][2][2];
+  float key_scale = 0.0f, key_a_term = 0.0f;
+  int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
+  auto build_key_operands = [&](int64_t s) {
+    if (per_channel_keys) {  // the group's D channel affines, 4 per lane, then read by every lane
+      const ChannelStream stream = channel_stream(kl, s, kv_head);
+      for (int d = lane; d < D; d += kWarpSize) {
+        shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d, kTop);
+      }
+      __syncwarp();
+    }
+    // Lane (g, c) holds channels 32s + 16h + 4i + c of head g: D / 4 of them.
+    float x[kSteps][2][4];
+    float largest = 0.0f, a_term = 0.0f;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int d = 32 * step + 16 * half + 4 * i + c;
+          float q = my_query[d];
+          if (per_channel_keys) {
+            const Affine affine = shared.channel[warp][d];
+            a_term = __fmaf_rn(q, affine.a, a_term);
+            q = __fmul_rn(q, affine.b);
+          } else {
+            a_term += q;
+          }
+          x[step][half][i] = q;
+          largest = fmaxf(largest, fabsf(q));
+        }
+      }
+    }
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+    a_term += __shfl_xor_sync(0xffffffffu, a_term, 1);
+    a_term += __shfl_xor_sync(0xffffffffu, a_term, 2);
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t hi = 0, lo = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int8_mma::SignedParts parts = int8_mma::signed_parts(x[step][half][i], inverse);
+          hi |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
+          lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
+        }
+        key_b[step][half][0] = hi;
+        key_b[step][half][1] = lo;
+      }
+    }
+    key_scale = largest / (127.0f * 128.0f);
+    key_a_term = a_term;
+  };
+  if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
+
+  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};  // heads 2c, 2c+1
+  float acc[kMTiles][4];  // values: m tile, C fragment (channel rows g, g+8 x heads 2c, 2c+1)
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+  float value_a_term[2] = {0.0f, 0.0f};  // heads 2c, 2c+1, this lane's tokens (summed over the lanes at the end)
+  const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
+  const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
+
+  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
+  const int page_size = kl.spec.page_size;
+
+  // Starts the copies of step `step` into its stage (every lane takes part):
+  // lane j's token's page, its key and value pairs, then the code rows.
+  auto issue = [&](int64_t step) {
+    Stage& stage = stages[step % kInt8Stages];
+    const int64_t t = first + step * kInt8StepTokens + lane;
+    const bool valid = t < last;
+    const int32_t s_index = static_cast<int32_t>(t - sink);
+    const int page = valid ? page_row[s_index / page_size] : 0;
+    const int32_t in_page = valid ? s_index % page_size : 0;
+    SlotAddress key_at, value_at;
+    if (valid) {
+      key_at = {p.key_cache.pages + static_cast<int64_t>(page) * kl.page_bytes, in_page};
+      value_at = {p.value_cache.pages + static_cast<int64_t>(page) * vl.page_bytes, in_page};
+      if (!per_channel_keys) {
+        const int32_t index = token_pair_index(kl.spec, kv_head, in_page, 0, 1);
+        const uint8_t* source = key_at.page + kl.params_offset + index * kl.pair_bytes;
+        if (kl.pair_bytes == 4) {
+          copy_async<4>(&stage.key_pairs[lane], source);
+        } else {
+          copy_async<8>(&stage.key_pairs[lane], source);
+        }
+      }
+      const int32_t index = token_pair_index(vl.spec, kv_head, in_page, 0, 1);
+      const uint8_t* source = value_at.page + vl.params_offset + index * vl.pair_bytes;
+      if (vl.pair_bytes == 4) {
+        copy_async<4>(&stage.value_pairs[lane], source);
+      } else {
+        copy_async<8>(&stage.value_pairs[lane], source);
+      }
+    }
+    stage.key_at[lane] = key_at;
+    stage.value_at[lane] = value_at;
+    // Code rows: 16-byte chunks, chunk i of the kind's 32 rows by lane
+    // i % 32; every lane runs every round and every shuffle.
+    constexpr int kChunks = kInt8StepTokens * kRowChunks;
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      const PagedTensor& tensor = kind == 0 ? p.key_cache : p.value_cache;
+#pragma unroll
+      for (int round = 0; round < kChunks / kWarpSize; ++round) {
+        const int chunk = round * kWarpSize + lane;
+        const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+        const int row_page = __shfl_sync(0xffffffffu, page, row);
+        const int32_t row_in_page = __shfl_sync(0xffffffffu, in_page, row);
+        if (first + step * kInt8StepTokens + row < last) {
+          const uint8_t* source = tensor.pages + static_cast<int64_t>(row_page) * tensor.layout.page_bytes +
+                                  code_row_offset(tensor.layout, kv_head, row_in_page) + part * 16;
+          copy_async<16>((kind == 0 ? stage.key_codes : stage.value_codes) + chunk, source);
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int ahead = 0; ahead < kInt8Stages - 1; ++ahead) {
+    if (step_begin + ahead < step_end) issue(step_begin + ahead);
+    copy_async_commit();
+  }
+  for (int64_t step = step_begin; step < step_end; ++step) {
+    const int64_t t0 = first + step * kInt8StepTokens;
+    if (step + kInt8Stages - 1 < step_end) issue(step + kInt8Stages - 1);
+    copy_async_commit();
+    copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
+    __syncwarp();
+    const Stage& stage = stages[step % kInt8Stages];
+    {  // the step's affines from its pairs: lane j token j
+      const bool valid = t0 + lane < last;
+      if (!per_channel_keys) {
+        shared.key_affine[warp][lane] =
+            valid ? affine_of_pair(kl, p.key_dequantization, reinterpret_cast<const uint8_t*>(&stage.key_pairs[lane]), kTop)
+                  : Affine{0.0f, 0.0f};
+      }
+      shared.value_affine[warp][lane] =
+          valid ? affine_of_pair(vl, p.value_dequantization, reinterpret_cast<const uint8_t*>(&stage.value_pairs[lane]),
+                                 kTop)
+                : Affine{0.0f, 0.0f};
+      __syncwarp();
+    }
+    if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
+      const int64_t key_group = (t0 - sink) / kl.spec.group;  // steps never straddle a group (G % 32 == 0)
+      if (key_group != key_params_group) {
+        build_key_operands(t0 - sink);
+        key_params_group = key_group;
+      }
+    }
+    // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
+    const float scale_h[2] = {__shfl_sync(0xffffffffu, key_scale, 4 * (2 * c)),
+                              __shfl_sync(0xffffffffu, key_scale, 4 * (2 * c + 1))};
+    const float a_term_h[2] = {__shfl_sync(0xffffffffu, key_a_term, 4 * (2 * c)),
+                               __shfl_sync(0xffffffffu, key_a_term, 4 * (2 * c + 1))};
+    float score[2][4];  // [rb][C register]: token 16 rb + g + 8 (i / 2), head 2c + i % 2
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb) {
+      uint32_t row_g[kRowWords], row_g8[kRowWords];
+#pragma unroll
+      for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
+        const uint4 u = stage.key_codes[(16 * rb + g) * kRowChunks + w4];
+        const uint4 v = stage.key_codes[(16 * rb + g + 8) * kRowChunks + w4];
+        row_g[4 * w4] = u.x, row_g[4 * w4 + 1] = u.y, row_g[4 * w4 + 2] = u.z, row_g[4 * w4 + 3] = u.w;
+        row_g8[4 * w4] = v.x, row_g8[4 * w4 + 1] = v.y, row_g8[4 * w4 + 2] = v.z, row_g8[4 * w4 + 3] = v.w;
+      }
+      int dot_hi[4] = {0, 0, 0, 0}, dot_lo[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        uint32_t a[4];
+#pragma unroll
+        for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(row_g, row_g8, s, c, which);
+        mma_u8s8(dot_hi, a, key_b[s][0][0], key_b[s][1][0]);
+        mma_u8s8(dot_lo, a, key_b[s][0][1], key_b[s][1][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
+        const float dot = static_cast<float>(128 * dot_hi[i] + dot_lo[i]) * scale_h[h];
+        if (per_channel_keys) {
+          score[rb][i] = dot + a_term_h[h];
+        } else {
+          const Affine affine = shared.key_affine[warp][row];
+          score[rb][i] = __fmaf_rn(affine.b, dot, affine.a * a_term_h[h]);
+        }
+      }
+    }
+    if (key_outliers) {
+#pragma unroll
+      for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * rb + g + 8 * r;
+          if (t0 + row >= last) continue;
+          const SlotAddress at = stage.key_at[row];
+          float correction[2] = {0.0f, 0.0f};
+          for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
+            const int code = code_at<2>(kl, at, kv_head, d);
+            const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
+            const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+            correction[0] = __fmaf_rn(shared.query[2 * c][d], delta, correction[0]);
+            correction[1] = __fmaf_rn(shared.query[2 * c + 1][d], delta, correction[1]);
+          });
+          score[rb][2 * r] += correction[0];
+          score[rb][2 * r + 1] += correction[1];
+        }
+      }
+    }
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        score[rb][i] = t0 + 16 * rb + g + 8 * (i / 2) < last ? score[rb][i] * log2e_scale : -INFINITY;
+      }
+    }
+
+    // ---- online softmax per head (columns 2c, 2c+1), over the step's 32 rows
+    float alpha[2], weight[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = fmaxf(fmaxf(score[0][h], score[0][2 + h]), fmaxf(score[1][h], score[1][2 + h]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      const float new_max = fmaxf(running_max[h], m);
+      alpha[h] = exp2f(running_max[h] - new_max);  // 0 on the first step
+      float sum = 0.0f;
+#pragma unroll
+      for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          weight[rb][2 * r + h] = exp2f(score[rb][2 * r + h] - new_max);
+          sum += weight[rb][2 * r + h];
+        }
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
+      running_max[h] = new_max;
+    }
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t) {
+      acc[t][0] *= alpha[0];
+      acc[t][1] *= alpha[1];
+      acc[t][2] *= alpha[0];
+      acc[t][3] *= alpha[1];
+    }
+    // W = p * b per token and head, the a-terms, and the step's largest W
+    // per head (over the 8 lanes of each column pair).
+    float w[2][4], largest[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) value_a_term[h] *= alpha[h];
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
+        const Affine affine = shared.value_affine[warp][row];  // {0, 0} past the range
+        w[rb][i] = weight[rb][i] * affine.b;
+        value_a_term[h] = __fmaf_rn(weight[rb][i], affine.a, value_a_term[h]);
+        largest[h] = fmaxf(largest[h], w[rb][i]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
+    }
+    const float inverse[2] = {largest[0] > 0.0f ? 255.0f / largest[0] : 0.0f,
+                              largest[1] > 0.0f ? 255.0f / largest[1] : 0.0f};
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
+        const int8_mma::WeightParts parts = int8_mma::weight_parts(w[rb][i], inverse[h]);
+        shared.weight_hi[warp][2 * c + h][row] = parts.hi;
+        shared.weight_lo[warp][2 * c + h][row] = parts.lo;
+        if (value_outliers) shared.weights[warp][row][2 * c + h] = weight[rb][i];
+      }
+    }
+    if (g == 0) {
+      shared.alpha[warp][2 * c] = alpha[0];
+      shared.alpha[warp][2 * c + 1] = alpha[1];
+    }
+    __syncwarp();
+
+    // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens
+    const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][g][4 * c]),
+                              *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][g][16 + 4 * c])};
+    const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][g][4 * c]),
+                              *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][g][16 + 4 * c])};
+    const float weight_scale[2] = {largest[0] / (255.0f * 254.0f), largest[1] / (255.0f * 254.0f)};
+    const uint32_t* value_words = reinterpret_cast<const uint32_t*>(stage.value_codes);
+#pragma unroll
+    for (int tile = 0; tile < kMTiles; ++tile) {
+      uint32_t a[4];
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {  // tokens 16 part + 4c + i
+        const int row = 16 * part + 4 * c;
+        const uint32_t gathered = int8_mma::gather_byte(
+            value_words[row * kRowWords + tile], value_words[(row + 1) * kRowWords + tile],
+            value_words[(row + 2) * kRowWords + tile], value_words[(row + 3) * kRowWords + tile], g % 4);
+        a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
+        a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+      }
+      int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
+      mma_u8u8(sum_hi, a, b_hi[0], b_hi[1]);
+      mma_u8s8(sum_lo, a, b_lo[0], b_lo[1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[tile][i] = __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[i % 2], acc[tile][i]);
+      }
+    }
+    if (value_outliers) {
+      // Rescale this warp's corrections to the new maxima, then add the
+      // step's: lane j takes token j.
+      for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
+      __syncwarp();
+      if (t0 + lane < last) {
+        const SlotAddress at = stage.value_at[lane];
+        for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
+          const int code = code_at<2>(vl, at, kv_head, d);
+          const Affine affine = shared.value_affine[warp][lane];
+          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
+        });
+      }
+    }
+    __syncwarp();  // the step's weights are read before the next step writes them
+  }
+
+  // ---- this warp's state into shared memory (the a-terms over the 8 lanes of each column pair)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 4);
+    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 8);
+    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 16);
+  }
+  if (g == 0) {
+    shared.state_max[warp][2 * c] = running_max[0];
+    shared.state_max[warp][2 * c + 1] = running_max[1];
+    shared.state_sum[warp][2 * c] = running_sum[0];
+    shared.state_sum[warp][2 * c + 1] = running_sum[1];
+    shared.value_a_term[warp][2 * c] = value_a_term[0];
+    shared.value_a_term[warp][2 * c + 1] = value_a_term[1];
+  }
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i < 2 ? g : g + 8, h = 2 * c + (i % 2);
+      shared.out[warp][h][16 * t + int8_mma::value_channel_of_row(row)] += acc[t][i];
+    }
+  }
+  __syncwarp();
+  for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] += shared.value_a_term[warp][i / D];
+  __syncthreads();
+
+  // ---- the block's split state: the warps merged (max, sum in log2 units
+  // are turned back into natural units for the merge kernel).
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kInt8Warps; ++w) m = fmaxf(m, shared.state_max[w][h]);
+    const int64_t index = (state_base + h) * workspace.max_splits + split;
+    if (m == -INFINITY) {
+      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
+      continue;
+    }
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kInt8Warps; ++w) {
+      if (shared.state_max[w][h] == -INFINITY) continue;
+      const float rescale = exp2f(shared.state_max[w][h] - m);
+      sum = __fmaf_rn(shared.state_sum[w][h], rescale, sum);
+      out = __fmaf_rn(shared.out[w][h][d], rescale, out);
+    }
+    if (d == 0) {
+      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
+      workspace.max_sum[2 * index + 1] = sum;
+    }
+    workspace.acc[index * D + d] = out;
+  }
+}
+
+}  // namespace kvforge::kernels::decode_attention_device
