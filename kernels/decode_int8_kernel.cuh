@@ -124,19 +124,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   const bool per_channel_keys =
       kl.spec.grouping == ScaleGrouping::kPerChannelTokens || kl.spec.grouping == ScaleGrouping::kPerChannelOffline;
 
-  // The group's queries, rotated by the keys' rotation (float32, 6.3 step 1).
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    shared.raw_query[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
-  }
-  for (int i = threadIdx.x; i < kInt8Warps * kMaxTensorCoreGroup * D; i += blockDim.x) (&shared.out[0][0][0])[i] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, j = i % D;
-    // Columns past the group are the mma's padding: zero.
-    shared.query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, shared.raw_query[h], kv_head, j) : 0.0f;
-  }
-  __syncthreads();
+  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
+                        kInt8Warps * kMaxTensorCoreGroup * D);
 
   // This warp's steps: a contiguous run of the split's.
   const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
@@ -513,32 +502,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] += shared.value_a_term[warp][i / D];
   __syncthreads();
 
-  // ---- the block's split state: the warps merged (max, sum in log2 units
-  // are turned back into natural units for the merge kernel).
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kInt8Warps; ++w) m = fmaxf(m, shared.state_max[w][h]);
-    const int64_t index = (state_base + h) * workspace.max_splits + split;
-    if (m == -INFINITY) {
-      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
-      continue;
-    }
-    float sum = 0.0f, out = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kInt8Warps; ++w) {
-      if (shared.state_max[w][h] == -INFINITY) continue;
-      const float rescale = exp2f(shared.state_max[w][h] - m);
-      sum = __fmaf_rn(shared.state_sum[w][h], rescale, sum);
-      out = __fmaf_rn(shared.out[w][h][d], rescale, out);
-    }
-    if (d == 0) {
-      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
-      workspace.max_sum[2 * index + 1] = sum;
-    }
-    workspace.acc[index * D + d] = out;
-  }
+  write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum,
+                                   shared.out);
 }
 
 }  // namespace kvforge::kernels::decode_attention_device

@@ -226,6 +226,63 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
   }
 }
 
+// ---------------------------------------------------------------- block parts
+
+// The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
+// the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
+// are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
+// block's threads together, synchronized on return.
+template <int D>
+__device__ inline void load_group_queries(const DecodeParams& p, int64_t state_base, int group, int kv_head,
+                                          float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
+                                          float* out, int out_count) {
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+  }
+  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, j = i % D;
+    query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, raw[h], kv_head, j) : 0.0f;
+  }
+  __syncthreads();
+}
+
+// The block's split state from its kWarps warps' (max and sum in log2
+// units, turned back into natural units for the merge kernel; each warp's
+// output rows): the block's threads together, after a __syncthreads.
+template <int D, int kWarps>
+__device__ inline void write_block_state(const SplitWorkspace& workspace, int64_t state_base, int split, int group,
+                                         const float (&state_max)[kWarps][kMaxTensorCoreGroup],
+                                         const float (&state_sum)[kWarps][kMaxTensorCoreGroup],
+                                         const float (&out)[kWarps][kMaxTensorCoreGroup][D]) {
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, state_max[w][h]);
+    const int64_t index = (state_base + h) * workspace.max_splits + split;
+    if (m == -INFINITY) {
+      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
+      continue;
+    }
+    float sum = 0.0f, value = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (state_max[w][h] == -INFINITY) continue;
+      const float rescale = exp2f(state_max[w][h] - m);
+      sum = __fmaf_rn(state_sum[w][h], rescale, sum);
+      value = __fmaf_rn(out[w][h][d], rescale, value);
+    }
+    if (d == 0) {
+      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
+      workspace.max_sum[2 * index + 1] = sum;
+    }
+    workspace.acc[index * D + d] = value;
+  }
+}
+
 // ---------------------------------------------------------------- kernel
 
 struct TensorCoreSplits {
@@ -309,19 +366,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int key_groups = D / key_group_channels, value_groups = D / value_group_channels;
   const int key_pairs_per_head = D / key_group_channels, value_pairs_per_head = D / value_group_channels;
 
-  // The group's queries, rotated by the keys' rotation (float32, 6.3 step 1).
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    shared.raw_query[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
-  }
-  for (int i = threadIdx.x; i < kTensorCoreWarps * kMaxTensorCoreGroup * D; i += blockDim.x) (&shared.out[0][0][0])[i] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, j = i % D;
-    // Columns past the group are the mma's padding: zero.
-    shared.query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, shared.raw_query[h], kv_head, j) : 0.0f;
-  }
-  __syncthreads();
+  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
+                        kTensorCoreWarps * kMaxTensorCoreGroup * D);
 
   // This warp's tiles: a contiguous run of the split's.
   const int64_t tiles = (last - first + kTileRows - 1) / kTileRows;
@@ -731,32 +777,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   }
   __syncthreads();
 
-  // ---- the block's split state: the warps merged (max, sum in log2 units
-  // are turned back into natural units for the merge kernel).
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kTensorCoreWarps; ++w) m = fmaxf(m, shared.state_max[w][h]);
-    const int64_t index = (state_base + h) * workspace.max_splits + split;
-    if (m == -INFINITY) {
-      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
-      continue;
-    }
-    float sum = 0.0f, out = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kTensorCoreWarps; ++w) {
-      if (shared.state_max[w][h] == -INFINITY) continue;
-      const float rescale = exp2f(shared.state_max[w][h] - m);
-      sum = __fmaf_rn(shared.state_sum[w][h], rescale, sum);
-      out = __fmaf_rn(shared.out[w][h][d], rescale, out);
-    }
-    if (d == 0) {
-      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
-      workspace.max_sum[2 * index + 1] = sum;
-    }
-    workspace.acc[index * D + d] = out;
-  }
+  write_block_state<D, kTensorCoreWarps>(workspace, state_base, split, group, shared.state_max, shared.state_sum,
+                                         shared.out);
 }
 
 }  // namespace kvforge::kernels::decode_attention_device
