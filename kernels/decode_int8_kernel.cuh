@@ -104,14 +104,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
-  const int kv_heads = p.key_cache.layout.spec.kv_heads;
-  const int group = p.num_heads / kv_heads;
-  const int64_t tokens = p.batch.lengths[entry];
-  int64_t range_begin, range_end;
-  tensor_core_range(p, tokens, range_begin, range_end);
-  const int64_t first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
-  const int64_t last = first + splits.tokens_per_split < range_end ? first + splits.tokens_per_split : range_end;
-  const int64_t state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * group;
+  const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
+  const int group = block.group;
+  const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
     return;

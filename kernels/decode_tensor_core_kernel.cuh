@@ -289,6 +289,26 @@ struct TensorCoreSplits {
   int64_t tokens_per_split = 0;  // a multiple of kTensorCoreWarps * kTileRows
 };
 
+// The quantized tokens [first, last) of a tensor-core block (context split
+// `split` of KV head `kv_head` of batch entry `entry`), its GQA group size,
+// and the index of its first query head's state (entry * H + kv_head * group).
+struct BlockTokens {
+  int64_t first = 0, last = 0, state_base = 0;
+  int group = 0;
+};
+
+__device__ inline BlockTokens block_tokens(const DecodeParams& p, const TensorCoreSplits& splits, int split, int kv_head,
+                                           int entry) {
+  BlockTokens b;
+  b.group = p.num_heads / p.key_cache.layout.spec.kv_heads;
+  int64_t range_begin, range_end;
+  tensor_core_range(p, p.batch.lengths[entry], range_begin, range_end);
+  b.first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
+  b.last = b.first + splits.tokens_per_split < range_end ? b.first + splits.tokens_per_split : range_end;
+  b.state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * b.group;
+  return b;
+}
+
 // Shared memory of one block.
 template <int D>
 struct TensorCoreShared {
@@ -341,14 +361,9 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
-  const int kv_heads = p.key_cache.layout.spec.kv_heads;
-  const int group = p.num_heads / kv_heads;
-  const int64_t tokens = p.batch.lengths[entry];
-  int64_t range_begin, range_end;
-  tensor_core_range(p, tokens, range_begin, range_end);
-  const int64_t first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
-  const int64_t last = first + splits.tokens_per_split < range_end ? first + splits.tokens_per_split : range_end;
-  const int64_t state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * group;
+  const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
+  const int group = block.group;
+  const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
     return;
