@@ -27,6 +27,7 @@ Usage: python3 bench/decode_baselines.py --out FILE [--contexts 4096,...] [--bat
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -121,8 +122,17 @@ def main():
             torch.cuda.empty_cache()
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
-    with open(args.out, "w") as f:
+            # Rewritten after every row: a call's time limit (FlashInfer's
+            # first use compiles its kernels) keeps the rows measured so far.
+            write_report(report, args.out)
+    write_report(report, args.out)
+
+
+def write_report(report, path):
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
         json.dump(report, f, indent=1)
+    os.replace(temporary, path)
 
 
 if __name__ == "__main__":
