@@ -11,6 +11,12 @@
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
+# binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
+# SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
+# SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_INT8, SKIP_PROFILE,
+# PROFILE_METHODS, PROFILE_APPEND and BUILD_TARGETS (each explained where it
+# is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
 OUT=$(realpath -m "${OUT:-out/gpu}")
