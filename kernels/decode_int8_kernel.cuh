@@ -55,11 +55,16 @@ __device__ inline void mma_u8u8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0
 template <int D>
 struct Int8Shared {
   float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
-  float raw_query[kMaxTensorCoreGroup][D];
   float out[kInt8Warps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
-  // The step's weights: float (the value outliers' corrections) and the
-  // two 8-bit parts of W as the values' B operand reads them, [head][token].
-  float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
+  // The unrotated queries (the preamble only), then the step's weights
+  // (float, for the value outliers' corrections): apart, they would cost the
+  // third resident block per multiprocessor.
+  union {
+    float raw_query[kMaxTensorCoreGroup][D];
+    float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
+  };
+  // The two 8-bit parts of the step's W as the values' B operand reads
+  // them, [head][token].
   uint8_t weight_hi[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
   int8_t weight_lo[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
   float alpha[kInt8Warps][kMaxTensorCoreGroup];
@@ -71,8 +76,8 @@ struct Int8Shared {
 };
 
 // One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
-// tokens' code rows and group pairs, copied asynchronously, and where each
-// token lies (for the outliers).
+// tokens' code rows and group pairs, copied asynchronously, and each token's
+// page id and index in it (the same in both pools; for the outliers).
 template <int D>
 struct Int8Stage {
   static constexpr int kRowBytes = D * 2 / 8;
@@ -81,7 +86,7 @@ struct Int8Stage {
   uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
   uint2 key_pairs[kInt8StepTokens];
   uint2 value_pairs[kInt8StepTokens];
-  SlotAddress key_at[kInt8StepTokens], value_at[kInt8StepTokens];  // page null: past the range
+  int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
 };
 
 template <int D>
@@ -231,8 +236,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
         copy_async<8>(&stage.value_pairs[lane], source);
       }
     }
-    stage.key_at[lane] = key_at;
-    stage.value_at[lane] = value_at;
+    stage.page[lane] = page;
+    stage.in_page[lane] = in_page;
     // Code rows: 16-byte chunks, chunk i of the kind's 32 rows by lane
     // i % 32; every lane runs every round and every shuffle.
     constexpr int kChunks = kInt8StepTokens * kRowChunks;
@@ -330,7 +335,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
         for (int r = 0; r < 2; ++r) {
           const int row = 16 * rb + g + 8 * r;
           if (t0 + row >= last) continue;
-          const SlotAddress at = stage.key_at[row];
+          const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
+                               stage.in_page[row]};
           float correction[2] = {0.0f, 0.0f};
           for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
             const int code = code_at<2>(kl, at, kv_head, d);
@@ -458,7 +464,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
       __syncwarp();
       if (t0 + lane < last) {
-        const SlotAddress at = stage.value_at[lane];
+        const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
+                             stage.in_page[lane]};
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<2>(vl, at, kv_head, d);
           const Affine affine = shared.value_affine[warp][lane];
