@@ -125,27 +125,51 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
   }
 }
 
-template <int D>
-void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                 cudaStream_t stream) {
+// The int8 kernel's value groups per row: per-token groups of 32 channels
+// (KIVI's) or one.
+bool int8_value_groups_of_32(const DecodeParams& p) {
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  return v.grouping == ScaleGrouping::kPerToken && v.group == 32 && v.head_dim > 32;
+}
+
+template <int D, int VG>
+void launch_int8_groups(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                        cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(device::decode_int8_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          device::int8_dynamic_shared_bytes<D>()));
-  device::decode_int8_kernel<D><<<grid, kThreads, device::int8_dynamic_shared_bytes<D>(), stream>>>(
-      p, workspace, device::TensorCoreSplits{plan.tokens_per_split});
+  constexpr int kShared = device::int8_dynamic_shared_bytes<D, VG>();
+  KVFORGE_CUDA_CHECK(
+      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared));
+  device::decode_int8_kernel<D, VG><<<grid, kThreads, kShared, stream>>>(p, workspace,
+                                                                         device::TensorCoreSplits{plan.tokens_per_split});
 }
 
 template <int D>
-int int8_residency() {
+void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                 cudaStream_t stream) {
+  if (int8_value_groups_of_32(p)) {
+    launch_int8_groups<D, D / 32>(p, workspace, plan, stream);
+  } else {
+    launch_int8_groups<D, 1>(p, workspace, plan, stream);
+  }
+}
+
+template <int D, int VG>
+int int8_groups_residency() {
   constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(device::decode_int8_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          device::int8_dynamic_shared_bytes<D>()));
+  constexpr int kShared = device::int8_dynamic_shared_bytes<D, VG>();
+  KVFORGE_CUDA_CHECK(
+      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared));
   int blocks = 0;
-  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D>, kThreads,
-                                                                   device::int8_dynamic_shared_bytes<D>()));
+  KVFORGE_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D, VG>, kThreads, kShared));
   return blocks > 0 ? blocks : 1;
+}
+
+template <int D>
+int int8_residency(const DecodeParams& p) {
+  return int8_value_groups_of_32(p) ? int8_groups_residency<D, D / 32>() : int8_groups_residency<D, 1>();
 }
 
 // Blocks of the tensor-core kernel one multiprocessor holds at once (its
@@ -161,7 +185,7 @@ int tensor_core_residency(const DecodeParams& p) {
 
 int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
-  if (int8) return k.head_dim == 64 ? int8_residency<64>() : int8_residency<128>();
+  if (int8) return k.head_dim == 64 ? int8_residency<64>(p) : int8_residency<128>(p);
   if (k.head_dim == 64) return k.bits == 2 ? tensor_core_residency<64, 2>(p) : tensor_core_residency<64, 4>(p);
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
 }
@@ -251,7 +275,7 @@ bool int8_decode_supported(const DecodeParams& p) {
   };
   const bool keys_ok = one_group_per_row(k) || k.grouping == ScaleGrouping::kPerChannelOffline ||
                        (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % device::kInt8StepTokens == 0);
-  return keys_ok && one_group_per_row(v);
+  return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {

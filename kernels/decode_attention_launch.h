@@ -36,10 +36,10 @@ struct DecodePlan {
 bool tensor_core_decode_supported(const DecodeParams& params);
 
 // Whether the 8-bit integer tensor-core kernel reads it: 2 bits, head_dim 64
-// or 128, uniform levels, post-RoPE keys, at most 8 query heads per KV head,
-// one group per token row (all-heads, or per_token groups of head_dim) for
-// values and per-token keys, or per-channel keys (offline, or groups of a
-// multiple of 32 tokens).
+// or 128, uniform levels, post-RoPE keys, at most 8 query heads per KV head;
+// values with one group per token row (all-heads, or per_token groups of
+// head_dim) or per_token groups of 32 channels; keys with one group per row
+// or per-channel (offline, or groups of a multiple of 32 tokens).
 bool int8_decode_supported(const DecodeParams& params);
 
 // params.kernel picks among the kernels that read the layout.

@@ -1,7 +1,8 @@
 #pragma once
 // The 8-bit integer tensor-core decode attention (docs/runtime-layout.md,
-// section 6.5): 2-bit uniform codes of post-RoPE keys and values with one
-// group per token row (or per-channel keys) enter mma.sync as the unsigned
+// section 6.5): 2-bit uniform codes of post-RoPE keys (one group per token
+// row, or per-channel) and values (one group per row, or per-token groups of
+// 32 channels) enter mma.sync as the unsigned
 // bytes they unpack to, which costs one shift and one mask per four codes
 // (the bf16 kernel spends three operations per two); the other operands go
 // in as two 8-bit parts:
@@ -52,7 +53,7 @@ __device__ inline void mma_u8u8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0
 }
 
 // Shared memory of one block (static).
-template <int D>
+template <int D, int VG>
 struct Int8Shared {
   float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
   float out[kInt8Warps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
@@ -65,45 +66,49 @@ struct Int8Shared {
   };
   // The two 8-bit parts of the step's W as the values' B operand reads
   // them, [head][token].
-  uint8_t weight_hi[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
-  int8_t weight_lo[kInt8Warps][kMaxTensorCoreGroup][kInt8StepTokens];
+  uint8_t weight_hi[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
+  int8_t weight_lo[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
   float alpha[kInt8Warps][kMaxTensorCoreGroup];
-  float value_a_term[kInt8Warps][kMaxTensorCoreGroup];
+  float value_a_term[kInt8Warps][VG][kMaxTensorCoreGroup];
   float state_max[kInt8Warps][kMaxTensorCoreGroup], state_sum[kInt8Warps][kMaxTensorCoreGroup];
   // The step's per-token affines (lane j: token j).
-  Affine key_affine[kInt8Warps][kInt8StepTokens], value_affine[kInt8Warps][kInt8StepTokens];
+  Affine key_affine[kInt8Warps][kInt8StepTokens], value_affine[kInt8Warps][kInt8StepTokens][VG];
   Affine channel[kInt8Warps][D];  // per-channel keys: the current token group's (or the offline) affines
 };
 
 // One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
 // tokens' code rows and group pairs, copied asynchronously, and each token's
 // page id and index in it (the same in both pools; for the outliers).
-template <int D>
+template <int D, int VG>
 struct Int8Stage {
   static constexpr int kRowBytes = D * 2 / 8;
   static constexpr int kRowWords = kRowBytes / 4;
   uint4 key_codes[kInt8StepTokens * kRowBytes / 16];
   uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
   uint2 key_pairs[kInt8StepTokens];
-  uint2 value_pairs[kInt8StepTokens];
+  uint2 value_pairs[kInt8StepTokens][VG];
   int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
 };
 
-template <int D>
+template <int D, int VG>
 constexpr int int8_dynamic_shared_bytes() {
-  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D>));
+  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG>));
 }
 
-template <int D>
+// VG: the values' channel groups per row (1: one per row; D / 32: per-token
+// groups of 32 channels, KIVI's, two m tiles each).
+template <int D, int VG>
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
   constexpr int kTop = 3;
-  using Stage = Int8Stage<D>;
+  static_assert(VG == 1 || VG == D / 32, "value groups: one per row or of 32 channels");
+  constexpr int kTilesPerGroup = kMTiles / VG;
+  using Stage = Int8Stage<D, VG>;
   constexpr int kRowWords = Stage::kRowWords;
   constexpr int kRowChunks = Stage::kRowBytes / 16;
-  __shared__ Int8Shared<D> shared;
+  __shared__ Int8Shared<D, VG> shared;
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
@@ -199,7 +204,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   float acc[kMTiles][4];  // values: m tile, C fragment (channel rows g, g+8 x heads 2c, 2c+1)
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
-  float value_a_term[2] = {0.0f, 0.0f};  // heads 2c, 2c+1, this lane's tokens (summed over the lanes at the end)
+  float value_a_term[VG][2];  // [group][heads 2c, 2c+1], this lane's tokens (summed over the lanes at the end)
+#pragma unroll
+  for (int vg = 0; vg < VG; ++vg) value_a_term[vg][0] = value_a_term[vg][1] = 0.0f;
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
   const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
 
@@ -228,12 +235,15 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
           copy_async<8>(&stage.key_pairs[lane], source);
         }
       }
-      const int32_t index = token_pair_index(vl.spec, kv_head, in_page, 0, 1);
-      const uint8_t* source = value_at.page + vl.params_offset + index * vl.pair_bytes;
-      if (vl.pair_bytes == 4) {
-        copy_async<4>(&stage.value_pairs[lane], source);
-      } else {
-        copy_async<8>(&stage.value_pairs[lane], source);
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) {
+        const int32_t index = token_pair_index(vl.spec, kv_head, in_page, vg, VG);
+        const uint8_t* source = value_at.page + vl.params_offset + index * vl.pair_bytes;
+        if (vl.pair_bytes == 4) {
+          copy_async<4>(&stage.value_pairs[lane][vg], source);
+        } else {
+          copy_async<8>(&stage.value_pairs[lane][vg], source);
+        }
       }
     }
     stage.page[lane] = page;
@@ -278,10 +288,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
             valid ? affine_of_pair(kl, p.key_dequantization, reinterpret_cast<const uint8_t*>(&stage.key_pairs[lane]), kTop)
                   : Affine{0.0f, 0.0f};
       }
-      shared.value_affine[warp][lane] =
-          valid ? affine_of_pair(vl, p.value_dequantization, reinterpret_cast<const uint8_t*>(&stage.value_pairs[lane]),
-                                 kTop)
-                : Affine{0.0f, 0.0f};
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) {
+        shared.value_affine[warp][lane][vg] =
+            valid ? affine_of_pair(vl, p.value_dequantization,
+                                   reinterpret_cast<const uint8_t*>(&stage.value_pairs[lane][vg]), kTop)
+                  : Affine{0.0f, 0.0f};
+      }
       __syncwarp();
     }
     if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
@@ -390,39 +403,51 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       acc[t][2] *= alpha[0];
       acc[t][3] *= alpha[1];
     }
-    // W = p * b per token and head, the a-terms, and the step's largest W
-    // per head (over the 8 lanes of each column pair).
-    float w[2][4], largest[2] = {0.0f, 0.0f};
+    // Per value group: W = p * b per token and head, the a-terms, and the
+    // step's largest W per head (over the 8 lanes of each column pair), its
+    // two 8-bit parts into shared memory as the values' B operand reads them.
+    float weight_scale[VG][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) value_a_term[h] *= alpha[h];
+    for (int vg = 0; vg < VG; ++vg) {
+      float w[2][4], largest[2] = {0.0f, 0.0f};
+      value_a_term[vg][0] *= alpha[0];
+      value_a_term[vg][1] *= alpha[1];
 #pragma unroll
-    for (int rb = 0; rb < 2; ++rb) {
+      for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
-        const Affine affine = shared.value_affine[warp][row];  // {0, 0} past the range
-        w[rb][i] = weight[rb][i] * affine.b;
-        value_a_term[h] = __fmaf_rn(weight[rb][i], affine.a, value_a_term[h]);
-        largest[h] = fmaxf(largest[h], w[rb][i]);
+        for (int i = 0; i < 4; ++i) {
+          const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
+          const Affine affine = shared.value_affine[warp][row][vg];  // {0, 0} past the range
+          w[rb][i] = weight[rb][i] * affine.b;
+          value_a_term[vg][h] = __fmaf_rn(weight[rb][i], affine.a, value_a_term[vg][h]);
+          largest[h] = fmaxf(largest[h], w[rb][i]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
+        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
+        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
+        weight_scale[vg][h] = largest[h] / (255.0f * 254.0f);
+      }
+      const float inverse[2] = {largest[0] > 0.0f ? 255.0f / largest[0] : 0.0f,
+                                largest[1] > 0.0f ? 255.0f / largest[1] : 0.0f};
+#pragma unroll
+      for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
+          const int8_mma::WeightParts parts = int8_mma::weight_parts(w[rb][i], inverse[h]);
+          shared.weight_hi[warp][vg][2 * c + h][row] = parts.hi;
+          shared.weight_lo[warp][vg][2 * c + h][row] = parts.lo;
+        }
       }
     }
+    if (value_outliers) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
-      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
-      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
-    }
-    const float inverse[2] = {largest[0] > 0.0f ? 255.0f / largest[0] : 0.0f,
-                              largest[1] > 0.0f ? 255.0f / largest[1] : 0.0f};
+      for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
-    for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
-        const int8_mma::WeightParts parts = int8_mma::weight_parts(w[rb][i], inverse[h]);
-        shared.weight_hi[warp][2 * c + h][row] = parts.hi;
-        shared.weight_lo[warp][2 * c + h][row] = parts.lo;
-        if (value_outliers) shared.weights[warp][row][2 * c + h] = weight[rb][i];
+        for (int i = 0; i < 4; ++i) shared.weights[warp][16 * rb + g + 8 * (i / 2)][2 * c + i % 2] = weight[rb][i];
       }
     }
     if (g == 0) {
@@ -431,15 +456,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
     }
     __syncwarp();
 
-    // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens
-    const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][g][4 * c]),
-                              *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][g][16 + 4 * c])};
-    const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][g][4 * c]),
-                              *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][g][16 + 4 * c])};
-    const float weight_scale[2] = {largest[0] / (255.0f * 254.0f), largest[1] / (255.0f * 254.0f)};
+    // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens,
+    // with the weights of T's value group
     const uint32_t* value_words = reinterpret_cast<const uint32_t*>(stage.value_codes);
 #pragma unroll
     for (int tile = 0; tile < kMTiles; ++tile) {
+      const int vg = tile / kTilesPerGroup;
+      const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][4 * c]),
+                                *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][16 + 4 * c])};
+      const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][4 * c]),
+                                *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
       uint32_t a[4];
 #pragma unroll
       for (int part = 0; part < 2; ++part) {  // tokens 16 part + 4c + i
@@ -455,7 +481,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       mma_u8s8(sum_lo, a, b_lo[0], b_lo[1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        acc[tile][i] = __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[i % 2], acc[tile][i]);
+        acc[tile][i] =
+            __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[vg][i % 2], acc[tile][i]);
       }
     }
     if (value_outliers) {
@@ -468,7 +495,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
                              stage.in_page[lane]};
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<2>(vl, at, kv_head, d);
-          const Affine affine = shared.value_affine[warp][lane];
+          const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
           for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
         });
@@ -479,18 +506,24 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
 
   // ---- this warp's state into shared memory (the a-terms over the 8 lanes of each column pair)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 4);
-    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 8);
-    value_a_term[h] += __shfl_xor_sync(0xffffffffu, value_a_term[h], 16);
+  for (int vg = 0; vg < VG; ++vg) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 4);
+      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 8);
+      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 16);
+    }
   }
   if (g == 0) {
     shared.state_max[warp][2 * c] = running_max[0];
     shared.state_max[warp][2 * c + 1] = running_max[1];
     shared.state_sum[warp][2 * c] = running_sum[0];
     shared.state_sum[warp][2 * c + 1] = running_sum[1];
-    shared.value_a_term[warp][2 * c] = value_a_term[0];
-    shared.value_a_term[warp][2 * c + 1] = value_a_term[1];
+#pragma unroll
+    for (int vg = 0; vg < VG; ++vg) {
+      shared.value_a_term[warp][vg][2 * c] = value_a_term[vg][0];
+      shared.value_a_term[warp][vg][2 * c + 1] = value_a_term[vg][1];
+    }
   }
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) {
@@ -501,7 +534,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
     }
   }
   __syncwarp();
-  for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] += shared.value_a_term[warp][i / D];
+  for (int i = lane; i < group * D; i += kWarpSize) {
+    const int h = i / D, d = i % D;
+    shared.out[warp][h][d] += shared.value_a_term[warp][VG == 1 ? 0 : d / 32][h];
+  }
   __syncthreads();
 
   write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum,

@@ -110,7 +110,8 @@ std::vector<Case> cases() {
   {  // The 8-bit integer tensor-core kernel (DecodeKernel::kInt8TensorCores):
      // rtn at head_dim 128 and 64 with value outliers, int2-rot rotated with a
      // sink and a window (GQA 8), per-channel keys of 32 tokens with all-heads
-     // values, bf16 io, a 16K context.
+     // values (bf16 io) and with KIVI's value groups of 32 channels (head_dim
+     // 128, and 64 with a sink, sliding keys and page 12), a 16K context.
     Case rtn = make_case("int8_rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
     rtn.kernel = kernels::DecodeKernel::kInt8TensorCores;
     all.push_back(rtn);
@@ -134,6 +135,17 @@ std::vector<Case> cases() {
     channels.io = ElementType::kBFloat16;
     channels.kernel = kernels::DecodeKernel::kInt8TensorCores;
     all.push_back(channels);
+    Case kivi = make_case("int8_kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);  // values in groups of 32
+    kivi.fit.residual_tokens = 32;
+    kivi.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(kivi);
+    Case kivi_small = make_case("int8_kivi_sliding_sink_2bit_d64_gqa1_page12", QuantMethod::kKivi, 2, 64, 2);
+    kivi_small.fit.residual_tokens = 32;
+    kivi_small.fit.sink_tokens = 2;
+    kivi_small.fit.key_residual_rule = ResidualRule::kSliding;
+    kivi_small.page_size = 12;
+    kivi_small.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(kivi_small);
     Case long_context = make_case("int8_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
     long_context.lengths = {16411, 33};
     long_context.kernel = kernels::DecodeKernel::kInt8TensorCores;
@@ -153,9 +165,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DecodeAttentionCuda, ::testing::ValuesIn(cases
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // On any machine (no GPU needed): the int8 cases are layouts the 8-bit
-// integer kernel reads, and the layouts it does not (4 bits, per-token
-// groups of 32 channels, kvquant's non-uniform pre-RoPE keys) are refused
-// by its test, so that they run the bf16 or the general kernel.
+// integer kernel reads, and the layouts it does not (4 bits, kvquant's
+// non-uniform pre-RoPE keys, rtn's per-token groups of 32 key channels)
+// are refused by its test, so that they run the bf16 or the general kernel.
 TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
   int int8_cases = 0;
   for (const Case& c : cases()) {
@@ -173,10 +185,10 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       ++int8_cases;
     }
     const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
-                          c.name == "rtn_2bit_d128_gqa1";
+                          c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4";
     EXPECT_EQ(reads, expected) << c.name;
   }
-  EXPECT_EQ(int8_cases, 5);
+  EXPECT_EQ(int8_cases, 7);
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
