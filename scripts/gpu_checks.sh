@@ -15,8 +15,8 @@ cd "$(dirname "$0")/.."
 # binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
 # SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_INT8, SKIP_PROFILE,
-# PROFILE_METHODS, PROFILE_APPEND and BUILD_TARGETS (each explained where it
-# is read below).
+# PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_APPEND and
+# BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
 OUT=$(realpath -m "${OUT:-out/gpu}")
@@ -284,12 +284,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
     for method in ${PROFILE_METHODS:-rtn}; do
       step "kernels: ncu profile of the tensor-core decode kernel ($method, 32K tokens, batch 8, 2 bits)"
-      timeout 150 ncu --clock-control none --kernel-name regex:decode_tensor_core --launch-skip 1 --launch-count 1 \
+      # PROFILE_KERNEL (a regex; default the bf16 tensor-core kernel) and
+      # PROFILE_BENCH_FLAGS (e.g. --int8 with PROFILE_KERNEL=decode_int8)
+      # profile another kernel of the same run.
+      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_tensor_core}" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
         --import-source yes -f -o "$LOGS/ncu_$method" \
         ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches 8 --methods "$method" --bits 2 \
-        --repeats 2 --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
+        --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
       ncu -i "$LOGS/ncu_$method.ncu-rep" --print-summary none > "$LOGS/ncu_$method.log" 2>&1
       # Per SASS instruction (with its CUDA line): executions and stall
       # samples, for the per-line breakdown of the tile loop (bench/README).
