@@ -234,7 +234,7 @@ class BlockAppender {
         pages_used_(pages_used),
         abort_(abort),
         dim_(l_.spec.head_dim),
-        width_(static_cast<int64_t>(l_.spec.kv_heads) * l_.spec.head_dim),
+        width_(l_.spec.kv_heads * l_.spec.head_dim),
         element_(l_.spec.element),
         element_bytes_(kvforge::kernels::element_bytes(l_.spec.element)) {}
 
@@ -288,28 +288,28 @@ class BlockAppender {
   __device__ void prepare_token(int64_t row) {
     const int64_t in_bytes = kvforge::kernels::element_bytes(a_.input_type);
     const auto* input = static_cast<const uint8_t*>(a_.input) + row * width_ * in_bytes;
-    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = threadIdx.x; i < width_; i += kThreads) {
       scratch_[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
     }
     __syncthreads();
     const Rotation& r = a_.rotation;
     if (r.kind == RotationKind::kMatrix) {
       // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term.
-      for (int64_t j = threadIdx.x; j < width_; j += kThreads) {
-        const int64_t head = j / dim_, jj = j % dim_;
+      for (int j = threadIdx.x; j < width_; j += kThreads) {
+        const int head = j / dim_, jj = j % dim_;
         const double* x = scratch_ + head * dim_;
         const float* matrix = r.matrix + head * dim_ * dim_;
         const float* centre = r.centre != nullptr ? r.centre + head * dim_ : nullptr;
         double sum = 0;
-        for (int64_t i = 0; i < dim_; ++i) {
+        for (int i = 0; i < dim_; ++i) {
           const double shifted = centre != nullptr ? __dsub_rn(x[i], static_cast<double>(centre[i])) : x[i];
           sum = fma(shifted, static_cast<double>(matrix[i * dim_ + jj]), sum);
         }
         y_[j] = round_to_element(element_, sum);
       }
     } else if (r.kind == RotationKind::kPairAngles) {
-      const int64_t half = dim_ / 2;
-      for (int64_t p = threadIdx.x; p < width_ / 2; p += kThreads) {
+      const int half = dim_ / 2;
+      for (int p = threadIdx.x; p < width_ / 2; p += kThreads) {
         const int64_t head = p / half, j = p % half;
         const double c = r.pair_cos[head * half + j], s = r.pair_sin[head * half + j];
         const double a = scratch_[head * dim_ + j], b = scratch_[head * dim_ + j + half];
@@ -317,7 +317,7 @@ class BlockAppender {
         y_[head * dim_ + j + half] = round_to_element(element_, fma(a, s, __dmul_rn(b, c)));
       }
     } else {
-      for (int64_t i = threadIdx.x; i < width_; i += kThreads) y_[i] = scratch_[i];
+      for (int i = threadIdx.x; i < width_; i += kThreads) y_[i] = scratch_[i];
     }
     __syncthreads();
   }
@@ -327,21 +327,21 @@ class BlockAppender {
   }
 
   __device__ void store_exact(int64_t row, const double* y) const {
-    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = threadIdx.x; i < width_; i += kThreads) {
       store_element(element_, y[i], exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
     }
   }
 
   // Ring row `row` into `out` (shared); the caller synchronizes.
   __device__ void load_exact(int64_t row, double* out) const {
-    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = threadIdx.x; i < width_; i += kThreads) {
       out[i] = load_element(element_, exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
     }
   }
 
   // The channel loops' bound: every lane of a warp runs every round (the
   // words are assembled with shuffles), lanes past the width with code 0.
-  __device__ int64_t padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
+  __device__ int padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
 
   __device__ uint8_t* page_of_slot(int64_t s) const {
     return a_.cache.pages + static_cast<int64_t>(page_row_[s / l_.spec.page_size]) * l_.page_bytes;
@@ -367,18 +367,19 @@ class BlockAppender {
   // [begin, end): n - end + position - begin. ranks_[i] = element i's
   // position within its span.
   __device__ void sort_spans(const double* y) {
-    const int64_t n = l_.outlier_span_size, slots_per_span = m_.span_slots;
-    for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
-      const int64_t span = x / slots_per_span, at = x % slots_per_span;
+    const int n = l_.outlier_span_size, slots_per_span = static_cast<int>(m_.span_slots);
+    const int slots = static_cast<int>(m_.sort_slots);
+    for (int x = threadIdx.x; x < slots; x += kThreads) {
+      const int span = x / slots_per_span, at = x % slots_per_span;
       const bool real = at < n;
       sort_keys_[x] = real ? order_key(y[span * n + at]) : ~uint64_t{0};
       sort_tags_[x] = real ? static_cast<uint32_t>(span * n + at) : ~uint32_t{0};
     }
     __syncthreads();
-    for (int64_t size = 2; size <= slots_per_span; size *= 2) {
-      for (int64_t stride = size / 2; stride > 0; stride /= 2) {
-        for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
-          const int64_t partner = x ^ stride;
+    for (int size = 2; size <= slots_per_span; size *= 2) {
+      for (int stride = size / 2; stride > 0; stride /= 2) {
+        for (int x = threadIdx.x; x < slots; x += kThreads) {
+          const int partner = x ^ stride;
           if (partner <= x) continue;
           // The last merge sorts every span ascending; below it the halves
           // alternate, as a bitonic merge needs.
@@ -396,37 +397,37 @@ class BlockAppender {
         __syncthreads();
       }
     }
-    for (int64_t x = threadIdx.x; x < m_.sort_slots; x += kThreads) {
-      if (x % slots_per_span < n) ranks_[sort_tags_[x]] = static_cast<int32_t>(x % slots_per_span);
+    for (int x = threadIdx.x; x < slots; x += kThreads) {
+      if (x % slots_per_span < n) ranks_[sort_tags_[x]] = x % slots_per_span;
     }
     __syncthreads();
   }
 
   // Element i among its span's k largest or k smallest (sort_spans ran).
-  __device__ bool top_or_bottom(const double* y, int64_t i, int64_t k) const {
-    const int64_t n = l_.outlier_span_size;
+  __device__ bool top_or_bottom(const double* y, int i, int64_t k) const {
+    const int n = l_.outlier_span_size;
     const uint64_t* keys = sort_keys_ + i / n * m_.span_slots;
     const uint64_t key = order_key(y[i]);
     // The run of `key`, [begin, end): its lower and upper bound.
-    int64_t begin = 0, end = n;
-    for (int64_t hi = n; begin < hi;) {
-      const int64_t mid = (begin + hi) / 2;
+    int begin = 0, end = n;
+    for (int hi = n; begin < hi;) {
+      const int mid = (begin + hi) / 2;
       if (keys[mid] < key) {
         begin = mid + 1;
       } else {
         hi = mid;
       }
     }
-    for (int64_t lo = begin; lo < end;) {
-      const int64_t mid = (lo + end) / 2;
+    for (int lo = begin; lo < end;) {
+      const int mid = (lo + end) / 2;
       if (keys[mid] <= key) {
         lo = mid + 1;
       } else {
         end = mid;
       }
     }
-    const int64_t position = ranks_[i];
-    const int64_t smaller = position, larger = n - end + position - begin;
+    const int position = ranks_[i];
+    const int smaller = position, larger = n - end + position - begin;
     return smaller < k || larger < k;
   }
 
@@ -441,10 +442,10 @@ class BlockAppender {
       for (int64_t head = threadIdx.x; head < l_.spec.kv_heads; head += kThreads) {
         const double* v = y + head * dim_;
         double sum = 0;
-        for (int64_t d = 0; d < dim_; ++d) sum = __dadd_rn(sum, v[d]);
+        for (int d = 0; d < dim_; ++d) sum = __dadd_rn(sum, v[d]);
         const double mean = __ddiv_rn(sum, static_cast<double>(dim_));
         double squares = 0;
-        for (int64_t d = 0; d < dim_; ++d) {
+        for (int d = 0; d < dim_; ++d) {
           const double deviation = __dsub_rn(v[d], mean);
           squares = __dadd_rn(squares, __dmul_rn(deviation, deviation));
         }
@@ -453,7 +454,7 @@ class BlockAppender {
       }
     }
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = threadIdx.x; i < width_; i += kThreads) {
       bool outlier = false;
       switch (q_.outliers) {
         case OutlierSelection::kNone:
@@ -470,7 +471,7 @@ class BlockAppender {
           break;
         }
         case OutlierSelection::kTokenTau: {
-          const int64_t head = i / dim_;
+          const int head = i / dim_;
           outlier = fabs(__dsub_rn(y[i], head_stats_[2 * head])) > __dmul_rn(head_stats_[2 * head + 1], q_.outlier_tau);
           break;
         }
@@ -581,8 +582,8 @@ class BlockAppender {
     // A thread per channel, its word assembled over the lanes (code_word):
     // the token's latency is a few channels' division, not a word's 16.
     constexpr int per_word = 32 / kBits;
-    const int64_t group_size = m_.groups > 0 ? width_ / m_.groups : width_;
-    for (int64_t i = threadIdx.x; i < padded_width(); i += kThreads) {
+    const int group_size = m_.groups > 0 ? width_ / m_.groups : width_;
+    for (int i = threadIdx.x; i < padded_width(); i += kThreads) {
       int code = 0;
       if (i < width_) {
         if constexpr (kGrouping == ScaleGrouping::kPerChannelOffline) {
@@ -630,7 +631,7 @@ class BlockAppender {
     // word (assembled over the lanes, code_word).
     constexpr int per_word = 32 / kBits;
     const int64_t pairs = pairs_per_page(l_);
-    for (int64_t channel = threadIdx.x; channel < padded_width(); channel += kThreads) {
+    for (int channel = threadIdx.x; channel < padded_width(); channel += kThreads) {
       const bool active = channel < width_;
       RuntimeGrid grid;
       if (active) {
@@ -654,7 +655,7 @@ class BlockAppender {
         store_element(element_, max, pair + element_bytes_);
         grid = runtime_grid<kBits>(q_, min, max);
       }
-      const int64_t head = channel / dim_, w = (channel % dim_) / per_word;
+      const int head = channel / dim_, w = (channel % dim_) / per_word;
       for (int64_t i = 0; i < group; ++i) {
         const int code = active ? runtime_code<kBits>(q_, grid, group_token_value(g, i, channel)) : 0;
         const uint32_t bits = code_word<kBits>(code, channel);
@@ -693,7 +694,9 @@ class BlockAppender {
   uint32_t& entry_count_;
   int32_t& pages_used_;
   int32_t& abort_;
-  const int64_t dim_, width_;
+  // 32-bit: a token row's channel index math (a 64-bit division is several
+  // times a 32-bit one, and the channel loops divide by head_dim and group).
+  const int32_t dim_, width_;
   const ElementType element_;
   const int64_t element_bytes_;
   int32_t slot_ = 0;
