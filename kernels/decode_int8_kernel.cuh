@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
-    if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
+    write_empty_state(workspace, block, split);
     return;
   }
   const int32_t slot = p.batch.slots[entry];
@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
   const int sink = kl.spec.sink_tokens;
-  const bool per_channel_keys =
-      kl.spec.grouping == ScaleGrouping::kPerChannelTokens || kl.spec.grouping == ScaleGrouping::kPerChannelOffline;
+  const bool per_channel_keys = per_channel_groups(kl.spec);
 
   load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
                         kInt8Warps * kMaxTensorCoreGroup * D);

@@ -309,6 +309,19 @@ __device__ inline BlockTokens block_tokens(const DecodeParams& p, const TensorCo
   return b;
 }
 
+// An empty split's states (one per query head of the group): a max of -inf,
+// which the merge skips.
+__device__ inline void write_empty_state(const SplitWorkspace& workspace, const BlockTokens& block, int split) {
+  if (threadIdx.x < block.group) {
+    workspace.max_sum[2 * ((block.state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
+  }
+}
+
+// Keys whose (a, b) are per channel: every token's codes share them.
+__device__ inline bool per_channel_groups(const TensorLayoutSpec& spec) {
+  return spec.grouping == ScaleGrouping::kPerChannelTokens || spec.grouping == ScaleGrouping::kPerChannelOffline;
+}
+
 // Shared memory of one block.
 template <int D>
 struct TensorCoreShared {
@@ -365,7 +378,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
-    if (threadIdx.x < group) workspace.max_sum[2 * ((state_base + threadIdx.x) * workspace.max_splits + split)] = -INFINITY;
+    write_empty_state(workspace, block, split);
     return;
   }
   const int32_t slot = p.batch.slots[entry];
@@ -373,8 +386,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
   const int sink = kl.spec.sink_tokens;
-  const bool per_channel_keys =
-      kl.spec.grouping == ScaleGrouping::kPerChannelTokens || kl.spec.grouping == ScaleGrouping::kPerChannelOffline;
+  const bool per_channel_keys = per_channel_groups(kl.spec);
   const int key_group_channels = KG == 1 || per_channel_keys ? D : kl.spec.group;
   const int value_group_channels =
       VG == 1 || vl.spec.grouping == ScaleGrouping::kPerTokenAllHeads ? D : vl.spec.group;
