@@ -47,6 +47,12 @@ namespace {
 
 constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128;
 
+// The middle element (the upper one of an even count).
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
 // Median microseconds of `work` on the current device (CUDA events).
 double median_us(const std::function<void()>& work, int repeats) {
   for (int i = 0; i < 3; ++i) work();
@@ -66,8 +72,7 @@ double median_us(const std::function<void()>& work, int repeats) {
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
+  return median(std::move(times));
 }
 
 // Median wall-clock microseconds of `work` (host calls that end in a sync):
@@ -80,8 +85,7 @@ double median_wall_us(const std::function<void()>& work, int repeats) {
     work();
     times.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
   }
-  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-  return times[times.size() / 2];
+  return median(std::move(times));
 }
 
 // Decoding steps whose appends the throughput measurement queues back to back.
@@ -335,10 +339,6 @@ int run(int argc, char** argv) {
             cudaEventDestroy(start);
             cudaEventDestroy(stop);
           }
-          const auto median = [](std::vector<double> v) {
-            std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-            return v[v.size() / 2];
-          };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
                                 {"batch", batch},
