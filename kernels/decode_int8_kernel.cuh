@@ -65,7 +65,7 @@ struct Int8Shared {
     float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
   };
   // The two 8-bit parts of the step's W as the values' B operand reads
-  // them, [head][token].
+  // them, [group][head][k] (int8_mma::value_token_of_k: token of k).
   uint8_t weight_hi[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
   int8_t weight_lo[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
   float alpha[kInt8Warps][kMaxTensorCoreGroup];
@@ -437,8 +437,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
         for (int i = 0; i < 4; ++i) {
           const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
           const int8_mma::WeightParts parts = int8_mma::weight_parts(w[rb][i], inverse[h]);
-          shared.weight_hi[warp][vg][2 * c + h][row] = parts.hi;
-          shared.weight_lo[warp][vg][2 * c + h][row] = parts.lo;
+          const int k = int8_mma::value_token_of_k(row);  // the values' k order
+          shared.weight_hi[warp][vg][2 * c + h][k] = parts.hi;
+          shared.weight_lo[warp][vg][2 * c + h][k] = parts.lo;
         }
       }
     }
@@ -467,11 +468,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
                                 *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
       uint32_t a[4];
 #pragma unroll
-      for (int part = 0; part < 2; ++part) {  // tokens 16 part + 4c + i
-        const int row = 16 * part + 4 * c;
+      for (int part = 0; part < 2; ++part) {  // k = 16 part + 4c + i: tokens 16 part + c + 4i
+        const int row = 16 * part + c;
         const uint32_t gathered = int8_mma::gather_byte(
-            value_words[row * kRowWords + tile], value_words[(row + 1) * kRowWords + tile],
-            value_words[(row + 2) * kRowWords + tile], value_words[(row + 3) * kRowWords + tile], g % 4);
+            value_words[row * kRowWords + tile], value_words[(row + 4) * kRowWords + tile],
+            value_words[(row + 8) * kRowWords + tile], value_words[(row + 12) * kRowWords + tile], g % 4);
         a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
         a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
       }

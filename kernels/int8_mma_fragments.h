@@ -17,8 +17,9 @@
 //   keys (A = codes, M = 16 tokens, K = 32 channels of k step s, B = the
 //   query parts): k = 16h + 4c + i holds channel 32s + 16h + 4i + c, from
 //   word 2s + h of the token's row shifted by 2c;
-//   values (A = V^T codes, M = 16 channels of m tile T, K = 32 tokens,
-//   B = the softmax weights times the token scales): row r holds channel
+//   values (A = V^T codes, M = 16 channels of m tile T, K = 32 tokens in
+//   the order value_token_of_k gives, B = the softmax weights times the
+//   token scales in the same order): row r holds channel
 //   16T + 4 (r % 4) + (r / 4) % 2 + 2 (r / 8), so that rows g and g + 8 of a
 //   lane are pairs 0/1 and 2/3 of byte g % 4 of word T; the lane gathers
 //   that byte from four tokens' words into one register (three byte
@@ -75,6 +76,14 @@ KVFORGE_HOST_DEVICE inline uint32_t key_b_register(const int8_t* query, int step
 }
 
 // ---------------------------------------------------------------- values
+
+// The token (0..31 of a step) that k holds: k = 16h + 4c + i holds token
+// 16h + c + 4i, so that the four lanes c of one gathering load read rows c +
+// 4i, 8 words apart at head_dim 128, in four different banks (in token order
+// they would be 32 words apart: one bank, four-way conflicts). The map is
+// its own inverse (a 4 x 4 transpose within each half), so it also gives the
+// k at which token t's weight is stored.
+KVFORGE_HOST_DEVICE inline int value_token_of_k(int k) { return 16 * (k / 16) + (k % 16) / 4 + 4 * (k % 4); }
 
 // The channel (0..15 within an m tile) that A row r holds.
 KVFORGE_HOST_DEVICE inline int value_channel_of_row(int r) { return 4 * (r % 4) + (r / 4) % 2 + 2 * (r / 8); }

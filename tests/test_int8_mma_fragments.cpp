@@ -9,6 +9,7 @@
 // weighted sums, and the parts' error bounds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -79,6 +80,15 @@ TEST(Int8MmaFragments, KeyChannelsOfKAreAPermutation) {
   std::vector<int> rows(16, 0);
   for (int r = 0; r < 16; ++r) ++rows[static_cast<size_t>(mma::value_channel_of_row(r))];
   EXPECT_EQ(rows, std::vector<int>(16, 1));
+  for (int k = 0; k < 32; ++k) EXPECT_EQ(mma::value_token_of_k(mma::value_token_of_k(k)), k) << k;
+  // The lanes c of one gathering load (k = 16h + 4c + i, i fixed) read
+  // token rows 8 words apart at head_dim 128: banks 8c + word, all different.
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int> banks;
+    for (int c = 0; c < 4; ++c) banks.push_back(mma::value_token_of_k(4 * c + i) * 8 % 32);
+    std::sort(banks.begin(), banks.end());
+    EXPECT_EQ(std::adjacent_find(banks.begin(), banks.end()), banks.end()) << "i " << i;
+  }
 }
 
 // Scores: 16 tokens (rows) against 8 heads' int8 query parts, head_dim 64
@@ -136,14 +146,19 @@ TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
       LaneB b{};
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, c = lane % 4;
-        for (int part = 0; part < 2; ++part) {  // tokens 4c + i, then 16 + 4c + i
-          const int t0 = 16 * part + 4 * c;
-          const uint32_t gathered = mma::gather_byte(rows[t0][tile], rows[t0 + 1][tile], rows[t0 + 2][tile],
-                                                     rows[t0 + 3][tile], g % 4);
+        for (int part = 0; part < 2; ++part) {  // k = 16 part + 4c + i
+          int token[4];
+          for (int i = 0; i < 4; ++i) token[i] = mma::value_token_of_k(16 * part + 4 * c + i);
+          const uint32_t gathered = mma::gather_byte(rows[token[0]][tile], rows[token[1]][tile], rows[token[2]][tile],
+                                                     rows[token[3]][tile], g % 4);
           a[lane][2 * part] = mma::value_a_register(gathered, g, 0);
           a[lane][2 * part + 1] = mma::value_a_register(gathered, g, 1);
+          // The kernel stores token t's weight at k = value_token_of_k(t)
+          // and loads the lane's four bytes at k = 16 part + 4c.
+          std::vector<uint8_t> by_k(32);
+          for (int t = 0; t < 32; ++t) by_k[static_cast<size_t>(mma::value_token_of_k(t))] = weights[g][t];
           uint32_t bytes = 0;
-          for (int i = 0; i < 4; ++i) bytes |= static_cast<uint32_t>(weights[g][t0 + i]) << (8 * i);
+          for (int i = 0; i < 4; ++i) bytes |= static_cast<uint32_t>(by_k[16 * part + 4 * c + i]) << (8 * i);
           b[lane][part] = bytes;
         }
       }
