@@ -17,6 +17,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/decode_params.h"
+#include "kernels/span_rank.h"
 
 namespace kvforge::kernels::append_device {
 
@@ -72,8 +73,7 @@ KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l,
   m.mask_tokens = !outliers ? 0 : s.grouping == ScaleGrouping::kPerChannelTokens ? s.group : 1;
   m.mask_words = static_cast<int32_t>((width + 31) / 32);
   if (q.outliers == OutlierSelection::kTokenTopBottom && l.outlier_span_size > 0) {
-    m.span_slots = 1;
-    while (m.span_slots < l.outlier_span_size) m.span_slots *= 2;
+    m.span_slots = span_rank::slots_per_span_for(l.outlier_span_size);
     m.sort_slots = width / l.outlier_span_size * m.span_slots;
   }
   m.y = 0;
@@ -351,84 +351,26 @@ class BlockAppender {
     return mask != nullptr && ((mask[i / 32] >> (i % 32)) & 1u) != 0;
   }
 
-  // An unsigned key in the order of the doubles' comparisons: -0 and +0
-  // equal (NaN is not ordered by the reference either).
-  __device__ static uint64_t order_key(double v) {
-    const auto bits = static_cast<uint64_t>(__double_as_longlong(v == 0.0 ? 0.0 : v));
-    return (bits >> 63) != 0 ? ~bits : bits | (uint64_t{1} << 63);
+  // token_top_bottom without comparing every pair (n^2 per span: 230 us per
+  // token over 1024 all-heads channels): kernels/span_rank.h, each stage of
+  // the network on the block's threads.
+  __device__ span_rank::SpanSort span_sort() const {
+    return {sort_keys_, sort_tags_, static_cast<int>(l_.outlier_span_size), static_cast<int>(m_.span_slots),
+            static_cast<int>(m_.sort_slots)};
   }
 
-  // token_top_bottom without comparing every pair (n^2 per span: 230 us per
-  // token over 1024 all-heads channels): each span's elements sorted
-  // ascending by (value, index) with a bitonic network per span (padded to
-  // span_slots with keys above every value), so that an element's count of
-  // smaller values (ties: lower indices) is its position, and its count of
-  // larger ones (ties: lower indices) follows from its run of equal values
-  // [begin, end): n - end + position - begin. ranks_[i] = element i's
-  // position within its span.
   __device__ void sort_spans(const double* y) {
-    const int n = l_.outlier_span_size, slots_per_span = static_cast<int>(m_.span_slots);
-    const int slots = static_cast<int>(m_.sort_slots);
-    for (int x = threadIdx.x; x < slots; x += kThreads) {
-      const int span = x / slots_per_span, at = x % slots_per_span;
-      const bool real = at < n;
-      sort_keys_[x] = real ? order_key(y[span * n + at]) : ~uint64_t{0};
-      sort_tags_[x] = real ? static_cast<uint32_t>(span * n + at) : ~uint32_t{0};
-    }
+    const span_rank::SpanSort sort = span_sort();
+    for (int x = threadIdx.x; x < sort.slots; x += kThreads) span_rank::fill_slot(sort, y, x);
     __syncthreads();
-    for (int size = 2; size <= slots_per_span; size *= 2) {
+    for (int size = 2; size <= sort.slots_per_span; size *= 2) {
       for (int stride = size / 2; stride > 0; stride /= 2) {
-        for (int x = threadIdx.x; x < slots; x += kThreads) {
-          const int partner = x ^ stride;
-          if (partner <= x) continue;
-          // The last merge sorts every span ascending; below it the halves
-          // alternate, as a bitonic merge needs.
-          const bool ascending = size == slots_per_span || (x & size) == 0;
-          const uint64_t a = sort_keys_[x], b = sort_keys_[partner];
-          const uint32_t ta = sort_tags_[x], tb = sort_tags_[partner];
-          const bool greater = a > b || (a == b && ta > tb);
-          if (greater == ascending) {
-            sort_keys_[x] = b;
-            sort_keys_[partner] = a;
-            sort_tags_[x] = tb;
-            sort_tags_[partner] = ta;
-          }
-        }
+        for (int x = threadIdx.x; x < sort.slots; x += kThreads) span_rank::compare_exchange(sort, size, stride, x);
         __syncthreads();
       }
     }
-    for (int x = threadIdx.x; x < slots; x += kThreads) {
-      if (x % slots_per_span < n) ranks_[sort_tags_[x]] = x % slots_per_span;
-    }
+    for (int x = threadIdx.x; x < sort.slots; x += kThreads) span_rank::record_rank(sort, ranks_, x);
     __syncthreads();
-  }
-
-  // Element i among its span's k largest or k smallest (sort_spans ran).
-  __device__ bool top_or_bottom(const double* y, int i, int64_t k) const {
-    const int n = l_.outlier_span_size;
-    const uint64_t* keys = sort_keys_ + i / n * m_.span_slots;
-    const uint64_t key = order_key(y[i]);
-    // The run of `key`, [begin, end): its lower and upper bound.
-    int begin = 0, end = n;
-    for (int hi = n; begin < hi;) {
-      const int mid = (begin + hi) / 2;
-      if (keys[mid] < key) {
-        begin = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    for (int lo = begin; lo < end;) {
-      const int mid = (lo + end) / 2;
-      if (keys[mid] <= key) {
-        lo = mid + 1;
-      } else {
-        end = mid;
-      }
-    }
-    const int position = ranks_[i];
-    const int smaller = position, larger = n - end + position - begin;
-    return smaller < k || larger < k;
   }
 
   // The token's outliers (docs/artifact.md rule 3) as bits of `mask`.
@@ -467,7 +409,7 @@ class BlockAppender {
           // in (value descending, index ascending), likewise the smallest.
           const int64_t n = l_.outlier_span_size, k = q_.top_bottom_count;
           if (k <= 0) break;
-          outlier = 2 * k >= n || top_or_bottom(y, i, k);
+          outlier = 2 * k >= n || span_rank::top_or_bottom(span_sort(), ranks_, y, i, k);
           break;
         }
         case OutlierSelection::kTokenTau: {
