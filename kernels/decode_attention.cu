@@ -117,7 +117,6 @@ void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& wo
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   const device::TensorCoreSplits splits{plan.tokens_per_split};
-  constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
   if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
     launch_tensor_core_kernel<D, kBits, 4, 4>(p, workspace, splits, grid, stream);
   } else {
