@@ -83,6 +83,7 @@ struct QuantizedKVCache::CallScratch {
   GrowingBuffer rows;         // staged keys, then values
   GrowingBuffer queries, output;
   std::vector<uint8_t> host_call_arrays;  // their host side (unchanged until the call's final sync)
+  std::vector<uint8_t> appending;         // [max_sequences]: append's marks of the call's sequences (all 0 between calls)
 };
 
 struct QuantizedKVCache::TensorState {
@@ -434,6 +435,7 @@ QuantizedKVCache::QuantizedKVCache(const QuantizerConfig& config, ModelDimension
   backend_->copy_in(device_page_table_->data, page_table_.data(), device_page_table_->bytes);
   exhausted_flags_ = std::make_unique<Buffer>(*backend_, model_.num_layers * 2 * 4);
   scratch_ = std::make_unique<CallScratch>(*backend_);
+  scratch_->appending.assign(static_cast<size_t>(slots), 0);
   rope_frequencies_ =
       std::make_unique<Buffer>(*backend_, static_cast<int64_t>(model_.rope_inverse_frequencies.size()) * 4);
   backend_->copy_in(rope_frequencies_->data, model_.rope_inverse_frequencies.data(), rope_frequencies_->bytes);
@@ -711,12 +713,24 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   const auto lengths = reinterpret_cast<int64_t*>(host.data() + arrays.lengths);
   const auto offsets = reinterpret_cast<int64_t*>(host.data() + arrays.token_offsets);
   offsets[0] = 0;
+  // Each sequence once per call: a mark per slot, cleared on every way out
+  // (linear in the batch; comparing every pair was quadratic).
+  struct Marks {
+    std::vector<uint8_t>& marks;
+    const std::vector<int32_t>& sequences;
+    size_t set = 0;
+    ~Marks() {
+      for (size_t i = 0; i < set; ++i) marks[static_cast<size_t>(sequences[i])] = 0;
+    }
+  } marks{scratch_->appending, batch.sequences};
   for (size_t i = 0; i < count; ++i) {
     const int32_t sequence = batch.sequences[i];
     check_sequence(sequence, "append");
-    if (std::count(batch.sequences.begin(), batch.sequences.end(), sequence) != 1) {
+    if (marks.marks[static_cast<size_t>(sequence)] != 0) {
       throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " appears twice in one batch");
     }
+    marks.marks[static_cast<size_t>(sequence)] = 1;
+    marks.set = i + 1;
     const int64_t length = lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)];
     if (batch.positions[i] != length || batch.tokens[i] < 0) {
       throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " gets " +

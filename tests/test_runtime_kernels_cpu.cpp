@@ -1460,5 +1460,45 @@ TEST(RuntimeKernelsCpuScratch, InlineAndUploadedBatchArraysStoreAndAttendAlike) 
   }
 }
 
+// A sequence twice in one append is refused (one line naming it) before
+// anything is stored, and the refusal leaves no trace: the same sequences
+// appended properly afterwards store what a fresh cache stores.
+TEST(RuntimeKernelsCpuRefusals, ASequenceTwiceInOneAppendIsRefusedWithoutATrace) {
+  kernels::QuantizedKVCache cache(scratch_config(), small_dims(), scratch_options());
+  kernels::QuantizedKVCache fresh(scratch_config(), small_dims(), scratch_options());
+  const int32_t a = cache.add_sequence(), b = cache.add_sequence();
+  ASSERT_EQ(fresh.add_sequence(), a);
+  ASSERT_EQ(fresh.add_sequence(), b);
+  std::vector<float> rows(3 * kScratchWidth);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = 0.01f * static_cast<float>(i % 97) - 0.4f;
+  kernels::AppendBatch twice;
+  twice.sequences = {a, b, a};
+  twice.positions = {0, 0, 0};
+  twice.tokens = {1, 1, 1};
+  twice.keys = twice.values = rows.data();
+  try {
+    cache.append(0, twice);
+    ADD_FAILURE() << "a sequence twice in one batch was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    EXPECT_NE(what.find("sequence " + std::to_string(a) + " appears twice"), std::string::npos) << what;
+  }
+  EXPECT_EQ(cache.length(a, 0), 0);
+  EXPECT_EQ(cache.length(b, 0), 0);
+  for (kernels::QuantizedKVCache* c : {&cache, &fresh}) {
+    kernels::AppendBatch once;
+    once.sequences = {b, a};
+    once.positions = {0, 0};
+    once.tokens = {2, 1};
+    once.keys = once.values = rows.data();
+    c->append(0, once);
+  }
+  for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+    EXPECT_EQ(cache.copy_pools(0, kind).pages, fresh.copy_pools(0, kind).pages);
+    EXPECT_EQ(cache.copy_pools(0, kind).exact, fresh.copy_pools(0, kind).exact);
+  }
+}
+
 }  // namespace
 }  // namespace kvforge
