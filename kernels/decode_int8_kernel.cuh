@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int d = 32 * step + 16 * half + 4 * i + c;
+          const int d = 32 * step + int8_mma::key_channel_of_k(16 * half + 4 * c + i);
           float q = my_query[d];
           if (per_channel_keys) {
             const Affine affine = shared.channel[warp][d];
@@ -459,6 +459,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
     // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens,
     // with the weights of T's value group
     const uint32_t* value_words = reinterpret_cast<const uint32_t*>(stage.value_codes);
+    int value_row[2][4];  // the tokens of k = 16 part + 4c + i
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) value_row[part][i] = int8_mma::value_token_of_k(16 * part + 4 * c + i);
+    }
 #pragma unroll
     for (int tile = 0; tile < kMTiles; ++tile) {
       const int vg = tile / kTilesPerGroup;
@@ -468,11 +474,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
                                 *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
       uint32_t a[4];
 #pragma unroll
-      for (int part = 0; part < 2; ++part) {  // k = 16 part + 4c + i: tokens 16 part + c + 4i
-        const int row = 16 * part + c;
+      for (int part = 0; part < 2; ++part) {
+        const int* rows = value_row[part];
         const uint32_t gathered = int8_mma::gather_byte(
-            value_words[row * kRowWords + tile], value_words[(row + 4) * kRowWords + tile],
-            value_words[(row + 8) * kRowWords + tile], value_words[(row + 12) * kRowWords + tile], g % 4);
+            value_words[rows[0] * kRowWords + tile], value_words[rows[1] * kRowWords + tile],
+            value_words[rows[2] * kRowWords + tile], value_words[rows[3] * kRowWords + tile], g % 4);
         a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
         a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
       }

@@ -69,7 +69,7 @@ KVFORGE_HOST_DEVICE inline uint32_t key_a_register(const uint32_t* row_g, const 
 KVFORGE_HOST_DEVICE inline uint32_t key_b_register(const int8_t* query, int step, int c, int half) {
   uint32_t result = 0;
   for (int i = 0; i < 4; ++i) {
-    const auto byte = static_cast<uint8_t>(query[32 * step + 16 * half + 4 * i + c]);
+    const auto byte = static_cast<uint8_t>(query[32 * step + key_channel_of_k(16 * half + 4 * c + i)]);
     result |= static_cast<uint32_t>(byte) << (8 * i);
   }
   return result;
