@@ -137,10 +137,10 @@ void launch_int8_groups(const DecodeParams& p, const device::SplitWorkspace& wor
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  constexpr int kShared = device::int8_dynamic_shared_bytes<D, VG>();
+  const int shared_bytes = device::int8_dynamic_shared_bytes<D, VG>(p.value_cache.layout.outlier_spans > 0);
   KVFORGE_CUDA_CHECK(
-      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared));
-  device::decode_int8_kernel<D, VG><<<grid, kThreads, kShared, stream>>>(p, workspace,
+      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  device::decode_int8_kernel<D, VG><<<grid, kThreads, shared_bytes, stream>>>(p, workspace,
                                                                          device::TensorCoreSplits{plan.tokens_per_split});
 }
 
@@ -155,20 +155,20 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
 }
 
 template <int D, int VG>
-int int8_groups_residency() {
+int int8_groups_residency(const DecodeParams& p) {
   constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  constexpr int kShared = device::int8_dynamic_shared_bytes<D, VG>();
+  const int shared_bytes = device::int8_dynamic_shared_bytes<D, VG>(p.value_cache.layout.outlier_spans > 0);
   KVFORGE_CUDA_CHECK(
-      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared));
+      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
   int blocks = 0;
   KVFORGE_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D, VG>, kThreads, kShared));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D, VG>, kThreads, shared_bytes));
   return blocks > 0 ? blocks : 1;
 }
 
 template <int D>
 int int8_residency(const DecodeParams& p) {
-  return int8_value_groups_of_32(p) ? int8_groups_residency<D, D / 32>() : int8_groups_residency<D, 1>();
+  return int8_value_groups_of_32(p) ? int8_groups_residency<D, D / 32>(p) : int8_groups_residency<D, 1>(p);
 }
 
 // Blocks of the tensor-core kernel one multiprocessor holds at once (its
@@ -269,12 +269,31 @@ bool int8_decode_supported(const DecodeParams& p) {
   if ((dim != 64 && dim != 128) || k.bits != 2 || v.bits != 2) return false;
   if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
   if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
+  // The walk's address arithmetic: 32-bit page sizes and in-page offsets,
+  // one page table for both pools.
+  if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
+  if (k.page_size != v.page_size) return false;
   const auto one_group_per_row = [dim](const TensorLayoutSpec& s) {
     return s.grouping == ScaleGrouping::kPerTokenAllHeads || (s.grouping == ScaleGrouping::kPerToken && s.group == dim);
   };
   const bool keys_ok = one_group_per_row(k) || k.grouping == ScaleGrouping::kPerChannelOffline ||
                        (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % device::kInt8StepTokens == 0);
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
+}
+
+// The number of splits whose blocks (per_split each) take the least time
+// in waves of `resident` blocks, each block's time 1 / splits: at batch 32
+// on 8 KV heads (256 blocks per split) and 396 resident, one split leaves a
+// third of the device idle for the whole time, three take two waves of a
+// third each (0.67). Ties go to fewer splits (fewer states to merge).
+int64_t splits_for_whole_waves(int64_t per_split, int64_t resident) {
+  int64_t best = 1;
+  double best_time = static_cast<double>(ceil_div64(per_split, resident));
+  for (int64_t splits = 2; splits <= std::max<int64_t>(1, 4 * resident / per_split) + 4; ++splits) {
+    const double time = static_cast<double>(ceil_div64(per_split * splits, resident)) / static_cast<double>(splits);
+    if (time < best_time * (1.0 - 1e-9)) best = splits, best_time = time;
+  }
+  return best;
 }
 
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
@@ -290,7 +309,7 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
     // wave would double the time), at least 256 tokens each, a whole number
     // of every warp's tiles (16 tokens; the int8 kernel's steps: 32).
     const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p, plan.int8);
-    const int64_t wave_splits = std::max<int64_t>(1, resident / per_split);
+    const int64_t wave_splits = splits_for_whole_waves(per_split, resident);
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
                                        : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);

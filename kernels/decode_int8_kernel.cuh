@@ -52,14 +52,16 @@ __device__ inline void mma_u8u8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Shared memory of one block (static).
+// Shared memory of one block (static). Each warp's output rows live in the
+// dynamic part (int8_dynamic_shared_bytes): over the stages once every warp
+// is done with them, or, with value outliers (whose corrections accumulate
+// there during the walk), past them. A static array of its own would cost
+// the fourth resident block per multiprocessor.
 template <int D, int VG>
 struct Int8Shared {
   float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
-  float out[kInt8Warps][kMaxTensorCoreGroup][D];  // value outlier corrections, then each warp's acc
   // The unrotated queries (the preamble only), then the step's weights
-  // (float, for the value outliers' corrections): apart, they would cost the
-  // third resident block per multiprocessor.
+  // (float, for the value outliers' corrections).
   union {
     float raw_query[kMaxTensorCoreGroup][D];
     float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
@@ -90,15 +92,51 @@ struct Int8Stage {
   int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
 };
 
+// Every warp's output rows (the block's merge, and the value outliers'
+// corrections during the walk).
+template <int D>
+using Int8Out = float[kInt8Warps][kMaxTensorCoreGroup][D];
+
 template <int D, int VG>
-constexpr int int8_dynamic_shared_bytes() {
+constexpr int int8_stage_bytes() {
   return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG>));
+}
+
+// The stages, then (value outliers) the output rows.
+template <int D, int VG>
+constexpr int int8_dynamic_shared_bytes(bool value_outliers) {
+  static_assert(int8_stage_bytes<D, VG>() >= static_cast<int>(sizeof(Int8Out<D>)), "the stages hold the output rows");
+  return int8_stage_bytes<D, VG>() + (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
+}
+
+// Where a token's group pairs lie in its page: base + in_page * token_stride
+// + group * group_stride (token_pair_index's arithmetic, hoisted out of the
+// walk).
+struct PairPlace {
+  int32_t base = 0, token_stride = 0, group_stride = 0;
+};
+__device__ inline PairPlace pair_place(const TensorPageLayout& l, int head, int pairs_per_head) {
+  const auto pair_bytes = static_cast<int32_t>(l.pair_bytes);
+  const auto params = static_cast<int32_t>(l.params_offset);
+  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) return {params, pair_bytes, 0};
+  return {params + head * l.spec.page_size * pairs_per_head * pair_bytes, pairs_per_head * pair_bytes, pair_bytes};
+}
+
+__device__ inline void copy_pair_async(void* shared, const uint8_t* global, int32_t pair_bytes) {
+  if (pair_bytes == 4) {
+    copy_async<4>(shared, global);
+  } else {
+    copy_async<8>(shared, global);
+  }
 }
 
 // VG: the values' channel groups per row (1: one per row; D / 32: per-token
 // groups of 32 channels, KIVI's, two m tiles each).
+// Four blocks per multiprocessor with one value group per row (128
+// registers, about 51 KB of shared memory): the kernel waits on shared
+// memory and its copies, so resident warps are what hides that.
 template <int D, int VG>
-__global__ void __launch_bounds__(kInt8Warps * kWarpSize)
+__global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
@@ -128,8 +166,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
   const int sink = kl.spec.sink_tokens;
   const bool per_channel_keys = per_channel_groups(kl.spec);
 
-  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
-                        kInt8Warps * kMaxTensorCoreGroup * D);
+  const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
+  // The output rows: past the stages with value outliers (zeroed here, their
+  // corrections accumulate during the walk), else over the stages (written
+  // once every warp is done with them).
+  auto& out = *reinterpret_cast<Int8Out<D>*>(dynamic_shared + (value_outliers ? int8_stage_bytes<D, VG>() : 0));
+  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
+                        value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
 
   // This warp's steps: a contiguous run of the split's.
   const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
@@ -207,63 +250,74 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
 #pragma unroll
   for (int vg = 0; vg < VG; ++vg) value_a_term[vg][0] = value_a_term[vg][1] = 0.0f;
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
-  const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
   const int page_size = kl.spec.page_size;
+  // Lane j's token of the next step to issue: its page's index in the page
+  // table and its slot there, advanced by 32 tokens per step (one division
+  // per block, not two per step). Keys and values share the page table and,
+  // at 2 bits both, the rows' offsets in a page.
+  const int32_t step_pages = kInt8StepTokens / page_size, step_rest = kInt8StepTokens % page_size;
+  int32_t next_page_index = 0, next_in_page = 0;
+  {
+    const int64_t s_index = first + step_begin * kInt8StepTokens + lane - sink;
+    next_page_index = static_cast<int32_t>(s_index / page_size);
+    next_in_page = static_cast<int32_t>(s_index % page_size);
+  }
+  const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
+  const auto value_page_bytes = static_cast<uint32_t>(vl.page_bytes);
+  const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
+  const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
+  const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
+  int issue_stage = 0;  // the stage the next issue fills (steps go round the kInt8Stages)
 
   // Starts the copies of step `step` into its stage (every lane takes part):
   // lane j's token's page, its key and value pairs, then the code rows.
   auto issue = [&](int64_t step) {
-    Stage& stage = stages[step % kInt8Stages];
-    const int64_t t = first + step * kInt8StepTokens + lane;
-    const bool valid = t < last;
-    const int32_t s_index = static_cast<int32_t>(t - sink);
-    const int page = valid ? page_row[s_index / page_size] : 0;
-    const int32_t in_page = valid ? s_index % page_size : 0;
-    SlotAddress key_at, value_at;
+    Stage& stage = stages[issue_stage];
+    issue_stage = issue_stage + 1 == kInt8Stages ? 0 : issue_stage + 1;
+    const int64_t left = last - (first + step * kInt8StepTokens);
+    const int tokens = left < kInt8StepTokens ? static_cast<int>(left) : kInt8StepTokens;
+    const bool valid = lane < tokens;
+    const int32_t page = valid ? page_row[next_page_index] : 0;
+    const int32_t in_page = next_in_page;
+    next_page_index += step_pages;
+    next_in_page += step_rest;
+    if (next_in_page >= page_size) {
+      next_in_page -= page_size;
+      ++next_page_index;
+    }
+    const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
+    const uint8_t* value_page =
+        p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
     if (valid) {
-      key_at = {p.key_cache.pages + static_cast<int64_t>(page) * kl.page_bytes, in_page};
-      value_at = {p.value_cache.pages + static_cast<int64_t>(page) * vl.page_bytes, in_page};
       if (!per_channel_keys) {
-        const int32_t index = token_pair_index(kl.spec, kv_head, in_page, 0, 1);
-        const uint8_t* source = key_at.page + kl.params_offset + index * kl.pair_bytes;
-        if (kl.pair_bytes == 4) {
-          copy_async<4>(&stage.key_pairs[lane], source);
-        } else {
-          copy_async<8>(&stage.key_pairs[lane], source);
-        }
+        copy_pair_async(&stage.key_pairs[lane], key_page + key_pairs.base + in_page * key_pairs.token_stride,
+                        static_cast<int32_t>(kl.pair_bytes));
       }
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) {
-        const int32_t index = token_pair_index(vl.spec, kv_head, in_page, vg, VG);
-        const uint8_t* source = value_at.page + vl.params_offset + index * vl.pair_bytes;
-        if (vl.pair_bytes == 4) {
-          copy_async<4>(&stage.value_pairs[lane][vg], source);
-        } else {
-          copy_async<8>(&stage.value_pairs[lane][vg], source);
-        }
+        copy_pair_async(&stage.value_pairs[lane][vg],
+                        value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
+                        static_cast<int32_t>(vl.pair_bytes));
       }
     }
     stage.page[lane] = page;
     stage.in_page[lane] = in_page;
-    // Code rows: 16-byte chunks, chunk i of the kind's 32 rows by lane
-    // i % 32; every lane runs every round and every shuffle.
-    constexpr int kChunks = kInt8StepTokens * kRowChunks;
+    // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
+    // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
+    // lane runs every round and every shuffle.
+    const int32_t row_offset = head_rows + in_page * row_bytes;
 #pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-      const PagedTensor& tensor = kind == 0 ? p.key_cache : p.value_cache;
-#pragma unroll
-      for (int round = 0; round < kChunks / kWarpSize; ++round) {
-        const int chunk = round * kWarpSize + lane;
-        const int row = chunk / kRowChunks, part = chunk % kRowChunks;
-        const int row_page = __shfl_sync(0xffffffffu, page, row);
-        const int32_t row_in_page = __shfl_sync(0xffffffffu, in_page, row);
-        if (first + step * kInt8StepTokens + row < last) {
-          const uint8_t* source = tensor.pages + static_cast<int64_t>(row_page) * tensor.layout.page_bytes +
-                                  code_row_offset(tensor.layout, kv_head, row_in_page) + part * 16;
-          copy_async<16>((kind == 0 ? stage.key_codes : stage.value_codes) + chunk, source);
-        }
+    for (int round = 0; round < kInt8StepTokens * kRowChunks / kWarpSize; ++round) {
+      const int chunk = round * kWarpSize + lane;
+      const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+      const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
+      const int32_t at = __shfl_sync(0xffffffffu, row_offset, row) + part * 16;
+      if (row < tokens) {
+        copy_async<16>(stage.key_codes + chunk, p.key_cache.pages + static_cast<uint64_t>(row_page) * key_page_bytes + at);
+        copy_async<16>(stage.value_codes + chunk,
+                       p.value_cache.pages + static_cast<uint64_t>(row_page) * value_page_bytes + at);
       }
     }
   };
@@ -273,15 +327,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
     if (step_begin + ahead < step_end) issue(step_begin + ahead);
     copy_async_commit();
   }
+  int compute_stage = 0;
   for (int64_t step = step_begin; step < step_end; ++step) {
     const int64_t t0 = first + step * kInt8StepTokens;
+    const int tokens = last - t0 < kInt8StepTokens ? static_cast<int>(last - t0) : kInt8StepTokens;
     if (step + kInt8Stages - 1 < step_end) issue(step + kInt8Stages - 1);
     copy_async_commit();
     copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
     __syncwarp();
-    const Stage& stage = stages[step % kInt8Stages];
+    const Stage& stage = stages[compute_stage];
+    compute_stage = compute_stage + 1 == kInt8Stages ? 0 : compute_stage + 1;
     {  // the step's affines from its pairs: lane j token j
-      const bool valid = t0 + lane < last;
+      const bool valid = lane < tokens;
       if (!per_channel_keys) {
         shared.key_affine[warp][lane] =
             valid ? affine_of_pair(kl, p.key_dequantization, reinterpret_cast<const uint8_t*>(&stage.key_pairs[lane]), kTop)
@@ -346,7 +403,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = 16 * rb + g + 8 * r;
-          if (t0 + row >= last) continue;
+          if (row >= tokens) continue;
           const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
                                stage.in_page[row]};
           float correction[2] = {0.0f, 0.0f};
@@ -365,8 +422,15 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
 #pragma unroll
     for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        score[rb][i] = t0 + 16 * rb + g + 8 * (i / 2) < last ? score[rb][i] * log2e_scale : -INFINITY;
+      for (int i = 0; i < 4; ++i) score[rb][i] *= log2e_scale;
+    }
+    if (tokens < kInt8StepTokens) {  // the split's last step: rows past it weigh nothing
+#pragma unroll
+      for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (16 * rb + g + 8 * (i / 2) >= tokens) score[rb][i] = -INFINITY;
+        }
       }
     }
 
@@ -458,7 +522,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
 
     // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens,
     // with the weights of T's value group
-    const uint32_t* value_words = reinterpret_cast<const uint32_t*>(stage.value_codes);
+    // Each gathering row's words of four m tiles at once (16-byte loads; the
+    // lanes of one column c read the same four rows, in different banks).
     int value_row[2][4];  // the tokens of k = 16 part + 4c + i
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -466,44 +531,55 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       for (int i = 0; i < 4; ++i) value_row[part][i] = int8_mma::value_token_of_k(16 * part + 4 * c + i);
     }
 #pragma unroll
-    for (int tile = 0; tile < kMTiles; ++tile) {
-      const int vg = tile / kTilesPerGroup;
-      const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][4 * c]),
-                                *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][16 + 4 * c])};
-      const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][4 * c]),
-                                *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
-      uint32_t a[4];
+    for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
+      uint32_t words[2][4][4];  // [part][i][tile - 4 w4]
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
-        const int* rows = value_row[part];
-        const uint32_t gathered = int8_mma::gather_byte(
-            value_words[rows[0] * kRowWords + tile], value_words[rows[1] * kRowWords + tile],
-            value_words[rows[2] * kRowWords + tile], value_words[rows[3] * kRowWords + tile], g % 4);
-        a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
-        a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
-      }
-      int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
-      mma_u8u8(sum_hi, a, b_hi[0], b_hi[1]);
-      mma_u8s8(sum_lo, a, b_lo[0], b_lo[1]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[tile][i] =
-            __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[vg][i % 2], acc[tile][i]);
+        for (int i = 0; i < 4; ++i) {
+          const uint4 u = stage.value_codes[value_row[part][i] * kRowChunks + w4];
+          words[part][i][0] = u.x, words[part][i][1] = u.y, words[part][i][2] = u.z, words[part][i][3] = u.w;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tile = 4 * w4 + j;
+        const int vg = tile / kTilesPerGroup;
+        const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][4 * c]),
+                                  *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][16 + 4 * c])};
+        const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][4 * c]),
+                                  *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
+        uint32_t a[4];
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          const uint32_t gathered = int8_mma::gather_byte(words[part][0][j], words[part][1][j], words[part][2][j],
+                                                          words[part][3][j], g % 4);
+          a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
+          a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+        }
+        int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
+        mma_u8u8(sum_hi, a, b_hi[0], b_hi[1]);
+        mma_u8s8(sum_lo, a, b_lo[0], b_lo[1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[tile][i] =
+              __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[vg][i % 2], acc[tile][i]);
+        }
       }
     }
     if (value_outliers) {
       // Rescale this warp's corrections to the new maxima, then add the
       // step's: lane j takes token j.
-      for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
+      for (int i = lane; i < group * D; i += kWarpSize) out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
       __syncwarp();
-      if (t0 + lane < last) {
+      if (lane < tokens) {
         const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
                              stage.in_page[lane]};
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<2>(vl, at, kv_head, d);
           const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-          for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
+          for (int h = 0; h < group; ++h) atomicAdd(&out[warp][h][d], shared.weights[warp][lane][h] * delta);
         });
       }
     }
@@ -531,23 +607,27 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize)
       shared.value_a_term[warp][vg][2 * c + 1] = value_a_term[vg][1];
     }
   }
+  // Without value outliers the rows go over the stages: every warp's copies
+  // and reads of them end first. The acc fragments cover every row once.
+  copy_async_wait<0>();
+  if (!value_outliers) __syncthreads();
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = i < 2 ? g : g + 8, h = 2 * c + (i % 2);
-      shared.out[warp][h][16 * t + int8_mma::value_channel_of_row(row)] += acc[t][i];
+      float& o = out[warp][h][16 * t + int8_mma::value_channel_of_row(row)];
+      o = value_outliers ? o + acc[t][i] : acc[t][i];
     }
   }
   __syncwarp();
   for (int i = lane; i < group * D; i += kWarpSize) {
     const int h = i / D, d = i % D;
-    shared.out[warp][h][d] += shared.value_a_term[warp][VG == 1 ? 0 : d / 32][h];
+    out[warp][h][d] += shared.value_a_term[warp][VG == 1 ? 0 : d / 32][h];
   }
   __syncthreads();
 
-  write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum,
-                                   shared.out);
+  write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
 }
 
 }  // namespace kvforge::kernels::decode_attention_device
