@@ -281,17 +281,21 @@ bool int8_decode_supported(const DecodeParams& p) {
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 
-// The number of splits whose blocks (per_split each) take the least time
-// in waves of `resident` blocks, each block's time 1 / splits: at batch 32
-// on 8 KV heads (256 blocks per split) and 396 resident, one split leaves a
-// third of the device idle for the whole time, three take two waves of a
-// third each (0.67). Ties go to fewer splits (fewer states to merge).
-int64_t splits_for_whole_waves(int64_t per_split, int64_t resident) {
+// The number of splits of `longest` tokens whose blocks (per_split each)
+// finish first in waves of `resident` blocks, a block's time its tokens
+// plus a fixed cost (its queries, key operands and merge: about
+// kSplitOverheadTokens tokens' worth). At batch 32 on 8 KV heads (256
+// blocks per split) and 528 resident, two splits fill one wave; one would
+// leave half the device idle. Ties go to fewer splits (fewer states to
+// merge).
+int64_t splits_for_whole_waves(int64_t longest, int64_t per_split, int64_t resident, int64_t max_splits) {
+  constexpr double kSplitOverheadTokens = 512;
   int64_t best = 1;
-  double best_time = static_cast<double>(ceil_div64(per_split, resident));
-  for (int64_t splits = 2; splits <= std::max<int64_t>(1, 4 * resident / per_split) + 4; ++splits) {
-    const double time = static_cast<double>(ceil_div64(per_split * splits, resident)) / static_cast<double>(splits);
-    if (time < best_time * (1.0 - 1e-9)) best = splits, best_time = time;
+  double best_time = 0;
+  for (int64_t splits = 1; splits <= std::max<int64_t>(1, max_splits); ++splits) {
+    const double waves = static_cast<double>(ceil_div64(per_split * splits, resident));
+    const double time = waves * (static_cast<double>(ceil_div64(longest, splits)) + kSplitOverheadTokens);
+    if (splits == 1 || time < best_time * (1.0 - 1e-9)) best = splits, best_time = time;
   }
   return best;
 }
@@ -309,7 +313,8 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
     // wave would double the time), at least 256 tokens each, a whole number
     // of every warp's tiles (16 tokens; the int8 kernel's steps: 32).
     const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p, plan.int8);
-    const int64_t wave_splits = splits_for_whole_waves(per_split, resident);
+    const int64_t wave_splits = splits_for_whole_waves(
+        longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
                                        : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);

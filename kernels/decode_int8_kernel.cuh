@@ -122,6 +122,32 @@ __device__ inline PairPlace pair_place(const TensorPageLayout& l, int head, int 
   return {params + head * l.spec.page_size * pairs_per_head * pair_bytes, pairs_per_head * pair_bytes, pair_bytes};
 }
 
+// 2^x on the special-function unit (relative error about 2^-22; 0 at -inf):
+// exp2f's handling of denormal results costs four more instructions per
+// weight.
+__device__ inline float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// affine_of_pair's arithmetic (uniform grids: the int8 kernel's) on a pair
+// already in registers, without its branches: the same (a, b) bit for bit.
+__device__ inline Affine uniform_affine(ElementType element, float clip_ratio, uint2 raw, int top) {
+  float min, max;
+  if (element == ElementType::kBFloat16) {
+    min = __uint_as_float(raw.x << 16), max = __uint_as_float(raw.x & 0xffff0000u);
+  } else if (element == ElementType::kFloat16) {
+    min = __half2float(__ushort_as_half(static_cast<unsigned short>(raw.x & 0xffffu)));
+    max = __half2float(__ushort_as_half(static_cast<unsigned short>(raw.x >> 16)));
+  } else {
+    min = __uint_as_float(raw.x), max = __uint_as_float(raw.y);
+  }
+  const float lo = __fmul_rn(clip_ratio, min), hi = __fmul_rn(clip_ratio, max);
+  const float b = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top));
+  return min == max ? Affine{min, 0.0f} : Affine{lo, b};
+}
+
 __device__ inline void copy_pair_async(void* shared, const uint8_t* global, int32_t pair_bytes) {
   if (pair_bytes == 4) {
     copy_async<4>(shared, global);
@@ -340,16 +366,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     {  // the step's affines from its pairs: lane j token j
       const bool valid = lane < tokens;
       if (!per_channel_keys) {
-        shared.key_affine[warp][lane] =
-            valid ? affine_of_pair(kl, p.key_dequantization, reinterpret_cast<const uint8_t*>(&stage.key_pairs[lane]), kTop)
-                  : Affine{0.0f, 0.0f};
+        const Affine affine = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, stage.key_pairs[lane], kTop);
+        shared.key_affine[warp][lane] = valid ? affine : Affine{0.0f, 0.0f};
       }
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) {
-        shared.value_affine[warp][lane][vg] =
-            valid ? affine_of_pair(vl, p.value_dequantization,
-                                   reinterpret_cast<const uint8_t*>(&stage.value_pairs[lane][vg]), kTop)
-                  : Affine{0.0f, 0.0f};
+        const Affine affine =
+            uniform_affine(vl.spec.element, p.value_dequantization.clip_ratio, stage.value_pairs[lane][vg], kTop);
+        shared.value_affine[warp][lane][vg] = valid ? affine : Affine{0.0f, 0.0f};
       }
       __syncwarp();
     }
@@ -443,13 +467,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
       const float new_max = fmaxf(running_max[h], m);
-      alpha[h] = exp2f(running_max[h] - new_max);  // 0 on the first step
+      alpha[h] = fast_exp2(running_max[h] - new_max);  // 0 on the first step, 1 while the max holds
       float sum = 0.0f;
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          weight[rb][2 * r + h] = exp2f(score[rb][2 * r + h] - new_max);
+          weight[rb][2 * r + h] = fast_exp2(score[rb][2 * r + h] - new_max);
           sum += weight[rb][2 * r + h];
         }
       }
@@ -459,12 +483,17 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
       running_max[h] = new_max;
     }
+    // Once the maxima settle (most steps of a long context) every alpha is
+    // exactly 1: one vote instead of rescaling every accumulator.
+    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
+    if (rescale) {
 #pragma unroll
-    for (int t = 0; t < kMTiles; ++t) {
-      acc[t][0] *= alpha[0];
-      acc[t][1] *= alpha[1];
-      acc[t][2] *= alpha[0];
-      acc[t][3] *= alpha[1];
+      for (int t = 0; t < kMTiles; ++t) {
+        acc[t][0] *= alpha[0];
+        acc[t][1] *= alpha[1];
+        acc[t][2] *= alpha[0];
+        acc[t][3] *= alpha[1];
+      }
     }
     // Per value group: W = p * b per token and head, the a-terms, and the
     // step's largest W per head (over the 8 lanes of each column pair), its
@@ -473,8 +502,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
       float w[2][4], largest[2] = {0.0f, 0.0f};
-      value_a_term[vg][0] *= alpha[0];
-      value_a_term[vg][1] *= alpha[1];
+      if (rescale) {
+        value_a_term[vg][0] *= alpha[0];
+        value_a_term[vg][1] *= alpha[1];
+      }
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
@@ -491,10 +522,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
-        weight_scale[vg][h] = largest[h] / (255.0f * 254.0f);
+        weight_scale[vg][h] = largest[h] * (1.0f / (255.0f * 254.0f));
       }
-      const float inverse[2] = {largest[0] > 0.0f ? 255.0f / largest[0] : 0.0f,
-                                largest[1] > 0.0f ? 255.0f / largest[1] : 0.0f};
+      // Any inverse near 255 / largest will do (the parts' bound holds for
+      // the scale stored above; weight_parts clamps hi to 255).
+      const float inverse[2] = {largest[0] > 0.0f ? __fdividef(255.0f, largest[0]) : 0.0f,
+                                largest[1] > 0.0f ? __fdividef(255.0f, largest[1]) : 0.0f};
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
 #pragma unroll
