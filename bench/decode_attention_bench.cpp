@@ -15,8 +15,10 @@
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
 // append_time_us, append_over_decode_rate and the FlashInfer times, and the
 // append step's host and device sides (append_host_us, append_device_us);
-// with --int8 also the 8-bit integer tensor-core kernel's time where it
-// reads the layout (int8_time_us, int8_speedup_vs_sdpa, int8_bandwidth_fraction).
+// `kernel` names the default kernel that ran (int8_tensor_cores,
+// tensor_cores, general); with --bf16-tensor-cores also the bf16 tensor-core
+// kernel's time where the int8 kernel is the default (bf16_tc_time_us,
+// bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -165,9 +167,9 @@ int run(int argc, char** argv) {
   app.add_option("--methods", methods)->delimiter(',');
   app.add_option("--bits", bits)->delimiter(',');
   app.add_option("--repeats", repeats);
-  bool int8 = false;
-  app.add_flag("--int8", int8,
-               "also time the 8-bit integer tensor-core kernel where it reads the layout (int8_* columns)");
+  bool bf16_tensor_cores = false;
+  app.add_flag("--bf16-tensor-cores", bf16_tensor_cores,
+               "also time the bf16 tensor-core kernel where the int8 one is the default (bf16_tc_* columns)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -345,7 +347,7 @@ int run(int argc, char** argv) {
                                 {"batch", batch},
                                 {"method", method},
                                 {"bits", b},
-                                {"kernel", plan.tensor_cores ? "tensor_cores" : "general"},
+                                {"kernel", plan.int8 ? "int8_tensor_cores" : plan.tensor_cores ? "tensor_cores" : "general"},
                                 {"splits", plan.splits},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
@@ -358,20 +360,19 @@ int run(int argc, char** argv) {
                                 {"append_host_us", median(host_us)},
                                 {"append_device_us", median(device_us)},
                                 {"append_over_decode_rate", time_us / append_us}};
-          if (int8 && kernels::int8_decode_supported(params)) {
-            kernels::DecodeParams int8_params = params;
-            int8_params.kernel = kernels::DecodeKernel::kInt8TensorCores;
-            const int64_t int8_bytes = kernels::decode_workspace_bytes(int8_params);
-            const at::Tensor int8_workspace =
-                at::empty({int8_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
-            int8_params.workspace = int8_workspace.data_ptr();
-            int8_params.workspace_bytes = int8_bytes;
-            const kernels::DecodePlan int8_plan = kernels::plan_decode_attention(int8_params, multiprocessors);
-            const double int8_us = median_us([&] { kernels::launch_decode_attention(int8_params, nullptr); }, repeats);
-            row["int8_time_us"] = int8_us;
-            row["int8_splits"] = int8_plan.splits;
-            row["int8_speedup_vs_sdpa"] = sdpa.at(context) / int8_us;
-            row["int8_bandwidth_fraction"] = static_cast<double>(bytes) / (int8_us * 1e-6) / copy_bandwidth;
+          if (bf16_tensor_cores && plan.int8) {
+            kernels::DecodeParams bf16_params = params;
+            bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;
+            const int64_t bf16_bytes = kernels::decode_workspace_bytes(bf16_params);
+            const at::Tensor bf16_workspace =
+                at::empty({bf16_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+            bf16_params.workspace = bf16_workspace.data_ptr();
+            bf16_params.workspace_bytes = bf16_bytes;
+            const kernels::DecodePlan bf16_plan = kernels::plan_decode_attention(bf16_params, multiprocessors);
+            const double bf16_us = median_us([&] { kernels::launch_decode_attention(bf16_params, nullptr); }, repeats);
+            row["bf16_tc_time_us"] = bf16_us;
+            row["bf16_tc_splits"] = bf16_plan.splits;
+            row["bf16_tc_speedup_vs_sdpa"] = sdpa.at(context) / bf16_us;
           }
           const auto fi = flashinfer.find({context, batch});
           if (fi != flashinfer.end()) {

@@ -306,7 +306,7 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
   // Enough blocks for a few per multiprocessor, from the longest sequence.
   const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
-  plan.int8 = p.kernel == DecodeKernel::kInt8TensorCores && int8_decode_supported(p);
+  plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
     // As many splits as one wave of resident blocks holds (a second, partial

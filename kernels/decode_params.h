@@ -117,11 +117,15 @@ struct AppendParams {
 };
 
 // Which CUDA decode kernel takes the quantized tokens (the CPU reference
-// ignores it): kAuto the bf16 tensor-core kernel where it reads the layout,
-// else the general one; kGeneral the general kernel for every token;
-// kInt8TensorCores the 8-bit integer tensor-core kernel where it reads the
-// layout (kernels/decode_int8_kernel.cuh), else as kAuto.
-enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2 };
+// ignores it): kAuto the fastest that reads the layout: the 8-bit integer
+// tensor-core kernel (kernels/decode_int8_kernel.cuh; 2 bits, uniform
+// grids), else the bf16 tensor-core kernel, else the general one;
+// kInt8TensorCores the same, named by a caller that expects the int8 kernel;
+// kBf16TensorCores the bf16 tensor-core kernel where it reads the layout,
+// else the general one (the int8 kernel's predecessor, kept as its
+// comparison and for its 4-bit layouts); kGeneral the general kernel for
+// every token.
+enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2, kBf16TensorCores = 3 };
 
 struct DecodeParams {
   SequenceBatch batch;  // one query per entry, at position lengths[i] - 1

@@ -52,8 +52,9 @@ struct CacheOptions {
   // the append itself. Off: append waits and reports its own exhaustion.
   bool asynchronous_append = false;
   // Which CUDA decode kernel takes the quantized tokens (DecodeParams::kernel):
-  // kInt8TensorCores opts in to the 8-bit integer tensor-core kernel where it
-  // reads the layout (docs/runtime-layout.md 6.5). The CPU reference ignores it.
+  // kAuto the fastest that reads the layout (the 8-bit integer tensor-core
+  // kernel at 2 bits, docs/runtime-layout.md 6.5); kBf16TensorCores or
+  // kGeneral to compare. The CPU reference ignores it.
   DecodeKernel decode_kernel = DecodeKernel::kAuto;
 };
 

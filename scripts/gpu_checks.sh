@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 # GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
 # binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
 # SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
-# SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_INT8, SKIP_PROFILE,
+# SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_APPEND and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
@@ -263,15 +263,10 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   tail -4 "$LOGS/decode_baselines.log"; }
   [ -n "${SKIP_DECODE_BENCH:-}" ] || { step "decode attention benchmark: the runtime kernels vs bf16 SDPA (and FlashInfer from the baselines)"
   baselines=""; [ -s "$OUT/decode_baselines.json" ] && baselines="--baselines $OUT/decode_baselines.json"
-  # DECODE_BENCH_INT8=1: the int8 kernel's columns too, unless its tests
-  # failed in this call (a faulting kernel would end the benchmark).
+  # DECODE_BENCH_BF16=1: the bf16 tensor-core kernel's columns too (the
+  # int8 kernel's predecessor, where the int8 one is the default).
   int8=""
-  if [ -n "${DECODE_BENCH_INT8:-}" ]; then
-    case " ${failed_tests:-} " in
-      *" test_decode_attention_cuda "*) echo "int8 columns left out: test_decode_attention_cuda failed" ;;
-      *) int8="--int8" ;;
-    esac
-  fi
+  [ -z "${DECODE_BENCH_BF16:-}" ] || int8="--bf16-tensor-cores"
   ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $int8 \
     $baselines --commit "${KVFORGE_COMMIT:-unknown}" \
     --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
@@ -283,11 +278,11 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # alone (--clock-control none), as the device notes ask.
   if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
     for method in ${PROFILE_METHODS:-rtn}; do
-      step "kernels: ncu profile of the tensor-core decode kernel ($method, 32K tokens, batch 8, 2 bits)"
-      # PROFILE_KERNEL (a regex; default the bf16 tensor-core kernel) and
-      # PROFILE_BENCH_FLAGS (e.g. --int8 with PROFILE_KERNEL=decode_int8)
+      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch 8, 2 bits)"
+      # PROFILE_KERNEL (a regex; default the int8 tensor-core kernel, the default) and
+      # PROFILE_BENCH_FLAGS (e.g. --bf16-tensor-cores with PROFILE_KERNEL=decode_tensor_core)
       # profile another kernel of the same run.
-      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_tensor_core}" --launch-skip 1 --launch-count 1 \
+      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
         --import-source yes -f -o "$LOGS/ncu_$method" \

@@ -408,6 +408,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     if (c.kernel == kernels::DecodeKernel::kInt8TensorCores) {
       EXPECT_TRUE(plan.int8) << c.name << ": the 8-bit integer kernel does not read this layout";
     }
+    if (c.kernel == kernels::DecodeKernel::kAuto) {  // the default: the int8 kernel wherever it reads the layout
+      EXPECT_EQ(plan.int8, kernels::int8_decode_supported(on_device)) << c.name;
+    }
+    if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8) << c.name;
     kernels::launch_decode_attention(on_device, nullptr);
     KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
     KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));

@@ -63,6 +63,7 @@ std::vector<Case> cases() {
   {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
     Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
     c.fit.residual_tokens = 32;
+    c.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_kivi_2bit_d128_gqa4
     all.push_back(c);
   }
   {  // KIVI at 4 bits with a sink, a page (12) dividing no group of 32, sliding keys, splits of 32.
@@ -89,6 +90,7 @@ std::vector<Case> cases() {
     c.key_rotation = RotationForm::kMatrix;
     c.value_rotation = RotationForm::kMatrix;
     c.key_centre = true;
+    c.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_int2rot_rotated_2bit_d128_gqa8
     all.push_back(c);
   }
   {  // int2-rot unrotated at 4 bits, page 12, GQA 4.
@@ -99,7 +101,9 @@ std::vector<Case> cases() {
     all.push_back(c);
   }
   {  // RTN, no windows; groups of 32 channels with top/bottom outliers per head.
-    all.push_back(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2));
+    Case rtn = make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
+    rtn.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_rtn_2bit_d128_gqa1
+    all.push_back(rtn);
     Case c = make_case("rtn_groups32_outliers_4bit_d128_gqa8", QuantMethod::kRtn, 4, 128, 16);
     c.fit.key_group = 32;
     c.fit.value_group = 32;
