@@ -14,7 +14,9 @@
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
 // append_time_us, append_over_decode_rate and the FlashInfer times, and the
-// append step's host and device sides (append_host_us, append_device_us);
+// append step's host and device sides (append_host_us, append_device_us),
+// and the decode launch's host side with and without a DecodePlanner's
+// cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
@@ -275,6 +277,28 @@ int run(int argc, char** argv) {
           KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
           const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
           const double time_us = median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
+          // The decode launch's host side (the enqueue's wall clock, queued
+          // behind a busy kernel so that it never waits for the device):
+          // through a DecodePlanner that asked the device once (a server's
+          // path: decode_host_us) and through launch_decode_attention, which
+          // asks again on every call (decode_host_us_replanning).
+          std::vector<double> planned_host_us, replanning_host_us;
+          {
+            kernels::DecodePlanner planner;
+            planner.launch(params, nullptr);  // its occupancy queries, once
+            for (int i = 0; i < repeats; ++i) {
+              busy_wait_on(nullptr, 2'000'000);
+              auto begin = std::chrono::steady_clock::now();
+              planner.launch(params, nullptr);
+              planned_host_us.push_back(
+                  std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
+              begin = std::chrono::steady_clock::now();
+              kernels::launch_decode_attention(params, nullptr);
+              replanning_host_us.push_back(
+                  std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
+              KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
+            }
+          }
           int64_t bytes = 0;
           for (const int32_t s : sequences) {
             for (const kernels::TensorKind kind : {kernels::TensorKind::kKeys, kernels::TensorKind::kValues}) {
@@ -355,6 +379,8 @@ int run(int argc, char** argv) {
                                 {"bytes_read", bytes},
                                 {"achieved_bytes_per_s", static_cast<double>(bytes) / (time_us * 1e-6)},
                                 {"bandwidth_fraction", static_cast<double>(bytes) / (time_us * 1e-6) / copy_bandwidth},
+                                {"decode_host_us", median(planned_host_us)},
+                                {"decode_host_us_replanning", median(replanning_host_us)},
                                 {"append_time_us", append_us},
                                 {"append_latency_us", append_latency_us},
                                 {"append_host_us", median(host_us)},

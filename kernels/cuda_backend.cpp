@@ -183,13 +183,18 @@ void CudaBackend::append(const AppendParams& params) {
   launch_append(params, stream_);
 }
 
+DecodePlanner& CudaBackend::planner() {
+  if (!planner_) planner_.emplace();
+  return *planner_;
+}
+
 void CudaBackend::decode_attention(const DecodeParams& params) {
   const DeviceScope scope(device_);
   if (params.workspace != nullptr || params.batch.count <= 0) {
-    launch_decode_attention(params, stream_);
+    planner().launch(params, stream_);
   } else {
     // Else the launch would allocate and free its workspace on every call.
-    const int64_t bytes = decode_workspace_bytes(params);
+    const int64_t bytes = planner().workspace_bytes(params);
     if (bytes > workspace_.bytes) {
       KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // an earlier decode may still use the old one
       KVFORGE_CUDA_CHECK(cudaFree(workspace_.data));
@@ -201,7 +206,7 @@ void CudaBackend::decode_attention(const DecodeParams& params) {
     DecodeParams with_workspace = params;
     with_workspace.workspace = workspace_.data;
     with_workspace.workspace_bytes = workspace_.bytes;
-    launch_decode_attention(with_workspace, stream_);
+    planner().launch(with_workspace, stream_);
   }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }

@@ -9,8 +9,10 @@
 #include <cuda_runtime.h>
 
 #include <deque>
+#include <optional>
 #include <vector>
 
+#include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
 
 namespace kvforge::kernels {
@@ -51,6 +53,10 @@ class CudaBackend final : public KernelBackend {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  // The decode plans' device facts, asked once (made on the first decode,
+  // with the backend's device current).
+  DecodePlanner& planner();
+  std::optional<DecodePlanner> planner_;
   // Device memory freed on destruction (after the stream has finished).
   struct DeviceMemory {
     DeviceMemory() = default;

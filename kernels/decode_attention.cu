@@ -182,6 +182,18 @@ int tensor_core_residency(const DecodeParams& p) {
   return blocks > 0 ? blocks : 1;
 }
 
+// One number per kernel instantiation and dynamic shared-memory size (what
+// the occupancy depends on besides the device): the planner's cache key.
+int kernel_variant(const DecodeParams& p, bool int8) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const int dim = k.head_dim == 64 ? 0 : 1;
+  if (int8) {
+    return 8 + 4 * dim + (int8_value_groups_of_32(p) ? 2 : 0) + (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
+  }
+  const bool grouped = grouped_channels(k) || grouped_channels(p.value_cache.layout.spec);
+  return 4 * dim + (k.bits == 2 ? 0 : 2) + (grouped ? 1 : 0);
+}
+
 int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   if (int8) return k.head_dim == 64 ? int8_residency<64>(p) : int8_residency<128>(p);
@@ -281,6 +293,8 @@ bool int8_decode_supported(const DecodeParams& p) {
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 
+namespace {
+
 // The number of splits of `longest` tokens whose blocks (per_split each)
 // finish first in waves of `resident` blocks, a block's time its tokens
 // plus a fixed cost (its queries, key operands and merge: about
@@ -300,7 +314,8 @@ int64_t splits_for_whole_waves(int64_t longest, int64_t per_split, int64_t resid
   return best;
 }
 
-DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
+template <typename Resident>
+DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks) {
   DecodePlan plan;
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
@@ -312,7 +327,7 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
     // As many splits as one wave of resident blocks holds (a second, partial
     // wave would double the time), at least 256 tokens each, a whole number
     // of every warp's tiles (16 tokens; the int8 kernel's steps: 32).
-    const int64_t resident = static_cast<int64_t>(multiprocessors) * tensor_core_blocks_per_multiprocessor(p, plan.int8);
+    const int64_t resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8);
     const int64_t wave_splits = splits_for_whole_waves(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
@@ -331,14 +346,33 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   return plan;
 }
 
-int64_t decode_workspace_bytes(const DecodeParams& p) {
-  return workspace_bytes_for(p, plan_decode_attention(p, multiprocessor_count()));
+}  // namespace
+
+DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
+  return plan_with(p, multiprocessors, [&](bool int8) { return tensor_core_blocks_per_multiprocessor(p, int8); });
 }
 
-void launch_decode_attention(const DecodeParams& params, cudaStream_t stream) {
+DecodePlanner::DecodePlanner() : multiprocessors_(multiprocessor_count()) {}
+
+int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8) {
+  const int variant = kernel_variant(params, int8);
+  const auto known = resident_.find(variant);
+  if (known != resident_.end()) return known->second;
+  const int blocks = tensor_core_blocks_per_multiprocessor(params, int8);
+  resident_.emplace(variant, blocks);
+  return blocks;
+}
+
+DecodePlan DecodePlanner::plan(const DecodeParams& params) {
+  return plan_with(params, multiprocessors_, [&](bool int8) { return resident_blocks(params, int8); });
+}
+
+int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return workspace_bytes_for(params, plan(params)); }
+
+void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  const DecodePlan plan = plan_decode_attention(params, multiprocessor_count());
+  const DecodePlan plan = this->plan(params);
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
@@ -358,5 +392,9 @@ void launch_decode_attention(const DecodeParams& params, cudaStream_t stream) {
   if (owned) KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
   KVFORGE_CUDA_CHECK(launched);
 }
+
+int64_t decode_workspace_bytes(const DecodeParams& p) { return DecodePlanner().workspace_bytes(p); }
+
+void launch_decode_attention(const DecodeParams& params, cudaStream_t stream) { DecodePlanner().launch(params, stream); }
 
 }  // namespace kvforge::kernels

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 
 #include "kernels/decode_params.h"
 
@@ -45,9 +46,30 @@ bool int8_decode_supported(const DecodeParams& params);
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
-// Bytes of params.workspace the launch needs on the current device.
-int64_t decode_workspace_bytes(const DecodeParams& params);
+// Plans and launches on one device (the current one when constructed),
+// asking the runtime for its multiprocessors once and for each kernel
+// variant's resident blocks (an occupancy query and a shared-memory
+// attribute) once per variant: a server's every decode step would pay those
+// host calls twice (workspace size, then launch) otherwise.
+class DecodePlanner {
+ public:
+  DecodePlanner();
+  DecodePlan plan(const DecodeParams& params);
+  // Bytes of params.workspace the launch needs.
+  int64_t workspace_bytes(const DecodeParams& params);
+  // A workspace smaller than workspace_bytes (or none) is allocated and
+  // freed on the stream for this launch.
+  void launch(const DecodeParams& params, cudaStream_t stream);
 
+ private:
+  int resident_blocks(const DecodeParams& params, bool int8);
+  int multiprocessors_ = 0;
+  std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
+};
+
+// A planner of the current device for one call (what DecodePlanner caches
+// is asked again).
+int64_t decode_workspace_bytes(const DecodeParams& params);
 void launch_decode_attention(const DecodeParams& params, cudaStream_t stream);
 
 }  // namespace kvforge::kernels

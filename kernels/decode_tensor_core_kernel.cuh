@@ -242,9 +242,29 @@ __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_b
   }
   for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, j = i % D;
-    query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, raw[h], kv_head, j) : 0.0f;
+  if (p.key_rotation.kind == RotationKind::kMatrix) {
+    // Column j of the head's matrix read once for every query of the group
+    // (rotated_query_element's sums, in its order): one element at a time
+    // per head would read the 64 KB matrix group times per block from L2,
+    // more bytes than the block's share of the cache at batch 1.
+    const float* matrix = p.key_rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+      float sum[kMaxTensorCoreGroup];
+#pragma unroll
+      for (int h = 0; h < kMaxTensorCoreGroup; ++h) sum[h] = 0.0f;
+      for (int k = 0; k < D; ++k) {
+        const float r = matrix[k * D + j];
+#pragma unroll
+        for (int h = 0; h < kMaxTensorCoreGroup; ++h) sum[h] = __fmaf_rn(raw[h][k], r, sum[h]);
+      }
+#pragma unroll
+      for (int h = 0; h < kMaxTensorCoreGroup; ++h) query[h][j] = h < group ? sum[h] : 0.0f;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+      const int h = i / D, j = i % D;
+      query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, raw[h], kv_head, j) : 0.0f;
+    }
   }
   __syncthreads();
 }

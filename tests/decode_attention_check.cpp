@@ -412,7 +412,20 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(plan.int8, kernels::int8_decode_supported(on_device)) << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8) << c.name;
+    // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
+    // plans the same launch; the one-call launcher runs first, the planner's
+    // second launch (from its cache) writes the output checked below.
+    kernels::DecodePlanner planner;
+    for (int call = 0; call < 2; ++call) {
+      const kernels::DecodePlan planned = planner.plan(on_device);
+      EXPECT_EQ(planned.tensor_cores, plan.tensor_cores) << c.name;
+      EXPECT_EQ(planned.int8, plan.int8) << c.name;
+      EXPECT_EQ(planned.splits, plan.splits) << c.name;
+      EXPECT_EQ(planned.tokens_per_split, plan.tokens_per_split) << c.name;
+      EXPECT_EQ(planned.states, plan.states) << c.name;
+    }
     kernels::launch_decode_attention(on_device, nullptr);
+    planner.launch(on_device, nullptr);
     KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
     KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
   }
