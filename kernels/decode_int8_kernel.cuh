@@ -210,7 +210,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // s_g / 128 of the combined int32 sums; the a-term sum(q') (per-token
   // keys) or q'.a (per-channel), over the 4 lanes of column g.
   uint32_t key_b[kSteps][2][2];
-  float key_scale = 0.0f, key_a_term = 0.0f;
+  // Lane (g, c)'s heads 2c, 2c + 1 (columns of its score fragments): their
+  // scale and a-term, from the lanes that built them.
+  float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
   int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
   auto build_key_operands = [&](int64_t s) {
     if (per_channel_keys) {  // the group's D channel affines, 4 per lane, then read by every lane
@@ -263,12 +265,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         key_b[step][half][1] = lo;
       }
     }
-    key_scale = largest / (127.0f * 128.0f);
-    key_a_term = a_term;
+    const float key_scale = largest / (127.0f * 128.0f);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * (2 * c + h));
+      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * (2 * c + h));
+    }
   };
   if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
 
-  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};  // heads 2c, 2c+1
+  // Heads 2c, 2c+1: the maxima (the column's, every lane alike) and the sums
+  // of this lane's own weights (over the column's 8 lanes at the end).
+  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
   float acc[kMTiles][4];  // values: m tile, C fragment (channel rows g, g+8 x heads 2c, 2c+1)
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
@@ -385,10 +393,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
     }
     // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
-    const float scale_h[2] = {__shfl_sync(0xffffffffu, key_scale, 4 * (2 * c)),
-                              __shfl_sync(0xffffffffu, key_scale, 4 * (2 * c + 1))};
-    const float a_term_h[2] = {__shfl_sync(0xffffffffu, key_a_term, 4 * (2 * c)),
-                               __shfl_sync(0xffffffffu, key_a_term, 4 * (2 * c + 1))};
     float score[2][4];  // [rb][C register]: token 16 rb + g + 8 (i / 2), head 2c + i % 2
 #pragma unroll
     for (int rb = 0; rb < 2; ++rb) {
@@ -477,9 +481,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           sum += weight[rb][2 * r + h];
         }
       }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
       running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
       running_max[h] = new_max;
     }
@@ -619,7 +620,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     __syncwarp();  // the step's weights are read before the next step writes them
   }
 
-  // ---- this warp's state into shared memory (the a-terms over the 8 lanes of each column pair)
+  // ---- this warp's state into shared memory (the sums and a-terms over the 8 lanes of each column pair)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 4);
+    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 8);
+    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 16);
+  }
 #pragma unroll
   for (int vg = 0; vg < VG; ++vg) {
 #pragma unroll
