@@ -352,7 +352,6 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   return plan_with(p, multiprocessors, [&](bool int8) { return tensor_core_blocks_per_multiprocessor(p, int8); });
 }
 
-DecodePlanner::DecodePlanner() : multiprocessors_(multiprocessor_count()) {}
 
 int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8) {
   const int variant = kernel_variant(params, int8);
@@ -364,6 +363,7 @@ int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8) {
 }
 
 DecodePlan DecodePlanner::plan(const DecodeParams& params) {
+  if (multiprocessors_ == 0) multiprocessors_ = multiprocessor_count();
   return plan_with(params, multiprocessors_, [&](bool int8) { return resident_blocks(params, int8); });
 }
 

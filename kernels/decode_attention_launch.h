@@ -46,14 +46,14 @@ bool int8_decode_supported(const DecodeParams& params);
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
-// Plans and launches on one device (the current one when constructed),
+// Plans and launches on one device (the current one at its first plan),
 // asking the runtime for its multiprocessors once and for each kernel
 // variant's resident blocks (an occupancy query and a shared-memory
 // attribute) once per variant: a server's every decode step would pay those
-// host calls twice (workspace size, then launch) otherwise.
+// host calls twice (workspace size, then launch) otherwise. launch checks
+// the params before it asks the device anything.
 class DecodePlanner {
  public:
-  DecodePlanner();
   DecodePlan plan(const DecodeParams& params);
   // Bytes of params.workspace the launch needs.
   int64_t workspace_bytes(const DecodeParams& params);
@@ -63,7 +63,7 @@ class DecodePlanner {
 
  private:
   int resident_blocks(const DecodeParams& params, bool int8);
-  int multiprocessors_ = 0;
+  int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
 };
 
