@@ -12,6 +12,7 @@
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/decode_int8_kernel.cuh"
+#include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
 
 namespace kvforge::kernels {
@@ -294,25 +295,6 @@ bool int8_decode_supported(const DecodeParams& p) {
 }
 
 namespace {
-
-// The number of splits of `longest` tokens whose blocks (per_split each)
-// finish first in waves of `resident` blocks, a block's time its tokens
-// plus a fixed cost (its queries, key operands and merge: about
-// kSplitOverheadTokens tokens' worth). At batch 32 on 8 KV heads (256
-// blocks per split) and 528 resident, two splits fill one wave; one would
-// leave half the device idle. Ties go to fewer splits (fewer states to
-// merge).
-int64_t splits_for_whole_waves(int64_t longest, int64_t per_split, int64_t resident, int64_t max_splits) {
-  constexpr double kSplitOverheadTokens = 512;
-  int64_t best = 1;
-  double best_time = 0;
-  for (int64_t splits = 1; splits <= std::max<int64_t>(1, max_splits); ++splits) {
-    const double waves = static_cast<double>(ceil_div64(per_split * splits, resident));
-    const double time = waves * (static_cast<double>(ceil_div64(longest, splits)) + kSplitOverheadTokens);
-    if (splits == 1 || time < best_time * (1.0 - 1e-9)) best = splits, best_time = time;
-  }
-  return best;
-}
 
 template <typename Resident>
 DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks) {
