@@ -1,0 +1,31 @@
+#pragma once
+// x / d rounded once (IEEE float32 division) for the small divisors of the
+// uniform grids (d = 2^bits - 1: 3 and 15), in three operations instead of
+// a division's dozen: q = x * (1/d), then one fma correction of q by its
+// remainder. Checked against division over every finite float32 x for both
+// divisors (2^32 inputs each, 2026-12-01): equal bit for bit except x = -0,
+// which gives +0 (a grid step x = hi - lo is never -0: hi == lo gives +0,
+// and min == max takes the kept-as-is path before it); an infinite x gives
+// NaN (a grid step overflows only for pairs beyond +-1.7e38). tests/
+// test_small_division.cpp repeats the check on every exponent with sampled
+// significands and the edge cases.
+#include <cmath>
+
+#include "kernels/runtime_layout.h"
+
+namespace kvforge::kernels {
+
+// `inverse` is 1 / divisor rounded to float32 (the caller's constant).
+KVFORGE_HOST_DEVICE inline float divide_by_small(float x, float divisor, float inverse) {
+#if defined(__CUDA_ARCH__)
+  const float q = __fmul_rn(x, inverse);
+  const float remainder = __fmaf_rn(-q, divisor, x);  // exact: x - q d
+  return __fmaf_rn(remainder, inverse, q);
+#else
+  const float q = x * inverse;
+  const float remainder = std::fma(-q, divisor, x);
+  return std::fma(remainder, inverse, q);
+#endif
+}
+
+}  // namespace kvforge::kernels
