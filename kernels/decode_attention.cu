@@ -139,6 +139,9 @@ void launch_int8_groups(const DecodeParams& p, const device::SplitWorkspace& wor
                   static_cast<unsigned>(p.batch.count));
   constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
   const int shared_bytes = device::int8_dynamic_shared_bytes<D, VG>(p.value_cache.layout.outlier_spans > 0);
+  // Set at every launch, not once per planner: the kernel serves two sizes
+  // (with and without value outliers) and the attribute is the function's,
+  // so a residency query for the smaller one lowers it for the larger.
   KVFORGE_CUDA_CHECK(
       cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
   device::decode_int8_kernel<D, VG><<<grid, kThreads, shared_bytes, stream>>>(p, workspace,
