@@ -193,8 +193,10 @@ void CudaBackend::decode_attention(const DecodeParams& params) {
   if (params.workspace != nullptr || params.batch.count <= 0) {
     planner().launch(params, stream_);
   } else {
-    // Else the launch would allocate and free its workspace on every call.
-    const int64_t bytes = planner().workspace_bytes(params);
+    // Planned once for the workspace and the launch. Without a workspace the
+    // launch would allocate and free one on every call.
+    const DecodePlan plan = planner().plan(params);
+    const int64_t bytes = DecodePlanner::workspace_bytes(params, plan);
     if (bytes > workspace_.bytes) {
       KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // an earlier decode may still use the old one
       KVFORGE_CUDA_CHECK(cudaFree(workspace_.data));
@@ -206,7 +208,7 @@ void CudaBackend::decode_attention(const DecodeParams& params) {
     DecodeParams with_workspace = params;
     with_workspace.workspace = workspace_.data;
     with_workspace.workspace_bytes = workspace_.bytes;
-    planner().launch(with_workspace, stream_);
+    planner().launch(with_workspace, plan, stream_);
   }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }

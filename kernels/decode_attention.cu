@@ -299,8 +299,11 @@ bool int8_decode_supported(const DecodeParams& p) {
 
 namespace {
 
-template <typename Resident>
-DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks) {
+// resident_blocks(int8): blocks per multiprocessor of the kernel;
+// choose_splits(longest, per_split, resident, max_splits): as
+// splits_for_whole_waves (kernels/split_plan.h).
+template <typename Resident, typename ChooseSplits>
+DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks, ChooseSplits choose_splits) {
   DecodePlan plan;
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
@@ -309,11 +312,11 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
-    // As many splits as one wave of resident blocks holds (a second, partial
-    // wave would double the time), at least 256 tokens each, a whole number
-    // of every warp's tiles (16 tokens; the int8 kernel's steps: 32).
+    // The splits whose blocks finish first in whole waves of resident blocks
+    // (kernels/split_plan.h), at least 256 tokens each, a whole number of
+    // every warp's tiles (16 tokens; the int8 kernel's steps: 32).
     const int64_t resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8);
-    const int64_t wave_splits = splits_for_whole_waves(
+    const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
                                        : device::kTensorCoreWarps * device::kTileRows;
@@ -334,7 +337,9 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
 }  // namespace
 
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
-  return plan_with(p, multiprocessors, [&](bool int8) { return tensor_core_blocks_per_multiprocessor(p, int8); });
+  return plan_with(
+      p, multiprocessors, [&](bool int8) { return tensor_core_blocks_per_multiprocessor(p, int8); },
+      splits_for_whole_waves);
 }
 
 
@@ -349,7 +354,22 @@ int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8) {
 
 DecodePlan DecodePlanner::plan(const DecodeParams& params) {
   if (multiprocessors_ == 0) multiprocessors_ = multiprocessor_count();
-  return plan_with(params, multiprocessors_, [&](bool int8) { return resident_blocks(params, int8); });
+  // The split search runs once per batch shape: a server's layers (and the
+  // workspace size before each launch) ask again with the same numbers.
+  const auto choose_splits = [this](int64_t longest, int64_t per_split, int64_t resident, int64_t max_splits) {
+    const SplitQuestion question{longest, per_split, resident, max_splits};
+    if (!(question == last_question_)) {
+      last_question_ = question;
+      last_splits_ = splits_for_whole_waves(longest, per_split, resident, max_splits);
+    }
+    return last_splits_;
+  };
+  return plan_with(
+      params, multiprocessors_, [&](bool int8) { return resident_blocks(params, int8); }, choose_splits);
+}
+
+int64_t DecodePlanner::workspace_bytes(const DecodeParams& params, const DecodePlan& plan) {
+  return workspace_bytes_for(params, plan);
 }
 
 int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return workspace_bytes_for(params, plan(params)); }
@@ -357,7 +377,16 @@ int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return work
 void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  const DecodePlan plan = this->plan(params);
+  run(params, plan(params), stream);
+}
+
+void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
+  check_params(params);
+  if (params.batch.count == 0) return;
+  run(params, plan, stream);
+}
+
+void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;

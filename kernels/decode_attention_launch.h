@@ -55,16 +55,28 @@ DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors
 class DecodePlanner {
  public:
   DecodePlan plan(const DecodeParams& params);
-  // Bytes of params.workspace the launch needs.
+  // Bytes of params.workspace the launch of `plan` needs.
+  static int64_t workspace_bytes(const DecodeParams& params, const DecodePlan& plan);
   int64_t workspace_bytes(const DecodeParams& params);
   // A workspace smaller than workspace_bytes (or none) is allocated and
-  // freed on the stream for this launch.
+  // freed on the stream for this launch. With `plan` (this planner's plan of
+  // the same params): planned once for both the workspace and the launch.
   void launch(const DecodeParams& params, cudaStream_t stream);
+  void launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
 
  private:
+  struct SplitQuestion {
+    int64_t longest = -1, per_split = -1, resident = -1, max_splits = -1;
+    bool operator==(const SplitQuestion& o) const {  // (this header is C++17 too: no defaulted ==)
+      return longest == o.longest && per_split == o.per_split && resident == o.resident && max_splits == o.max_splits;
+    }
+  };
   int resident_blocks(const DecodeParams& params, bool int8);
+  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
+  SplitQuestion last_question_;  // the last split search and its answer
+  int64_t last_splits_ = 1;
 };
 
 // A planner of the current device for one call (what DecodePlanner caches
