@@ -265,9 +265,9 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   baselines=""; [ -s "$OUT/decode_baselines.json" ] && baselines="--baselines $OUT/decode_baselines.json"
   # DECODE_BENCH_BF16=1: the bf16 tensor-core kernel's columns too (the
   # int8 kernel's predecessor, where the int8 one is the default).
-  int8=""
-  [ -z "${DECODE_BENCH_BF16:-}" ] || int8="--bf16-tensor-cores"
-  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $int8 \
+  bf16_columns=""
+  [ -z "${DECODE_BENCH_BF16:-}" ] || bf16_columns="--bf16-tensor-cores"
+  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $bf16_columns \
     $baselines --commit "${KVFORGE_COMMIT:-unknown}" \
     --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
     || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
