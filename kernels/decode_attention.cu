@@ -132,47 +132,58 @@ bool int8_value_groups_of_32(const DecodeParams& p) {
   return v.grouping == ScaleGrouping::kPerToken && v.group == 32 && v.head_dim > 32;
 }
 
-template <int D, int VG>
-void launch_int8_groups(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                        cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
-  constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  const int shared_bytes = device::int8_dynamic_shared_bytes<D, VG>(p.value_cache.layout.outlier_spans > 0);
-  // Set at every launch, not once per planner: the kernel serves two sizes
-  // (with and without value outliers) and the attribute is the function's,
-  // so a residency query for the smaller one lowers it for the larger.
-  KVFORGE_CUDA_CHECK(
-      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-  device::decode_int8_kernel<D, VG><<<grid, kThreads, shared_bytes, stream>>>(p, workspace,
-                                                                         device::TensorCoreSplits{plan.tokens_per_split});
+// The int8 kernel packs both parts of its B operands into the mma's N
+// where the GQA group leaves columns 4-7 idle.
+bool int8_packed_parts(const DecodeParams& p) {
+  return p.num_heads / p.key_cache.layout.spec.kv_heads <= int8_mma::kPackedHeads;
+}
+
+// Calls f with the int8 kernel instantiation that serves p (head_dim D).
+template <int D, typename F>
+void with_int8_kernel(const DecodeParams& p, F&& f) {
+  const bool groups_of_32 = int8_value_groups_of_32(p), packed = int8_packed_parts(p);
+  if (groups_of_32) {
+    packed ? f(device::decode_int8_kernel<D, D / 32, true>, device::int8_dynamic_shared_bytes<D, D / 32>)
+           : f(device::decode_int8_kernel<D, D / 32, false>, device::int8_dynamic_shared_bytes<D, D / 32>);
+  } else {
+    packed ? f(device::decode_int8_kernel<D, 1, true>, device::int8_dynamic_shared_bytes<D, 1>)
+           : f(device::decode_int8_kernel<D, 1, false>, device::int8_dynamic_shared_bytes<D, 1>);
+  }
+}
+
+using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits);
+using Int8SharedBytes = int (*)(bool);
+constexpr int kInt8Threads = device::kInt8Warps * device::kWarpSize;
+
+// The kernel's dynamic shared memory, set as its attribute: at every launch,
+// not once per planner, because the kernel serves two sizes (with and
+// without value outliers) and the attribute is the function's, so a
+// residency query for the smaller one lowers it for the larger.
+int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, const DecodeParams& p) {
+  const int shared_bytes = shared_bytes_of(p.value_cache.layout.outlier_spans > 0);
+  KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  return shared_bytes;
 }
 
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                  cudaStream_t stream) {
-  if (int8_value_groups_of_32(p)) {
-    launch_int8_groups<D, D / 32>(p, workspace, plan, stream);
-  } else {
-    launch_int8_groups<D, 1>(p, workspace, plan, stream);
-  }
-}
-
-template <int D, int VG>
-int int8_groups_residency(const DecodeParams& p) {
-  constexpr int kThreads = device::kInt8Warps * device::kWarpSize;
-  const int shared_bytes = device::int8_dynamic_shared_bytes<D, VG>(p.value_cache.layout.outlier_spans > 0);
-  KVFORGE_CUDA_CHECK(
-      cudaFuncSetAttribute(device::decode_int8_kernel<D, VG>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-  int blocks = 0;
-  KVFORGE_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, device::decode_int8_kernel<D, VG>, kThreads, shared_bytes));
-  return blocks > 0 ? blocks : 1;
+  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+                  static_cast<unsigned>(p.batch.count));
+  with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
+    const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
+    kernel<<<grid, kInt8Threads, shared_bytes, stream>>>(p, workspace, device::TensorCoreSplits{plan.tokens_per_split});
+  });
 }
 
 template <int D>
 int int8_residency(const DecodeParams& p) {
-  return int8_value_groups_of_32(p) ? int8_groups_residency<D, D / 32>(p) : int8_groups_residency<D, 1>(p);
+  int blocks = 0;
+  with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
+    const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
+    KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kInt8Threads, shared_bytes));
+  });
+  return blocks > 0 ? blocks : 1;
 }
 
 // Blocks of the tensor-core kernel one multiprocessor holds at once (its
@@ -192,7 +203,8 @@ int kernel_variant(const DecodeParams& p, bool int8) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int dim = k.head_dim == 64 ? 0 : 1;
   if (int8) {
-    return 8 + 4 * dim + (int8_value_groups_of_32(p) ? 2 : 0) + (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
+    return 8 + 8 * dim + (int8_value_groups_of_32(p) ? 4 : 0) + (int8_packed_parts(p) ? 2 : 0) +
+           (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
   }
   const bool grouped = grouped_channels(k) || grouped_channels(p.value_cache.layout.spec);
   return 4 * dim + (k.bits == 2 ? 0 : 2) + (grouped ? 1 : 0);

@@ -13,9 +13,13 @@
 //     q'.c = s_h / 128 (128 hi.c + lo.c), exact int32 sums;
 //   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h] over a step of 32
 //     tokens (the mma's K), W = p * b (softmax weight times the token's
-//     scale) as S_h (hi + lo / 254) with S_h the step's largest W of head h
-//     over 255: each step's int32 sums are scaled into float32
-//     accumulators, and the a-term sum_t p_t a_t stays float32;
+//     scale) as S_h (hi + lo / 255) (both parts uint8) with S_h the step's
+//     largest W of head h over 255: each step's int32 sums are scaled into
+//     float32 accumulators, and the a-term sum_t p_t a_t stays float32;
+//   - GQA groups of at most 4 heads (kPacked) put the two parts in the
+//     mma's columns 0-3 and 4-7 (int8_mma_fragments.h, "packed parts"): one
+//     key and one value mma per tile instead of two, and each lane scores
+//     and weighs 2 tokens of 2 heads instead of 4 tokens;
 //   - outlier entries correct the scores and outputs by q'_d (x - deq) and
 //     p (x - deq) (float32, as the bf16 kernel); the sink, the windows and
 //     every token not quantized for both keys and values are the general
@@ -68,9 +72,8 @@ struct Int8Shared {
     float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
   };
   // The two 8-bit parts of the step's W as the values' B operand reads
-  // them, [group][head][k] (int8_mma::value_token_of_k: token of k).
-  uint8_t weight_hi[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
-  int8_t weight_lo[kInt8Warps][VG][kMaxTensorCoreGroup][kInt8StepTokens];
+  // them, [group][part][head][k] (int8_mma::value_token_of_k: token of k).
+  uint8_t weight_parts[kInt8Warps][VG][2][kMaxTensorCoreGroup][kInt8StepTokens];
   float alpha[kInt8Warps][kMaxTensorCoreGroup];
   float value_a_term[kInt8Warps][VG][kMaxTensorCoreGroup];
   float state_max[kInt8Warps][kMaxTensorCoreGroup], state_sum[kInt8Warps][kMaxTensorCoreGroup];
@@ -163,10 +166,11 @@ __device__ inline void copy_pair_async(void* shared, const uint8_t* global, int3
 
 // VG: the values' channel groups per row (1: one per row; D / 32: per-token
 // groups of 32 channels, KIVI's, two m tiles each).
+// kPacked: the group has at most int8_mma::kPackedHeads heads.
 // Four blocks per multiprocessor with one value group per row (128
 // registers, about 51 KB of shared memory): the kernel waits on shared
 // memory and its copies, so resident warps are what hides that.
-template <int D, int VG>
+template <int D, int VG, bool kPacked>
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
@@ -175,6 +179,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   static_assert(VG == 1 || VG == D / 32, "value groups: one per row or of 32 channels");
   constexpr int kTilesPerGroup = kMTiles / VG;
   using Stage = Int8Stage<D, VG>;
+  // Key mmas per k step and row block (packed: one for both parts), and the
+  // token rows a lane scores (for 2 heads each).
+  constexpr int kKeyParts = kPacked ? 1 : 2;
+  constexpr int kItemRows = kPacked ? 2 : 4;
   constexpr int kRowWords = Stage::kRowWords;
   constexpr int kRowChunks = Stage::kRowBytes / 16;
   __shared__ Int8Shared<D, VG> shared;
@@ -183,6 +191,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
+  // The lane's item j's token row in the step and its heads h = 0, 1 (the
+  // columns of its C registers; packed: after the keys' exchange).
+  auto item_row = [g, c](int j) { return kPacked ? 16 * (c / 2) + g + 8 * j : 16 * (j / 2) + g + 8 * (j % 2); };
+  auto lane_head = [c](int h) { return kPacked ? 2 * (c % 2) + h : 2 * c + h; };
+  // Lanes that write a head's per-lane state (packed: lanes c ^ 2 hold the same heads).
+  const bool head_writer = g == 0 && (!kPacked || c < 2);
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
@@ -209,14 +223,17 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
   const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
   const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
-  const float* my_query = shared.query[g];  // B column g (zeros past the group)
+  // B column g's head (zeros past the group); packed: part g / 4 of head g % 4.
+  const int column_head = kPacked ? g % int8_mma::kPackedHeads : g;
+  const float* my_query = shared.query[column_head];
 
-  // Key B operands of head g: [k step][register][hi, lo] and the scale
-  // s_g / 128 of the combined int32 sums; the a-term sum(q') (per-token
-  // keys) or q'.a (per-channel), over the 4 lanes of column g.
-  uint32_t key_b[kSteps][2][2];
-  // Lane (g, c)'s heads 2c, 2c + 1 (columns of its score fragments): their
-  // scale and a-term, from the lanes that built them.
+  // Key B operands of column g: [k step][register][part] (packed: the one
+  // part of the column) and the scale s / 128 of the combined int32 sums;
+  // the a-term sum(q') (per-token keys) or q'.a (per-channel), over the 4
+  // lanes of column g.
+  uint32_t key_b[kSteps][2][kKeyParts];
+  // The lane's heads lane_head(0, 1) (columns of its score fragments):
+  // their scale and a-term, from the lanes that built them.
   float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
   int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
   auto build_key_operands = [&](int64_t s) {
@@ -266,26 +283,32 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           hi |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
           lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
         }
-        key_b[step][half][0] = hi;
-        key_b[step][half][1] = lo;
+        if constexpr (kPacked) {
+          key_b[step][half][0] = g < int8_mma::kPackedHeads ? hi : lo;
+        } else {
+          key_b[step][half][0] = hi;
+          key_b[step][half][1] = lo;
+        }
       }
     }
     const float key_scale = largest / (127.0f * 128.0f);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * (2 * c + h));
-      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * (2 * c + h));
+      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h));
+      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * lane_head(h));
     }
   };
   if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
 
-  // Heads 2c, 2c+1: the maxima (the column's, every lane alike) and the sums
-  // of this lane's own weights (over the column's 8 lanes at the end).
+  // The lane's heads: the maxima (every lane of the heads alike) and the
+  // sums of this lane's own weights (over the heads' lanes at the end).
   float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
-  float acc[kMTiles][4];  // values: m tile, C fragment (channel rows g, g+8 x heads 2c, 2c+1)
+  // values: m tile, C fragment (channel rows g, g + 8 x columns 2c, 2c + 1;
+  // packed: part c / 2 of heads lane_head(0, 1), scaled by its part's scale)
+  float acc[kMTiles][4];
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
-  float value_a_term[VG][2];  // [group][heads 2c, 2c+1], this lane's tokens (summed over the lanes at the end)
+  float value_a_term[VG][2];  // [group][lane_head], this lane's tokens (summed over the lanes at the end)
 #pragma unroll
   for (int vg = 0; vg < VG; ++vg) value_a_term[vg][0] = value_a_term[vg][1] = 0.0f;
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
@@ -398,80 +421,99 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
     }
     // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
-    float score[2][4];  // [rb][C register]: token 16 rb + g + 8 (i / 2), head 2c + i % 2
+    float score[kItemRows][2];  // [item][head]: token item_row(j), head lane_head(h)
+    {
+      int dots[2][kKeyParts][4];  // [rb][part][C register]: token 16 rb + g + 8 (i / 2), column 2c + i % 2
 #pragma unroll
-    for (int rb = 0; rb < 2; ++rb) {
-      uint32_t row_g[kRowWords], row_g8[kRowWords];
+      for (int rb = 0; rb < 2; ++rb) {
+        uint32_t row_g[kRowWords], row_g8[kRowWords];
 #pragma unroll
-      for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
-        const uint4 u = stage.key_codes[(16 * rb + g) * kRowChunks + w4];
-        const uint4 v = stage.key_codes[(16 * rb + g + 8) * kRowChunks + w4];
-        row_g[4 * w4] = u.x, row_g[4 * w4 + 1] = u.y, row_g[4 * w4 + 2] = u.z, row_g[4 * w4 + 3] = u.w;
-        row_g8[4 * w4] = v.x, row_g8[4 * w4 + 1] = v.y, row_g8[4 * w4 + 2] = v.z, row_g8[4 * w4 + 3] = v.w;
+        for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
+          const uint4 u = stage.key_codes[(16 * rb + g) * kRowChunks + w4];
+          const uint4 v = stage.key_codes[(16 * rb + g + 8) * kRowChunks + w4];
+          row_g[4 * w4] = u.x, row_g[4 * w4 + 1] = u.y, row_g[4 * w4 + 2] = u.z, row_g[4 * w4 + 3] = u.w;
+          row_g8[4 * w4] = v.x, row_g8[4 * w4 + 1] = v.y, row_g8[4 * w4 + 2] = v.z, row_g8[4 * w4 + 3] = v.w;
+        }
+#pragma unroll
+        for (int part = 0; part < kKeyParts; ++part) dots[rb][part][0] = dots[rb][part][1] = dots[rb][part][2] = dots[rb][part][3] = 0;
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          uint32_t a[4];
+#pragma unroll
+          for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(row_g, row_g8, s, c, which);
+#pragma unroll
+          for (int part = 0; part < kKeyParts; ++part) mma_u8s8(dots[rb][part], a, key_b[s][0][part], key_b[s][1][part]);
+        }
       }
-      int dot_hi[4] = {0, 0, 0, 0}, dot_lo[4] = {0, 0, 0, 0};
+      int combined[kItemRows][2];  // 128 hi + lo
+      if constexpr (kPacked) {
+        // Lanes c < 2 keep row block 0, lanes c >= 2 row block 1; each
+        // passes its part of the other block to lane c ^ 2.
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        uint32_t a[4];
+        for (int i = 0; i < 4; ++i) {
+          const int sent = int8_mma::packed_sent(c, dots[0][0][i], dots[1][0][i]);
+          const int received = __shfl_xor_sync(0xffffffffu, sent, 2);
+          const int8_mma::PartSums parts = int8_mma::packed_kept(c, dots[0][0][i], dots[1][0][i], received);
+          combined[i / 2][i % 2] = 128 * parts.hi + parts.lo;
+        }
+      } else {
 #pragma unroll
-        for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(row_g, row_g8, s, c, which);
-        mma_u8s8(dot_hi, a, key_b[s][0][0], key_b[s][1][0]);
-        mma_u8s8(dot_lo, a, key_b[s][0][1], key_b[s][1][1]);
+        for (int rb = 0; rb < 2; ++rb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) combined[2 * rb + i / 2][i % 2] = 128 * dots[rb][0][i] + dots[rb][1][i];
+        }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
-        const float dot = static_cast<float>(128 * dot_hi[i] + dot_lo[i]) * scale_h[h];
-        if (per_channel_keys) {
-          score[rb][i] = dot + a_term_h[h];
-        } else {
-          const Affine affine = shared.key_affine[warp][row];
-          score[rb][i] = __fmaf_rn(affine.b, dot, affine.a * a_term_h[h]);
+      for (int j = 0; j < kItemRows; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float dot = static_cast<float>(combined[j][h]) * scale_h[h];
+          if (per_channel_keys) {
+            score[j][h] = dot + a_term_h[h];
+          } else {
+            const Affine affine = shared.key_affine[warp][item_row(j)];
+            score[j][h] = __fmaf_rn(affine.b, dot, affine.a * a_term_h[h]);
+          }
         }
       }
     }
     if (key_outliers) {
 #pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 16 * rb + g + 8 * r;
-          if (row >= tokens) continue;
-          const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
-                               stage.in_page[row]};
-          float correction[2] = {0.0f, 0.0f};
-          for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
-            const int code = code_at<2>(kl, at, kv_head, d);
-            const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
-            const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-            correction[0] = __fmaf_rn(shared.query[2 * c][d], delta, correction[0]);
-            correction[1] = __fmaf_rn(shared.query[2 * c + 1][d], delta, correction[1]);
-          });
-          score[rb][2 * r] += correction[0];
-          score[rb][2 * r + 1] += correction[1];
-        }
+      for (int j = 0; j < kItemRows; ++j) {
+        const int row = item_row(j);
+        if (row >= tokens) continue;
+        const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
+                             stage.in_page[row]};
+        float correction[2] = {0.0f, 0.0f};
+        for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
+          const int code = code_at<2>(kl, at, kv_head, d);
+          const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
+          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          correction[0] = __fmaf_rn(shared.query[lane_head(0)][d], delta, correction[0]);
+          correction[1] = __fmaf_rn(shared.query[lane_head(1)][d], delta, correction[1]);
+        });
+        score[j][0] += correction[0];
+        score[j][1] += correction[1];
       }
     }
 #pragma unroll
-    for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) score[rb][i] *= log2e_scale;
-    }
-    if (tokens < kInt8StepTokens) {  // the split's last step: rows past it weigh nothing
-#pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (16 * rb + g + 8 * (i / 2) >= tokens) score[rb][i] = -INFINITY;
-        }
+    for (int j = 0; j < kItemRows; ++j) {
+      score[j][0] *= log2e_scale;
+      score[j][1] *= log2e_scale;
+      if (tokens < kInt8StepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
+        score[j][0] = score[j][1] = -INFINITY;
       }
     }
 
-    // ---- online softmax per head (columns 2c, 2c+1), over the step's 32 rows
-    float alpha[2], weight[2][4];
+    // ---- online softmax per head, over the step's 32 rows (the lanes of
+    // each head: the 8 g, and packed both row blocks' lanes c, c ^ 2)
+    float alpha[2], weight[kItemRows][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m = fmaxf(fmaxf(score[0][h], score[0][2 + h]), fmaxf(score[1][h], score[1][2 + h]));
+      float m = score[0][h];
+#pragma unroll
+      for (int j = 1; j < kItemRows; ++j) m = fmaxf(m, score[j][h]);
+      if (kPacked) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
@@ -479,12 +521,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       alpha[h] = fast_exp2(running_max[h] - new_max);  // 0 on the first step, 1 while the max holds
       float sum = 0.0f;
 #pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          weight[rb][2 * r + h] = fast_exp2(score[rb][2 * r + h] - new_max);
-          sum += weight[rb][2 * r + h];
-        }
+      for (int j = 0; j < kItemRows; ++j) {
+        weight[j][h] = fast_exp2(score[j][h] - new_max);
+        sum += weight[j][h];
       }
       running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
       running_max[h] = new_max;
@@ -502,60 +541,60 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
     }
     // Per value group: W = p * b per token and head, the a-terms, and the
-    // step's largest W per head (over the 8 lanes of each column pair), its
-    // two 8-bit parts into shared memory as the values' B operand reads them.
-    float weight_scale[VG][2];
+    // step's largest W per head (over the head's lanes), its two 8-bit parts
+    // into shared memory as the values' B operand reads them.
+    float part_scale[VG][2];  // the int32 sums' scale (packed: of this lane's part; else of 255 hi + lo)
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
-      float w[2][4], largest[2] = {0.0f, 0.0f};
+      float w[kItemRows][2], largest[2] = {0.0f, 0.0f};
       if (rescale) {
         value_a_term[vg][0] *= alpha[0];
         value_a_term[vg][1] *= alpha[1];
       }
 #pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
+      for (int j = 0; j < kItemRows; ++j) {
+        const Affine affine = shared.value_affine[warp][item_row(j)][vg];  // {0, 0} past the range
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
-          const Affine affine = shared.value_affine[warp][row][vg];  // {0, 0} past the range
-          w[rb][i] = weight[rb][i] * affine.b;
-          value_a_term[vg][h] = __fmaf_rn(weight[rb][i], affine.a, value_a_term[vg][h]);
-          largest[h] = fmaxf(largest[h], w[rb][i]);
+        for (int h = 0; h < 2; ++h) {
+          w[j][h] = weight[j][h] * affine.b;
+          value_a_term[vg][h] = __fmaf_rn(weight[j][h], affine.a, value_a_term[vg][h]);
+          largest[h] = fmaxf(largest[h], w[j][h]);
         }
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        if (kPacked) largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
-        weight_scale[vg][h] = largest[h] * (1.0f / (255.0f * 254.0f));
+        const bool high_part = kPacked && c < 2;
+        part_scale[vg][h] = largest[h] * (high_part ? 1.0f / 255.0f : 1.0f / (255.0f * 255.0f));
       }
       // Any inverse near 255 / largest will do (the parts' bound holds for
-      // the scale stored above; weight_parts clamps hi to 255).
+      // the scale above; weight_parts clamps at 255).
       const float inverse[2] = {largest[0] > 0.0f ? __fdividef(255.0f, largest[0]) : 0.0f,
                                 largest[1] > 0.0f ? __fdividef(255.0f, largest[1]) : 0.0f};
 #pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
+      for (int j = 0; j < kItemRows; ++j) {
+        const int k = int8_mma::value_token_of_k(item_row(j));  // the values' k order
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i % 2, row = 16 * rb + g + 8 * (i / 2);
-          const int8_mma::WeightParts parts = int8_mma::weight_parts(w[rb][i], inverse[h]);
-          const int k = int8_mma::value_token_of_k(row);  // the values' k order
-          shared.weight_hi[warp][vg][2 * c + h][k] = parts.hi;
-          shared.weight_lo[warp][vg][2 * c + h][k] = parts.lo;
+        for (int h = 0; h < 2; ++h) {
+          const int8_mma::WeightParts parts = int8_mma::weight_parts(w[j][h], inverse[h]);
+          shared.weight_parts[warp][vg][0][lane_head(h)][k] = parts.hi;
+          shared.weight_parts[warp][vg][1][lane_head(h)][k] = parts.lo;
         }
       }
     }
     if (value_outliers) {
 #pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) shared.weights[warp][16 * rb + g + 8 * (i / 2)][2 * c + i % 2] = weight[rb][i];
+      for (int j = 0; j < kItemRows; ++j) {
+        shared.weights[warp][item_row(j)][lane_head(0)] = weight[j][0];
+        shared.weights[warp][item_row(j)][lane_head(1)] = weight[j][1];
       }
     }
-    if (g == 0) {
-      shared.alpha[warp][2 * c] = alpha[0];
-      shared.alpha[warp][2 * c + 1] = alpha[1];
+    if (head_writer) {
+      shared.alpha[warp][lane_head(0)] = alpha[0];
+      shared.alpha[warp][lane_head(1)] = alpha[1];
     }
     __syncwarp();
 
@@ -584,10 +623,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       for (int j = 0; j < 4; ++j) {
         const int tile = 4 * w4 + j;
         const int vg = tile / kTilesPerGroup;
-        const uint32_t b_hi[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][4 * c]),
-                                  *reinterpret_cast<const uint32_t*>(&shared.weight_hi[warp][vg][g][16 + 4 * c])};
-        const uint32_t b_lo[2] = {*reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][4 * c]),
-                                  *reinterpret_cast<const uint32_t*>(&shared.weight_lo[warp][vg][g][16 + 4 * c])};
         uint32_t a[4];
 #pragma unroll
         for (int part = 0; part < 2; ++part) {
@@ -596,13 +631,27 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
           a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
         }
-        int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
-        mma_u8u8(sum_hi, a, b_hi[0], b_hi[1]);
-        mma_u8s8(sum_lo, a, b_lo[0], b_lo[1]);
+        // B column g: packed, part g / 4 of head g % 4; else head g's high
+        // and low parts in two mmas.
+        auto b_register = [&](int part, int head, int half) {
+          return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
+        };
+        if constexpr (kPacked) {
+          int sum[4] = {0, 0, 0, 0};
+          mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[tile][i] =
-              __fmaf_rn(static_cast<float>(254 * sum_hi[i] + sum_lo[i]), weight_scale[vg][i % 2], acc[tile][i]);
+          for (int i = 0; i < 4; ++i) {
+            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
+          }
+        } else {
+          int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
+          mma_u8u8(sum_hi, a, b_register(0, g, 0), b_register(0, g, 1));
+          mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[tile][i] =
+                __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
+          }
         }
       }
     }
@@ -625,44 +674,49 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     __syncwarp();  // the step's weights are read before the next step writes them
   }
 
-  // ---- this warp's state into shared memory (the sums and a-terms over the 8 lanes of each column pair)
+  // ---- this warp's state into shared memory (the sums and a-terms over the lanes of each head)
+  auto sum_over_head_lanes = [](float x) {
+    if (kPacked) x += __shfl_xor_sync(0xffffffffu, x, 2);
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    return x + __shfl_xor_sync(0xffffffffu, x, 16);
+  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 4);
-    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 8);
-    running_sum[h] += __shfl_xor_sync(0xffffffffu, running_sum[h], 16);
-  }
+    running_sum[h] = sum_over_head_lanes(running_sum[h]);
 #pragma unroll
-  for (int vg = 0; vg < VG; ++vg) {
+    for (int vg = 0; vg < VG; ++vg) value_a_term[vg][h] = sum_over_head_lanes(value_a_term[vg][h]);
+  }
+  if (head_writer) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 4);
-      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 8);
-      value_a_term[vg][h] += __shfl_xor_sync(0xffffffffu, value_a_term[vg][h], 16);
+      shared.state_max[warp][lane_head(h)] = running_max[h];
+      shared.state_sum[warp][lane_head(h)] = running_sum[h];
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) shared.value_a_term[warp][vg][lane_head(h)] = value_a_term[vg][h];
     }
   }
-  if (g == 0) {
-    shared.state_max[warp][2 * c] = running_max[0];
-    shared.state_max[warp][2 * c + 1] = running_max[1];
-    shared.state_sum[warp][2 * c] = running_sum[0];
-    shared.state_sum[warp][2 * c + 1] = running_sum[1];
+  if constexpr (kPacked) {  // the high part's lanes c < 2 add the low part's, from lanes c ^ 2
 #pragma unroll
-    for (int vg = 0; vg < VG; ++vg) {
-      shared.value_a_term[warp][vg][2 * c] = value_a_term[vg][0];
-      shared.value_a_term[warp][vg][2 * c + 1] = value_a_term[vg][1];
+    for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
     }
   }
   // Without value outliers the rows go over the stages: every warp's copies
-  // and reads of them end first. The acc fragments cover every row once.
+  // and reads of them end first. The acc fragments (packed: of lanes c < 2)
+  // cover every row once.
   copy_async_wait<0>();
   if (!value_outliers) __syncthreads();
+  if (!kPacked || c < 2) {
 #pragma unroll
-  for (int t = 0; t < kMTiles; ++t) {
+    for (int t = 0; t < kMTiles; ++t) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = i < 2 ? g : g + 8, h = 2 * c + (i % 2);
-      float& o = out[warp][h][16 * t + int8_mma::value_channel_of_row(row)];
-      o = value_outliers ? o + acc[t][i] : acc[t][i];
+      for (int i = 0; i < 4; ++i) {
+        const int row = i < 2 ? g : g + 8;
+        float& o = out[warp][lane_head(i % 2)][16 * t + int8_mma::value_channel_of_row(row)];
+        o = value_outliers ? o + acc[t][i] : acc[t][i];
+      }
     }
   }
   __syncwarp();

@@ -24,6 +24,15 @@
 //   lane are pairs 0/1 and 2/3 of byte g % 4 of word T; the lane gathers
 //   that byte from four tokens' words into one register (three byte
 //   permutes) and shifts and masks it twice.
+//
+// GQA groups of at most 4 heads leave columns 4-7 of N idle, so there the
+// columns carry the other operand's two parts ("packed parts"): column n
+// holds part n / 4 (0 the high, 1 the low) of head n % 4, and one mma gives
+// both parts' sums, in the C registers of lanes c < 2 (high) and c >= 2
+// (low) of the same heads 2 (c % 2), 2 (c % 2) + 1. For the keys' two row
+// blocks each lane then passes one half to lane c ^ 2 (packed_sent), so that
+// lanes c < 2 keep row block 0's high and low sums and lanes c >= 2 row
+// block 1's (packed_kept): each lane scores 2 tokens of 2 heads, not 4.
 #include <cmath>
 #include <cstdint>
 
@@ -115,17 +124,39 @@ KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale
   return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};
 }
 
-// w (0 <= w <= scale * 255) as scale * (hi + lo / 254) with hi uint8 and lo
-// int8: the weights' two parts. |w - scale (hi + lo / 254)| <= scale / 508.
+// w (0 <= w <= scale * 255, or slightly above from an approximate inverse)
+// as scale * (hi + lo / 255) with hi and lo uint8: the weights' two parts,
+// both unsigned so that one mma type serves both (and packed parts share
+// one mma). |w - scale (hi + lo / 255)| <= scale / 510 for w <= scale * 255.
 struct WeightParts {
-  uint8_t hi = 0;
-  int8_t lo = 0;
+  uint8_t hi = 0, lo = 0;
 };
 KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_scale) {
-  const float scaled = w * inverse_scale;
-  const float hi = fminf(rintf(scaled), 255.0f);
-  const float lo = rintf((scaled - hi) * 254.0f);
-  return {static_cast<uint8_t>(hi), static_cast<int8_t>(lo)};
+  const float scaled = fminf(w * inverse_scale, 255.0f);
+  const float hi = floorf(scaled);
+  const float lo = rintf((scaled - hi) * 255.0f);  // scaled - hi is exact
+  return {static_cast<uint8_t>(hi), static_cast<uint8_t>(lo)};
+}
+
+// ---------------------------------------------------------------- packed parts
+
+inline constexpr int kPackedHeads = 4;  // the largest GQA group the packed parts serve
+
+// High and low sums of one C register's head and token.
+struct PartSums {
+  int hi = 0, lo = 0;
+};
+
+// What lane column c passes to lane c ^ 2, from its C registers of row
+// blocks 0 and 1 (the same register index): the part the other lane keeps.
+KVFORGE_HOST_DEVICE inline int packed_sent(int c, int row_block0, int row_block1) {
+  return c < 2 ? row_block1 : row_block0;
+}
+
+// The parts lane column c keeps (row block c / 2), given what lane c ^ 2
+// sent it.
+KVFORGE_HOST_DEVICE inline PartSums packed_kept(int c, int row_block0, int row_block1, int received) {
+  return c < 2 ? PartSums{row_block0, received} : PartSums{received, row_block1};
 }
 
 }  // namespace kvforge::kernels::int8_mma

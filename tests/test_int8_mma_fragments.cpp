@@ -128,61 +128,164 @@ TEST(Int8MmaFragments, KeyOperandsGiveTheDotProductsOfCodesAndQueries) {
   }
 }
 
+// The lane's A registers of m tile `tile` (k = 16 part + 4c + i holds token
+// value_token_of_k(k)), as the kernel gathers them from the tokens' rows.
+std::array<uint32_t, 4> value_a(const std::vector<std::vector<uint32_t>>& rows, int tile, int g, int c) {
+  std::array<uint32_t, 4> a{};
+  for (int part = 0; part < 2; ++part) {
+    int token[4];
+    for (int i = 0; i < 4; ++i) token[i] = mma::value_token_of_k(16 * part + 4 * c + i);
+    const uint32_t gathered = mma::gather_byte(rows[token[0]][tile], rows[token[1]][tile], rows[token[2]][tile],
+                                               rows[token[3]][tile], g % 4);
+    a[2 * part] = mma::value_a_register(gathered, g, 0);
+    a[2 * part + 1] = mma::value_a_register(gathered, g, 1);
+  }
+  return a;
+}
+
+// B register `part` of lane column c from a column's 32 bytes by token: the
+// kernel stores token t's byte at k = value_token_of_k(t) and loads the
+// lane's four bytes at k = 16 part + 4c.
+uint32_t value_b(const std::vector<uint8_t>& by_token, int c, int part) {
+  std::vector<uint8_t> by_k(32);
+  for (int t = 0; t < 32; ++t) by_k[static_cast<size_t>(mma::value_token_of_k(t))] = by_token[static_cast<size_t>(t)];
+  uint32_t bytes = 0;
+  for (int i = 0; i < 4; ++i) bytes |= static_cast<uint32_t>(by_k[static_cast<size_t>(16 * part + 4 * c + i)]) << (8 * i);
+  return bytes;
+}
+
 // Weighted sums: 32 tokens (k) of m tile T's 16 channels (rows) against 8
-// heads' weights (uint8 high parts and int8 low parts), head_dim 128.
+// heads' uint8 weight parts, head_dim 128.
 TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
   std::mt19937 random(7);
   std::vector<std::vector<int>> codes;
   const auto rows = random_rows(32, 128, random, codes);
-  std::uniform_int_distribution<int> high(0, 255), low(-127, 127);
-  for (const bool is_signed : {false, true}) {
-    // weights[head][token] as the kernel keeps them in shared memory.
-    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));
-    for (auto& head : weights) {
-      for (auto& w : head) w = static_cast<uint8_t>(is_signed ? static_cast<uint8_t>(low(random)) : high(random));
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
+  for (auto& head : weights) {
+    for (auto& w : head) w = static_cast<uint8_t>(byte(random));
+  }
+  for (int tile = 0; tile < 8; ++tile) {
+    LaneA a{};
+    LaneB b{};
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      a[lane] = value_a(rows, tile, g, c);
+      for (int part = 0; part < 2; ++part) b[lane][part] = value_b(weights[g], c, part);
     }
-    for (int tile = 0; tile < 8; ++tile) {
-      LaneA a{};
-      LaneB b{};
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        for (int part = 0; part < 2; ++part) {  // k = 16 part + 4c + i
-          int token[4];
-          for (int i = 0; i < 4; ++i) token[i] = mma::value_token_of_k(16 * part + 4 * c + i);
-          const uint32_t gathered = mma::gather_byte(rows[token[0]][tile], rows[token[1]][tile], rows[token[2]][tile],
-                                                     rows[token[3]][tile], g % 4);
-          a[lane][2 * part] = mma::value_a_register(gathered, g, 0);
-          a[lane][2 * part + 1] = mma::value_a_register(gathered, g, 1);
-          // The kernel stores token t's weight at k = value_token_of_k(t)
-          // and loads the lane's four bytes at k = 16 part + 4c.
-          std::vector<uint8_t> by_k(32);
-          for (int t = 0; t < 32; ++t) by_k[static_cast<size_t>(mma::value_token_of_k(t))] = weights[g][t];
-          uint32_t bytes = 0;
-          for (int i = 0; i < 4; ++i) bytes |= static_cast<uint32_t>(by_k[16 * part + 4 * c + i]) << (8 * i);
-          b[lane][part] = bytes;
-        }
+    LaneC d{};
+    emulate_m16n8k32(a, b, false, d);
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      for (int reg = 0; reg < 4; ++reg) {
+        const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        const int channel = 16 * tile + mma::value_channel_of_row(row);
+        int64_t want = 0;
+        for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
+        ASSERT_EQ(d[lane][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
       }
-      LaneC d{};
-      emulate_m16n8k32(a, b, is_signed, d);
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        for (int reg = 0; reg < 4; ++reg) {
-          const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
-          const int channel = 16 * tile + mma::value_channel_of_row(row);
-          int64_t want = 0;
-          for (int t = 0; t < 32; ++t) {
-            const int w = is_signed ? static_cast<int8_t>(weights[head][t]) : weights[head][t];
-            want += static_cast<int64_t>(codes[t][channel]) * w;
+    }
+  }
+}
+
+// Packed parts (groups of at most 4 heads), keys: B column n is part n / 4
+// of head n % 4's query; after the exchange lane (g, c) holds the high and
+// low sums of tokens 16 (c / 2) + g + 8 r and heads 2 (c % 2) + j, whose
+// 128 hi + lo is the dot product of the codes with 128 hi + lo of the query.
+TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
+  std::mt19937 random(3);
+  std::uniform_int_distribution<int> part(-127, 127);
+  for (const int dim : {64, 128}) {
+    std::vector<std::vector<int>> codes;
+    const auto rows = random_rows(32, dim, random, codes);
+    // query[part][head][channel]
+    std::vector<std::vector<std::vector<int8_t>>> query(
+        2, std::vector<std::vector<int8_t>>(mma::kPackedHeads, std::vector<int8_t>(static_cast<size_t>(dim))));
+    for (auto& heads : query) {
+      for (auto& head : heads) {
+        for (auto& x : head) x = static_cast<int8_t>(part(random));
+      }
+    }
+    LaneC d[2]{};  // per row block
+    for (int rb = 0; rb < 2; ++rb) {
+      for (int step = 0; step < dim / 32; ++step) {
+        LaneA a{};
+        LaneB b{};
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, c = lane % 4;
+          for (int which = 0; which < 4; ++which) {
+            a[lane][which] = mma::key_a_register(rows[16 * rb + g].data(), rows[16 * rb + g + 8].data(), step, c, which);
           }
-          ASSERT_EQ(d[lane][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
+          const int8_t* column = query[g / 4][g % 4].data();
+          for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(column, step, c, half);
         }
+        emulate_m16n8k32(a, b, true, d[rb]);
+      }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      for (int reg = 0; reg < 4; ++reg) {
+        const int received = static_cast<int>(
+            mma::packed_sent(c ^ 2, static_cast<int>(d[0][lane ^ 2][reg]), static_cast<int>(d[1][lane ^ 2][reg])));
+        const mma::PartSums kept =
+            mma::packed_kept(c, static_cast<int>(d[0][lane][reg]), static_cast<int>(d[1][lane][reg]), received);
+        const int token = 16 * (c / 2) + g + 8 * (reg / 2), head = 2 * (c % 2) + reg % 2;
+        int64_t hi = 0, lo = 0;
+        for (int ch = 0; ch < dim; ++ch) {
+          hi += static_cast<int64_t>(codes[token][ch]) * query[0][head][ch];
+          lo += static_cast<int64_t>(codes[token][ch]) * query[1][head][ch];
+        }
+        ASSERT_EQ(kept.hi, hi) << "head_dim " << dim << " lane " << lane << " register " << reg;
+        ASSERT_EQ(kept.lo, lo) << "head_dim " << dim << " lane " << lane << " register " << reg;
+      }
+    }
+  }
+}
+
+// Packed parts, values: B column n is part n / 4 of head n % 4's weights;
+// lanes c < 2 get the high sums of heads 2c, 2c + 1 and lanes c ^ 2 the low
+// sums of the same heads, so 255 hi + lo is the weighted sum of the codes.
+TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
+  std::mt19937 random(5);
+  std::vector<std::vector<int>> codes;
+  const auto rows = random_rows(32, 128, random, codes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  // parts[part][head][token]
+  std::vector<std::vector<std::vector<uint8_t>>> parts(
+      2, std::vector<std::vector<uint8_t>>(mma::kPackedHeads, std::vector<uint8_t>(32)));
+  for (auto& heads : parts) {
+    for (auto& head : heads) {
+      for (auto& w : head) w = static_cast<uint8_t>(byte(random));
+    }
+  }
+  for (int tile = 0; tile < 8; ++tile) {
+    LaneA a{};
+    LaneB b{};
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      a[lane] = value_a(rows, tile, g, c);
+      for (int part = 0; part < 2; ++part) b[lane][part] = value_b(parts[g / 4][g % 4], c, part);
+    }
+    LaneC d{};
+    emulate_m16n8k32(a, b, false, d);
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      if (c >= 2) continue;  // checked with its partner
+      for (int reg = 0; reg < 4; ++reg) {
+        const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        const int channel = 16 * tile + mma::value_channel_of_row(row);
+        int64_t want = 0;
+        for (int t = 0; t < 32; ++t) {
+          want += static_cast<int64_t>(codes[t][channel]) * (255 * parts[0][head][t] + parts[1][head][t]);
+        }
+        ASSERT_EQ(255 * d[lane][reg] + d[lane ^ 2][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
       }
     }
   }
 }
 
 // The parts' bounds (the kernel's test bound uses them): queries
-// |x - s (hi + lo / 128)| <= s / 256, weights |w - s (hi + lo / 254)| <= s / 508,
+// |x - s (hi + lo / 128)| <= s / 256, weights |w - s (hi + lo / 255)| <= s / 510 (hi, lo uint8),
 // plus float32's share: the scale and its inverse round separately (s times
 // 1/s is 1 within 2 ulps) and so does the scaled value: 4 u |x|, u = 2^-24.
 TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
@@ -203,12 +306,18 @@ TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
       ASSERT_LE(std::abs(static_cast<int>(p.hi)), 127);
     }
     const float weight_max = std::fabs(x[0]) + 1e-30f;
-    const float weight_scale = weight_max / 255.0f, weight_inverse = 255.0f / weight_max;
-    for (float v : x) {
-      const float w = std::min(std::fabs(v), weight_max);
-      const mma::WeightParts p = mma::weight_parts(w, weight_inverse);
-      const double back = static_cast<double>(weight_scale) * (p.hi + p.lo / 254.0);
-      ASSERT_LE(std::fabs(back - w), weight_scale / 508.0 + 0x1p-22 * w) << w;
+    const float weight_scale = weight_max / 255.0f;
+    // The kernel's inverse is approximate (__fdividef, 2 ulp): the parts'
+    // error may grow by 255 * 2^-21 of the scale, and hi + lo / 255 stays
+    // within 255.
+    for (const float inverse_error : {1.0f, 1.0f + 0x1p-22f, 1.0f - 0x1p-22f}) {
+      const float weight_inverse = 255.0f / weight_max * inverse_error;
+      for (float v : x) {
+        const float w = std::min(std::fabs(v), weight_max);
+        const mma::WeightParts p = mma::weight_parts(w, weight_inverse);
+        const double back = static_cast<double>(weight_scale) * (p.hi + p.lo / 255.0);
+        ASSERT_LE(std::fabs(back - w), weight_scale * (1.0 / 510.0 + 255.0 * 0x1p-21) + 0x1p-22 * w) << w;
+      }
     }
   }
 }
