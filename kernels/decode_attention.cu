@@ -301,9 +301,6 @@ bool int8_decode_supported(const DecodeParams& p) {
   // one page table for both pools.
   if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
   if (k.page_size != v.page_size) return false;
-  // The walk's bulk copies move whole 16-byte groups of 4 tokens' pairs
-  // from 32-token steps: pages of a multiple of 4 tokens.
-  if (k.page_size % 4 != 0) return false;
   const auto one_group_per_row = [dim](const TensorLayoutSpec& s) {
     return s.grouping == ScaleGrouping::kPerTokenAllHeads || (s.grouping == ScaleGrouping::kPerToken && s.group == dim);
   };

@@ -80,23 +80,19 @@ struct Int8Shared {
   // The step's per-token affines (lane j: token j).
   Affine key_affine[kInt8Warps][kInt8StepTokens], value_affine[kInt8Warps][kInt8StepTokens][VG];
   Affine channel[kInt8Warps][D];  // per-channel keys: the current token group's (or the offline) affines
-  // Each warp's stages' barriers: a stage's bulk copies complete on its barrier.
-  uint64_t stage_full[kInt8Warps][kInt8Stages];
 };
 
 // One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
-// tokens' code rows and group pairs as they lie in their pages (token after
-// token; a pair of pair_bytes, per value group), copied by bulk copies, and
-// each token's page id and index in it (the same in both pools; for the
-// outliers only).
+// tokens' code rows and group pairs, copied asynchronously, and each token's
+// page id and index in it (the same in both pools; for the outliers).
 template <int D, int VG>
 struct Int8Stage {
   static constexpr int kRowBytes = D * 2 / 8;
   static constexpr int kRowWords = kRowBytes / 4;
   uint4 key_codes[kInt8StepTokens * kRowBytes / 16];
   uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
-  uint4 key_pairs[kInt8StepTokens * 8 / 16];  // up to 8 bytes a pair
-  uint4 value_pairs[kInt8StepTokens * VG * 8 / 16];
+  uint2 key_pairs[kInt8StepTokens];
+  uint2 value_pairs[kInt8StepTokens][VG];
   int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
 };
 
@@ -160,34 +156,12 @@ __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, u
   return min == max ? Affine{min, 0.0f} : Affine{lo, b};
 }
 
-// The bulk copies' completion: an mbarrier per stage (one arrival, the
-// issuing lane's, which also announces the step's bytes).
-__device__ inline uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ inline void barrier_init(uint64_t* barrier) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier)) : "memory");
-}
-__device__ inline void barrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
-               : "memory");
-}
-__device__ inline void barrier_wait(uint64_t* barrier, uint32_t parity) {
-  const uint32_t address = shared_address(barrier);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(address), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global to
-// shared memory, completing on barrier.
-__device__ inline void bulk_copy(void* shared, const void* global, uint32_t bytes, uint64_t* barrier) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   shared_address(shared)),
-               "l"(global), "r"(bytes), "r"(shared_address(barrier))
-               : "memory");
+__device__ inline void copy_pair_async(void* shared, const uint8_t* global, int32_t pair_bytes) {
+  if (pair_bytes == 4) {
+    copy_async<4>(shared, global);
+  } else {
+    copy_async<8>(shared, global);
+  }
 }
 
 // VG: the values' channel groups per row (1: one per row; D / 32: per-token
@@ -340,24 +314,15 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
-  uint64_t* stage_full = shared.stage_full[warp];
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < kInt8Stages; ++i) barrier_init(&stage_full[i]);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncwarp();
   const int page_size = kl.spec.page_size;
-  // The page of the next step's first token (its index in the page table)
-  // and its slot there, advanced by 32 tokens per step (one division per
-  // block). Steps start at slots that are multiples of 32 and pages hold a
-  // multiple of 4 tokens (int8_decode_supported), so every page's run of a
-  // step starts at a multiple of 4 tokens. Keys and values share the page
-  // table and, at 2 bits both, the rows' offsets in a page.
+  // Lane j's token of the next step to issue: its page's index in the page
+  // table and its slot there, advanced by 32 tokens per step (one division
+  // per block, not two per step). Keys and values share the page table and,
+  // at 2 bits both, the rows' offsets in a page.
   const int32_t step_pages = kInt8StepTokens / page_size, step_rest = kInt8StepTokens % page_size;
   int32_t next_page_index = 0, next_in_page = 0;
   {
-    const int64_t s_index = first + step_begin * kInt8StepTokens - sink;
+    const int64_t s_index = first + step_begin * kInt8StepTokens + lane - sink;
     next_page_index = static_cast<int32_t>(s_index / page_size);
     next_in_page = static_cast<int32_t>(s_index % page_size);
   }
@@ -366,104 +331,84 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
   const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
   const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
-  const auto key_pair_bytes = static_cast<int32_t>(kl.pair_bytes), value_pair_bytes = static_cast<int32_t>(vl.pair_bytes);
-  // Bytes of a token's pairs in a stage (none for per-channel keys).
-  const int32_t key_pair_stride = per_channel_keys ? 0 : key_pairs.token_stride;
-  const int32_t value_pair_stride = value_pairs.token_stride;  // VG pairs
-  const bool outliers = key_outliers || value_outliers;
   int issue_stage = 0;  // the stage the next issue fills (steps go round the kInt8Stages)
 
-  // Starts the copies of step `step` into its stage: lane j copies the
-  // step's run of tokens in its j-th page (code rows and pairs of both
-  // kinds, four bulk copies), lane 0 first announcing the step's bytes.
-  // Pairs are copied in whole groups of 4 tokens (16 bytes): the last run's
-  // few extra slots lie in its page and are never read as tokens.
+  // Starts the copies of step `step` into its stage (every lane takes part):
+  // lane j's token's page, its key and value pairs, then the code rows.
   auto issue = [&](int64_t step) {
     Stage& stage = stages[issue_stage];
-    uint64_t* barrier = &stage_full[issue_stage];
     issue_stage = issue_stage + 1 == kInt8Stages ? 0 : issue_stage + 1;
     const int64_t left = last - (first + step * kInt8StepTokens);
     const int tokens = left < kInt8StepTokens ? static_cast<int>(left) : kInt8StepTokens;
-    const int32_t page_index = next_page_index, offset = next_in_page;
+    const bool valid = lane < tokens;
+    const int32_t page = valid ? page_row[next_page_index] : 0;
+    const int32_t in_page = next_in_page;
     next_page_index += step_pages;
     next_in_page += step_rest;
     if (next_in_page >= page_size) {
       next_in_page -= page_size;
       ++next_page_index;
     }
-    // Lane j's run: tokens [run_begin, run_end) of the step, from slot
-    // in_page of page page_row[page_index + j].
-    const int run_begin = lane == 0 ? 0 : lane * page_size - offset;
-    const int page_end = (lane + 1) * page_size - offset;
-    const int run_end = page_end < tokens ? page_end : tokens;
-    const bool has_run = run_begin < run_end;
-    const int in_page = lane == 0 ? offset : 0;
-    const int32_t page = has_run ? page_row[page_index + lane] : 0;
-    if (lane == 0) {
-      const int pair_tokens = (tokens + 3) & ~3;
-      barrier_expect_bytes(barrier, static_cast<uint32_t>(2 * tokens * row_bytes +
-                                                          pair_tokens * (key_pair_stride + value_pair_stride)));
-    }
-    __syncwarp();
-    if (has_run) {
-      const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
-      const uint8_t* value_page =
-          p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
-      const int32_t rows_at = head_rows + in_page * row_bytes;
-      const auto run_bytes = static_cast<uint32_t>((run_end - run_begin) * row_bytes);
-      bulk_copy(reinterpret_cast<uint8_t*>(stage.key_codes) + run_begin * row_bytes, key_page + rows_at, run_bytes,
-                barrier);
-      bulk_copy(reinterpret_cast<uint8_t*>(stage.value_codes) + run_begin * row_bytes, value_page + rows_at, run_bytes,
-                barrier);
-      const int run_pairs = ((run_end + 3) & ~3) - run_begin;
+    const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
+    const uint8_t* value_page =
+        p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
+    if (valid) {
       if (!per_channel_keys) {
-        bulk_copy(reinterpret_cast<uint8_t*>(stage.key_pairs) + run_begin * key_pair_stride,
-                  key_page + key_pairs.base + in_page * key_pairs.token_stride,
-                  static_cast<uint32_t>(run_pairs * key_pair_stride), barrier);
+        copy_pair_async(&stage.key_pairs[lane], key_page + key_pairs.base + in_page * key_pairs.token_stride,
+                        static_cast<int32_t>(kl.pair_bytes));
       }
-      bulk_copy(reinterpret_cast<uint8_t*>(stage.value_pairs) + run_begin * value_pair_stride,
-                value_page + value_pairs.base + in_page * value_pairs.token_stride,
-                static_cast<uint32_t>(run_pairs * value_pair_stride), barrier);
+#pragma unroll
+      for (int vg = 0; vg < VG; ++vg) {
+        copy_pair_async(&stage.value_pairs[lane][vg],
+                        value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
+                        static_cast<int32_t>(vl.pair_bytes));
+      }
     }
-    if (outliers) {  // each token's page and slot, for the outliers' lookups
-      const int position = lane + offset;
-      const int run = position / page_size;
-      const int32_t token_page = __shfl_sync(0xffffffffu, page, run);
-      stage.page[lane] = token_page;
-      stage.in_page[lane] = position - run * page_size;
+    stage.page[lane] = page;
+    stage.in_page[lane] = in_page;
+    // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
+    // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
+    // lane runs every round and every shuffle.
+    const int32_t row_offset = head_rows + in_page * row_bytes;
+#pragma unroll
+    for (int round = 0; round < kInt8StepTokens * kRowChunks / kWarpSize; ++round) {
+      const int chunk = round * kWarpSize + lane;
+      const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+      const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
+      const int32_t at = __shfl_sync(0xffffffffu, row_offset, row) + part * 16;
+      if (row < tokens) {
+        copy_async<16>(stage.key_codes + chunk, p.key_cache.pages + static_cast<uint64_t>(row_page) * key_page_bytes + at);
+        copy_async<16>(stage.value_codes + chunk,
+                       p.value_cache.pages + static_cast<uint64_t>(row_page) * value_page_bytes + at);
+      }
     }
   };
 
 #pragma unroll
   for (int ahead = 0; ahead < kInt8Stages - 1; ++ahead) {
     if (step_begin + ahead < step_end) issue(step_begin + ahead);
+    copy_async_commit();
   }
   int compute_stage = 0;
-  uint32_t stage_parity = 0;  // bit i: the parity of stage i's next phase
   for (int64_t step = step_begin; step < step_end; ++step) {
     const int64_t t0 = first + step * kInt8StepTokens;
     const int tokens = last - t0 < kInt8StepTokens ? static_cast<int>(last - t0) : kInt8StepTokens;
     if (step + kInt8Stages - 1 < step_end) issue(step + kInt8Stages - 1);
-    barrier_wait(&stage_full[compute_stage], (stage_parity >> compute_stage) & 1u);  // this step's bytes have landed
-    stage_parity ^= 1u << compute_stage;
+    copy_async_commit();
+    copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
     __syncwarp();
     const Stage& stage = stages[compute_stage];
     compute_stage = compute_stage + 1 == kInt8Stages ? 0 : compute_stage + 1;
-    {  // the step's affines from its pairs: lane j token j (the stage's pairs as in the page)
+    {  // the step's affines from its pairs: lane j token j
       const bool valid = lane < tokens;
       if (!per_channel_keys) {
-        const auto* pair = reinterpret_cast<const uint8_t*>(stage.key_pairs) + lane * key_pair_bytes;
-        const uint2 raw = key_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pair), 0u)
-                                              : *reinterpret_cast<const uint2*>(pair);
-        const Affine affine = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, raw, kTop);
+        const Affine affine = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, stage.key_pairs[lane], kTop);
         shared.key_affine[warp][lane] = valid ? affine : Affine{0.0f, 0.0f};
       }
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) {
-        const auto* pair = reinterpret_cast<const uint8_t*>(stage.value_pairs) + (lane * VG + vg) * value_pair_bytes;
-        const uint2 raw = value_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pair), 0u)
-                                                : *reinterpret_cast<const uint2*>(pair);
-        const Affine affine = uniform_affine(vl.spec.element, p.value_dequantization.clip_ratio, raw, kTop);
+        const Affine affine =
+            uniform_affine(vl.spec.element, p.value_dequantization.clip_ratio, stage.value_pairs[lane][vg], kTop);
         shared.value_affine[warp][lane][vg] = valid ? affine : Affine{0.0f, 0.0f};
       }
       __syncwarp();
@@ -759,8 +704,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     }
   }
   // Without value outliers the rows go over the stages: every warp's copies
-  // (each waited for in its step) and reads of them end first. The acc
-  // fragments (packed: of lanes c < 2) cover every row once.
+  // and reads of them end first. The acc fragments (packed: of lanes c < 2)
+  // cover every row once.
+  copy_async_wait<0>();
   if (!value_outliers) __syncthreads();
   if (!kPacked || c < 2) {
 #pragma unroll
