@@ -285,6 +285,7 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         --import-source yes -f -o "$LOGS/ncu_$method" \
         ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches 8 --methods "$method" --bits 2 \
         --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
