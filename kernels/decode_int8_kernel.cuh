@@ -184,6 +184,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   constexpr int kKeyParts = kPacked ? 1 : 2;
   constexpr int kItemRows = kPacked ? 2 : 4;
   constexpr int kRowWords = Stage::kRowWords;
+  constexpr int kKeyWords = int8_mma::key_words(D);
+  static_assert(int8_mma::key_mmas(D) == D / 32, "one key mma per 32 channels");
   constexpr int kRowChunks = Stage::kRowBytes / 16;
   __shared__ Int8Shared<D, VG> shared;
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
@@ -244,7 +246,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
       __syncwarp();
     }
-    // Lane (g, c) holds channels 32s + 16h + 4i + c of head g: D / 4 of them.
+    // Lane (g, c) holds channels key_channel(D, j, c, h, i) of its column's
+    // head: D / 4 of them.
     float x[kSteps][2][4];
     float largest = 0.0f, a_term = 0.0f;
 #pragma unroll
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int d = 32 * step + int8_mma::key_channel_of_k(16 * half + 4 * c + i);
+          const int d = int8_mma::key_channel(D, step, c, half, i);
           float q = my_query[d];
           if (per_channel_keys) {
             const Affine affine = shared.channel[warp][d];
@@ -291,7 +294,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         }
       }
     }
-    const float key_scale = largest / (127.0f * 128.0f);
+    // The combined sums 128 hi.c + lo.c carry key_plane_scale (a power of 4).
+    const float key_scale = largest / (127.0f * 128.0f * static_cast<float>(int8_mma::key_plane_scale(D)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h));
@@ -426,23 +430,33 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       int dots[2][kKeyParts][4];  // [rb][part][C register]: token 16 rb + g + 8 (i / 2), column 2c + i % 2
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
-        uint32_t row_g[kRowWords], row_g8[kRowWords];
-#pragma unroll
-        for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
-          const uint4 u = stage.key_codes[(16 * rb + g) * kRowChunks + w4];
-          const uint4 v = stage.key_codes[(16 * rb + g + 8) * kRowChunks + w4];
-          row_g[4 * w4] = u.x, row_g[4 * w4 + 1] = u.y, row_g[4 * w4 + 2] = u.z, row_g[4 * w4 + 3] = u.w;
-          row_g8[4 * w4] = v.x, row_g8[4 * w4 + 1] = v.y, row_g8[4 * w4 + 2] = v.z, row_g8[4 * w4 + 3] = v.w;
+        // The lane's words of rows g and g + 8 (key_first_word onwards).
+        uint32_t words_g[kKeyWords], words_g8[kKeyWords];
+        const auto* codes = reinterpret_cast<const uint32_t*>(stage.key_codes) + int8_mma::key_first_word(D, c);
+        if constexpr (kKeyWords == 2) {
+          const uint2 u = *reinterpret_cast<const uint2*>(codes + (16 * rb + g) * kRowWords);
+          const uint2 v = *reinterpret_cast<const uint2*>(codes + (16 * rb + g + 8) * kRowWords);
+          words_g[0] = u.x, words_g[1] = u.y, words_g8[0] = v.x, words_g8[1] = v.y;
+        } else {
+          words_g[0] = codes[(16 * rb + g) * kRowWords];
+          words_g8[0] = codes[(16 * rb + g + 8) * kRowWords];
         }
 #pragma unroll
         for (int part = 0; part < kKeyParts; ++part) dots[rb][part][0] = dots[rb][part][1] = dots[rb][part][2] = dots[rb][part][3] = 0;
+        // Horner over the planes: the sums times 4 before each next mma.
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           uint32_t a[4];
 #pragma unroll
-          for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(row_g, row_g8, s, c, which);
+          for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(D, words_g, words_g8, s, which);
 #pragma unroll
-          for (int part = 0; part < kKeyParts; ++part) mma_u8s8(dots[rb][part], a, key_b[s][0][part], key_b[s][1][part]);
+          for (int part = 0; part < kKeyParts; ++part) {
+            if (s > 0) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) dots[rb][part][i] *= 4;
+            }
+            mma_u8s8(dots[rb][part], a, key_b[s][0][part], key_b[s][1][part]);
+          }
         }
       }
       int combined[kItemRows][2];  // 128 hi + lo
@@ -602,6 +616,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     // with the weights of T's value group
     // Each gathering row's words of four m tiles at once (16-byte loads; the
     // lanes of one column c read the same four rows, in different banks).
+    // Rows g and g + 8 enter the mmas times 4^value_row_log4 (masked, not
+    // shifted): their sums' scale divides it out (exactly, a power of 2).
+    const float row_inverse[2] = {1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(g))),
+                                  1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(g + 8)))};
     int value_row[2][4];  // the tokens of k = 16 part + 4c + i
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -641,7 +659,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
+            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2] * row_inverse[i / 2], acc[tile][i]);
           }
         } else {
           int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
@@ -649,8 +667,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] =
-                __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
+            acc[tile][i] = __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]),
+                                     part_scale[vg][i % 2] * row_inverse[i / 2], acc[tile][i]);
           }
         }
       }

@@ -9,21 +9,27 @@
 // and 1 hold column g, rows 4c + i and 16 + 4c + i; the int32 C registers
 // rows g, g, g + 8, g + 8 and columns 2c, 2c + 1, 2c, 2c + 1.
 //
-// A 2-bit code row word holds 16 channels, channel d at bits 2d. Shifting
-// it by 2j and masking 0x03030303 leaves channels j, 4 + j, 8 + j and
-// 12 + j as the four bytes: one shift and one mask give an A register, and
-// the dot products do not care which k holds which channel as long as A and
-// B agree. So:
-//   keys (A = codes, M = 16 tokens, K = 32 channels of k step s, B = the
-//   query parts): k = 16h + 4c + i holds channel 32s + 16h + 4i + c, from
-//   word 2s + h of the token's row shifted by 2c;
+// A 2-bit code row word holds 16 channels, channel d at bits 2d. Masking it
+// with 0x03030303 << 2j ("plane" j) leaves channels j, 4 + j, 8 + j and
+// 12 + j as the four bytes, each times 4^j: one mask (no shift; the integer
+// ALU is the kernel's busiest pipe) gives an A register whose codes carry a
+// known power of 4, which the sums take out exactly. The dot products do
+// not care which k holds which channel as long as A and B agree. So:
+//   keys (A = codes, M = 16 tokens, K = 32 channels, B = the query parts):
+//   mma j of head_dim 128 is plane j of all 8 words (lane c's k = 16h +
+//   4c + i holds channel 16 (2c + h) + 4i + j, word 2c + h), times 4^j for
+//   every k, so the sums over the mmas, each earlier one times 4 before the
+//   next accumulates (key_plane_scale), are 4^3 times the dot product; at
+//   head_dim 64 mma j takes plane j of the 4 words in k 0-15 and plane
+//   j + 2 (the word shifted by 4) in k 16-31, both times 4^j;
 //   values (A = V^T codes, M = 16 channels of m tile T, K = 32 tokens in
 //   the order value_token_of_k gives, B = the softmax weights times the
 //   token scales in the same order): row r holds channel
 //   16T + 4 (r % 4) + (r / 4) % 2 + 2 (r / 8), so that rows g and g + 8 of a
-//   lane are pairs 0/1 and 2/3 of byte g % 4 of word T; the lane gathers
-//   that byte from four tokens' words into one register (three byte
-//   permutes) and shifts and masks it twice.
+//   lane are planes g / 4 and g / 4 + 2 of byte g % 4 of word T; the lane
+//   gathers that byte from four tokens' words into one register (three
+//   byte permutes) and masks it twice, so row r's sums carry
+//   4^value_row_log4(r), which the row's output scale divides out.
 //
 // GQA groups of at most 4 heads leave columns 4-7 of N idle, so there the
 // columns carry the other operand's two parts ("packed parts"): column n
@@ -60,25 +66,39 @@ KVFORGE_HOST_DEVICE inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s
 
 // ---------------------------------------------------------------- keys
 
-// The channel (0..31 within k step s's 32) that k holds.
-KVFORGE_HOST_DEVICE inline int key_channel_of_k(int k) { return 16 * (k / 16) + 4 * (k % 4) + (k % 16) / 4; }
+// The mmas of a key row block (one per plane at head_dim 128, two planes
+// each at 64) and the power of 4 that their Horner sum (times 4 before
+// each next mma) carries over the dot product.
+KVFORGE_HOST_DEVICE constexpr int key_mmas(int dim) { return dim / 32; }
+KVFORGE_HOST_DEVICE constexpr int key_plane_scale(int dim) { return dim == 128 ? 64 : 4; }
 
-// A register `which` (0..3) of lane column c for k step s, from the code
-// words of the lane's two tokens (rows g and g + 8): row_g and row_g8 point
-// at each row's words.
-KVFORGE_HOST_DEVICE inline uint32_t key_a_register(const uint32_t* row_g, const uint32_t* row_g8, int step, int c,
-                                                   int which) {
-  const uint32_t* row = which % 2 == 0 ? row_g : row_g8;
-  const uint32_t word = row[2 * step + which / 2];
-  return (word >> (2 * c)) & kCodeBytes;
+// The channel that byte i of B register `half` of lane column c holds in
+// key mma j (and A's k = 16 half + 4c + i).
+KVFORGE_HOST_DEVICE inline int key_channel(int dim, int j, int c, int half, int i) {
+  return dim == 128 ? 16 * (2 * c + half) + 4 * i + j : 16 * c + 4 * i + j + 2 * half;
 }
 
-// B register `half` (0, 1) of lane column c for k step s: bytes i are
-// query[32s + 16 half + 4i + c] of the lane's head (`query` its D parts).
-KVFORGE_HOST_DEVICE inline uint32_t key_b_register(const int8_t* query, int step, int c, int half) {
+// The code words lane column c reads of a row: words 2c, 2c + 1 at head_dim
+// 128, word c at 64 (both halves).
+KVFORGE_HOST_DEVICE constexpr int key_words(int dim) { return dim == 128 ? 2 : 1; }
+KVFORGE_HOST_DEVICE inline int key_first_word(int dim, int c) { return dim == 128 ? 2 * c : c; }
+
+// A register `which` (0..3) of key mma j from the lane's words of its rows
+// g and g + 8 (key_first_word onwards): the codes times 4^j.
+KVFORGE_HOST_DEVICE inline uint32_t key_a_register(int dim, const uint32_t* words_g, const uint32_t* words_g8, int j,
+                                                   int which) {
+  const uint32_t* words = which % 2 == 0 ? words_g : words_g8;
+  const int half = which / 2;
+  const uint32_t word = dim == 128 ? words[half] : words[0] >> (4 * half);
+  return word & (kCodeBytes << (2 * j));
+}
+
+// B register `half` (0, 1) of lane column c for key mma j: bytes i are the
+// query parts of key_channel (`query` the head's D parts).
+KVFORGE_HOST_DEVICE inline uint32_t key_b_register(int dim, const int8_t* query, int j, int c, int half) {
   uint32_t result = 0;
   for (int i = 0; i < 4; ++i) {
-    const auto byte = static_cast<uint8_t>(query[32 * step + key_channel_of_k(16 * half + 4 * c + i)]);
+    const auto byte = static_cast<uint8_t>(query[key_channel(dim, j, c, half, i)]);
     result |= static_cast<uint32_t>(byte) << (8 * i);
   }
   return result;
@@ -103,11 +123,16 @@ KVFORGE_HOST_DEVICE inline uint32_t gather_byte(uint32_t w0, uint32_t w1, uint32
   return byte_perm(byte_perm(w0, w1, selector), byte_perm(w2, w3, selector), 0x5410u);
 }
 
-// A registers 0/1 (rows g and g + 8) of lane row g from the gathered byte
-// of four tokens (gather_byte of byte g % 4): the codes of channels
-// 4 (g % 4) + g / 4 and 4 (g % 4) + 2 + g / 4 of those tokens.
+// The plane of A row r's channel in its gathered byte: its codes enter the
+// mma times 4^value_row_log4(r).
+KVFORGE_HOST_DEVICE inline int value_row_log4(int r) { return (r % 8) / 4 + 2 * (r / 8); }
+
+// A registers 0/1 (rows g and g + 8, upper 0/1) of lane row g from the
+// gathered byte of four tokens (gather_byte of byte g % 4): the codes of
+// channels 4 (g % 4) + g / 4 and 4 (g % 4) + 2 + g / 4 of those tokens,
+// times 4^value_row_log4(g + 8 upper).
 KVFORGE_HOST_DEVICE inline uint32_t value_a_register(uint32_t gathered, int g, int upper) {
-  return (gathered >> (2 * ((g / 4) + 2 * upper))) & kCodeBytes;
+  return gathered & (kCodeBytes << (2 * value_row_log4(g + 8 * upper)));
 }
 
 // ---------------------------------------------------------------- parts

@@ -73,10 +73,50 @@ std::vector<std::vector<uint32_t>> random_rows(int tokens, int dim, std::mt19937
   return rows;
 }
 
+// A key row block's sums as the kernel forms them: the mmas of rows
+// first_row + g and + g + 8 in Horner order (the sums times 4 before each
+// next mma), column g's query parts from query_of_column(g).
+template <typename QueryOfColumn>
+LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_row, int dim, QueryOfColumn query_of_column) {
+  LaneC d{};
+  for (int j = 0; j < mma::key_mmas(dim); ++j) {
+    for (auto& lane : d) {
+      for (auto& x : lane) x *= 4;
+    }
+    LaneA a{};
+    LaneB b{};
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      const uint32_t* words_g = rows[static_cast<size_t>(first_row + g)].data() + mma::key_first_word(dim, c);
+      const uint32_t* words_g8 = rows[static_cast<size_t>(first_row + g + 8)].data() + mma::key_first_word(dim, c);
+      for (int which = 0; which < 4; ++which) a[lane][which] = mma::key_a_register(dim, words_g, words_g8, j, which);
+      for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(dim, query_of_column(g), j, c, half);
+    }
+    emulate_m16n8k32(a, b, true, d);
+  }
+  return d;
+}
+
 TEST(Int8MmaFragments, KeyChannelsOfKAreAPermutation) {
-  std::vector<int> seen(32, 0);
-  for (int k = 0; k < 32; ++k) ++seen[static_cast<size_t>(mma::key_channel_of_k(k))];
-  EXPECT_EQ(seen, std::vector<int>(32, 1));
+  for (const int dim : {64, 128}) {
+    // Every channel once over the mmas, halves, lanes and bytes, from the
+    // words each lane reads.
+    std::vector<int> seen(static_cast<size_t>(dim), 0);
+    for (int j = 0; j < mma::key_mmas(dim); ++j) {
+      for (int c = 0; c < 4; ++c) {
+        for (int half = 0; half < 2; ++half) {
+          for (int i = 0; i < 4; ++i) {
+            const int channel = mma::key_channel(dim, j, c, half, i);
+            ++seen[static_cast<size_t>(channel)];
+            const int word = channel / 16;
+            EXPECT_GE(word, mma::key_first_word(dim, c));
+            EXPECT_LT(word, mma::key_first_word(dim, c) + mma::key_words(dim));
+          }
+        }
+      }
+    }
+    EXPECT_EQ(seen, std::vector<int>(static_cast<size_t>(dim), 1)) << "head_dim " << dim;
+  }
   std::vector<int> rows(16, 0);
   for (int r = 0; r < 16; ++r) ++rows[static_cast<size_t>(mma::value_channel_of_row(r))];
   EXPECT_EQ(rows, std::vector<int>(16, 1));
@@ -103,26 +143,15 @@ TEST(Int8MmaFragments, KeyOperandsGiveTheDotProductsOfCodesAndQueries) {
     for (auto& head : query) {
       for (auto& x : head) x = static_cast<int8_t>(part(random));
     }
-    LaneC d{};
-    for (int step = 0; step < dim / 32; ++step) {
-      LaneA a{};
-      LaneB b{};
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        for (int which = 0; which < 4; ++which) {
-          a[lane][which] = mma::key_a_register(rows[g].data(), rows[g + 8].data(), step, c, which);
-        }
-        for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(query[g].data(), step, c, half);
-      }
-      emulate_m16n8k32(a, b, true, d);
-    }
+    const LaneC d = key_row_block(rows, 0, dim, [&](int g) { return query[static_cast<size_t>(g)].data(); });
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
       for (int reg = 0; reg < 4; ++reg) {
         const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
         int64_t want = 0;
         for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
-        ASSERT_EQ(d[lane][reg], want) << "head_dim " << dim << " lane " << lane << " register " << reg;
+        ASSERT_EQ(d[lane][reg], mma::key_plane_scale(dim) * want)
+            << "head_dim " << dim << " lane " << lane << " register " << reg;
       }
     }
   }
@@ -182,7 +211,8 @@ TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
         const int channel = 16 * tile + mma::value_channel_of_row(row);
         int64_t want = 0;
         for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
-        ASSERT_EQ(d[lane][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
+        ASSERT_EQ(d[lane][reg], want << (2 * mma::value_row_log4(row)))
+            << "m tile " << tile << " lane " << lane << " register " << reg;
       }
     }
   }
@@ -206,21 +236,11 @@ TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
         for (auto& x : head) x = static_cast<int8_t>(part(random));
       }
     }
-    LaneC d[2]{};  // per row block
+    LaneC d[2];  // per row block
     for (int rb = 0; rb < 2; ++rb) {
-      for (int step = 0; step < dim / 32; ++step) {
-        LaneA a{};
-        LaneB b{};
-        for (int lane = 0; lane < 32; ++lane) {
-          const int g = lane / 4, c = lane % 4;
-          for (int which = 0; which < 4; ++which) {
-            a[lane][which] = mma::key_a_register(rows[16 * rb + g].data(), rows[16 * rb + g + 8].data(), step, c, which);
-          }
-          const int8_t* column = query[g / 4][g % 4].data();
-          for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(column, step, c, half);
-        }
-        emulate_m16n8k32(a, b, true, d[rb]);
-      }
+      d[rb] = key_row_block(rows, 16 * rb, dim, [&](int g) {
+        return query[static_cast<size_t>(g / 4)][static_cast<size_t>(g % 4)].data();
+      });
     }
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
@@ -235,8 +255,8 @@ TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
           hi += static_cast<int64_t>(codes[token][ch]) * query[0][head][ch];
           lo += static_cast<int64_t>(codes[token][ch]) * query[1][head][ch];
         }
-        ASSERT_EQ(kept.hi, hi) << "head_dim " << dim << " lane " << lane << " register " << reg;
-        ASSERT_EQ(kept.lo, lo) << "head_dim " << dim << " lane " << lane << " register " << reg;
+        ASSERT_EQ(kept.hi, mma::key_plane_scale(dim) * hi) << "head_dim " << dim << " lane " << lane << " register " << reg;
+        ASSERT_EQ(kept.lo, mma::key_plane_scale(dim) * lo) << "head_dim " << dim << " lane " << lane << " register " << reg;
       }
     }
   }
@@ -278,7 +298,8 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
         for (int t = 0; t < 32; ++t) {
           want += static_cast<int64_t>(codes[t][channel]) * (255 * parts[0][head][t] + parts[1][head][t]);
         }
-        ASSERT_EQ(255 * d[lane][reg] + d[lane ^ 2][reg], want) << "m tile " << tile << " lane " << lane << " register " << reg;
+        ASSERT_EQ(255 * d[lane][reg] + d[lane ^ 2][reg], want << (2 * mma::value_row_log4(row)))
+            << "m tile " << tile << " lane " << lane << " register " << reg;
       }
     }
   }
