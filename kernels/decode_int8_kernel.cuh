@@ -10,7 +10,9 @@
 //   - keys: score(t, h) = b_t (q'.c_t) + a_t sum(q') (per-token groups) or
 //     (q' * b).c_t + q'.a (per-channel); the B operand q' (or q' * b) of
 //     head h is s_h (hi + lo / 128), s_h = max |q'| / 127, so that
-//     q'.c = s_h / 128 (128 hi.c + lo.c), exact int32 sums;
+//     q'.c = s_h / 128 (128 hi.c + lo.c), exact int32 sums (the codes enter
+//     masked, not shifted, times powers of 4 that the sums' scales divide
+//     out: int8_mma_fragments.h; the combined sum rounds once to float32);
 //   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h] over a step of 32
 //     tokens (the mma's K), W = p * b (softmax weight times the token's
 //     scale) as S_h (hi + lo / 255) (both parts uint8) with S_h the step's
@@ -308,7 +310,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // sums of this lane's own weights (over the heads' lanes at the end).
   float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
   // values: m tile, C fragment (channel rows g, g + 8 x columns 2c, 2c + 1;
-  // packed: part c / 2 of heads lane_head(0, 1), scaled by its part's scale)
+  // packed: part c / 2 of heads lane_head(0, 1), scaled by its part's
+  // scale), rows times 4^value_row_log4 (codes masked, not shifted; divided
+  // out once at the end, exactly)
   float acc[kMTiles][4];
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
@@ -616,10 +620,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     // with the weights of T's value group
     // Each gathering row's words of four m tiles at once (16-byte loads; the
     // lanes of one column c read the same four rows, in different banks).
-    // Rows g and g + 8 enter the mmas times 4^value_row_log4 (masked, not
-    // shifted): their sums' scale divides it out (exactly, a power of 2).
-    const float row_inverse[2] = {1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(g))),
-                                  1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(g + 8)))};
     int value_row[2][4];  // the tokens of k = 16 part + 4c + i
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2] * row_inverse[i / 2], acc[tile][i]);
+            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
           }
         } else {
           int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
@@ -667,8 +667,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] = __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]),
-                                     part_scale[vg][i % 2] * row_inverse[i / 2], acc[tile][i]);
+            acc[tile][i] =
+                __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
           }
         }
       }
@@ -732,8 +732,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = i < 2 ? g : g + 8;
+        const float value = acc[t][i] * (1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(row))));
         float& o = out[warp][lane_head(i % 2)][16 * t + int8_mma::value_channel_of_row(row)];
-        o = value_outliers ? o + acc[t][i] : acc[t][i];
+        o = value_outliers ? o + value : value;
       }
     }
   }
