@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Local-memory traffic inside a kernel's main loop, from its SASS.
+
+ptxas's "bytes spill stores/loads" counts every spill of the kernel, also
+those in its prologue that run once. What costs time is a local load inside
+the per-step loop (the int8 decode's long-scoreboard stalls). This reads the
+SASS of one function, takes the longest backward branch as its main loop,
+and counts the loop's instructions and its LDL/STL, so that register
+pressure can be tuned on a machine without a GPU.
+
+Input: the output of `cuobjdump -sass -fun MANGLED_NAME OBJECT` (cuobjdump
+comes with the CUDA toolkit; where it is missing, the PyPI wheel
+nvidia-cuda-cuobjdump carries it).
+
+Usage: bench/sass_loop_spills.py SASS_FILE
+"""
+import re
+import sys
+
+
+def instructions(text):
+    """[(address, instruction text)] of every SASS line."""
+    result = []
+    for line in text.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", line)
+        if m:
+            result.append((int(m.group(1), 16), m.group(2)))
+    return result
+
+
+def main_loop(code):
+    """(first, last) address of the longest backward branch's span, or None."""
+    best = None
+    for address, text in code:
+        if "BRA" not in text:
+            continue
+        m = re.search(r"0x([0-9a-f]+)", text)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target < address and (best is None or address - target > best[1] - best[0]):
+            best = (target, address)
+    return best
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    code = instructions(open(sys.argv[1]).read())
+    if not code:
+        sys.exit(f"{sys.argv[1]}: no SASS instructions (expected cuobjdump -sass output)")
+    loop = main_loop(code)
+    if loop is None:
+        sys.exit(f"{sys.argv[1]}: no backward branch, so no loop")
+    inside = [text for address, text in code if loop[0] <= address <= loop[1]]
+    count = lambda op, where: sum(1 for text in where if re.search(rf"\b{op}(\.|\s|$)", text))
+    every = [text for _, text in code]
+    print(f"main loop {loop[0]:#x}-{loop[1]:#x}: {len(inside)} instructions, "
+          f"LDL {count('LDL', inside)}, STL {count('STL', inside)}; "
+          f"whole function: {len(code)} instructions, LDL {count('LDL', every)}, STL {count('STL', every)}")
+
+
+if __name__ == "__main__":
+    main()
