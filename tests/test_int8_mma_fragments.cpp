@@ -183,6 +183,22 @@ uint32_t value_b(const std::vector<uint8_t>& by_token, int c, int part) {
   return bytes;
 }
 
+// m tile `tile`'s sums as the kernel forms them: the 32 tokens' codes
+// against column g's 32 weight bytes (by token) from column_bytes(g).
+template <typename ColumnBytes>
+LaneC value_tile(const std::vector<std::vector<uint32_t>>& rows, int tile, ColumnBytes column_bytes) {
+  LaneA a{};
+  LaneB b{};
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, c = lane % 4;
+    a[lane] = value_a(rows, tile, g, c);
+    for (int part = 0; part < 2; ++part) b[lane][part] = value_b(column_bytes(g), c, part);
+  }
+  LaneC d{};
+  emulate_m16n8k32(a, b, false, d);
+  return d;
+}
+
 // Weighted sums: 32 tokens (k) of m tile T's 16 channels (rows) against 8
 // heads' uint8 weight parts, head_dim 128.
 TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
@@ -195,15 +211,7 @@ TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
     for (auto& w : head) w = static_cast<uint8_t>(byte(random));
   }
   for (int tile = 0; tile < 8; ++tile) {
-    LaneA a{};
-    LaneB b{};
-    for (int lane = 0; lane < 32; ++lane) {
-      const int g = lane / 4, c = lane % 4;
-      a[lane] = value_a(rows, tile, g, c);
-      for (int part = 0; part < 2; ++part) b[lane][part] = value_b(weights[g], c, part);
-    }
-    LaneC d{};
-    emulate_m16n8k32(a, b, false, d);
+    const LaneC d = value_tile(rows, tile, [&](int g) -> const std::vector<uint8_t>& { return weights[static_cast<size_t>(g)]; });
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
       for (int reg = 0; reg < 4; ++reg) {
@@ -279,15 +287,9 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
     }
   }
   for (int tile = 0; tile < 8; ++tile) {
-    LaneA a{};
-    LaneB b{};
-    for (int lane = 0; lane < 32; ++lane) {
-      const int g = lane / 4, c = lane % 4;
-      a[lane] = value_a(rows, tile, g, c);
-      for (int part = 0; part < 2; ++part) b[lane][part] = value_b(parts[g / 4][g % 4], c, part);
-    }
-    LaneC d{};
-    emulate_m16n8k32(a, b, false, d);
+    const LaneC d = value_tile(rows, tile, [&](int g) -> const std::vector<uint8_t>& {
+      return parts[static_cast<size_t>(g / 4)][static_cast<size_t>(g % 4)];
+    });
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
       if (c >= 2) continue;  // checked with its partner
