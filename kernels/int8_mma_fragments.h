@@ -29,7 +29,8 @@
 //   lane are planes g / 4 and g / 4 + 2 of byte g % 4 of word T; the lane
 //   gathers that byte from four tokens' words into one register (three
 //   byte permutes) and masks it twice, so row r's sums carry
-//   4^value_row_log4(r), which the row's output scale divides out.
+//   4^value_row_log4(r), which the kernel divides out of the row's output
+//   once, at the end.
 //
 // GQA groups of at most 4 heads leave columns 4-7 of N idle, so there the
 // columns carry the other operand's two parts ("packed parts"): column n
@@ -70,7 +71,7 @@ KVFORGE_HOST_DEVICE inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s
 // each at 64) and the power of 4 that their Horner sum (times 4 before
 // each next mma) carries over the dot product.
 KVFORGE_HOST_DEVICE constexpr int key_mmas(int dim) { return dim / 32; }
-KVFORGE_HOST_DEVICE constexpr int key_plane_scale(int dim) { return dim == 128 ? 64 : 4; }
+KVFORGE_HOST_DEVICE constexpr int key_plane_scale(int dim) { return 1 << (2 * (key_mmas(dim) - 1)); }
 
 // The channel that byte i of B register `half` of lane column c holds in
 // key mma j (and A's k = 16 half + 4c + i).
