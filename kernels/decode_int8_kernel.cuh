@@ -549,15 +549,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     // Once the maxima settle (most steps of a long context) every alpha is
     // exactly 1: one vote instead of rescaling every accumulator.
     const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
-    if (rescale) {
-#pragma unroll
-      for (int t = 0; t < kMTiles; ++t) {
-        acc[t][0] *= alpha[0];
-        acc[t][1] *= alpha[1];
-        acc[t][2] *= alpha[0];
-        acc[t][3] *= alpha[1];
-      }
-    }
+    if (rescale) rescale_columns(acc, alpha);
     // Per value group: W = p * b per token and head, the a-terms, and the
     // step's largest W per head (over the head's lanes), its two 8-bit parts
     // into shared memory as the values' B operand reads them.

@@ -142,6 +142,18 @@ __device__ inline void copy_async(void* shared, const void* global) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes) : "memory");
   }
 }
+// The online softmax's rescale of C fragments (columns 2c, 2c + 1 in
+// registers 0/2 and 1/3) by their heads' alphas.
+template <int kTiles>
+__device__ inline void rescale_columns(float (&acc)[kTiles][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    acc[t][0] *= alpha[0];
+    acc[t][1] *= alpha[1];
+    acc[t][2] *= alpha[0];
+    acc[t][3] *= alpha[1];
+  }
+}
 __device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ inline void copy_async_wait() {
@@ -685,13 +697,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
       running_max[h] = new_max;
     }
-#pragma unroll
-    for (int t = 0; t < kSteps; ++t) {
-      acc[t][0] *= alpha[0];
-      acc[t][1] *= alpha[1];
-      acc[t][2] *= alpha[0];
-      acc[t][3] *= alpha[1];
-    }
+    rescale_columns(acc, alpha);
     shared.weights[warp][g][2 * c] = weight[0];
     shared.weights[warp][g][2 * c + 1] = weight[1];
     shared.weights[warp][g + 8][2 * c] = weight[2];
