@@ -15,9 +15,10 @@
 //     out: int8_mma_fragments.h; the combined sum rounds once to float32);
 //   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h] over a step of 32
 //     tokens (the mma's K), W = p * b (softmax weight times the token's
-//     scale) as S_h (hi + lo / 255) (both parts uint8) with S_h the step's
-//     largest W of head h over 255: each step's int32 sums are scaled into
-//     float32 accumulators, and the a-term sum_t p_t a_t stays float32;
+//     scale) as U_h (256 hi + lo) (the two bytes of a 16-bit fixed-point
+//     number) with U_h the step's largest W of head h over 65535: each
+//     step's int32 sums are scaled into float32 accumulators, and the a-term
+//     sum_t p_t a_t stays float32;
 //   - GQA groups of at most 4 heads (kPacked) put the two parts in the
 //     mma's columns 0-3 and 4-7 (int8_mma_fragments.h, "packed parts"): one
 //     key and one value mma per tile instead of two, and each lane scores
@@ -33,6 +34,7 @@
 // split, three steps' bytes in flight (cp.async), with the online softmax of
 // the GQA group's heads (up to 8, the mma's N); the block merges its warps'
 // states into one split state for decode_merge_kernel.
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/decode_tensor_core_kernel.cuh"
@@ -158,12 +160,30 @@ __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, u
   return min == max ? Affine{min, 0.0f} : Affine{lo, b};
 }
 
-__device__ inline void copy_pair_async(void* shared, const uint8_t* global, int32_t pair_bytes) {
-  if (pair_bytes == 4) {
-    copy_async<4>(shared, global);
+// cp.async of kBytes to a shared-memory address, skipped where !copy: the
+// walk keeps its destinations as 32-bit shared addresses (no generic-to-
+// shared conversion per copy) and predicates its copies rather than
+// branching around them.
+template <int kBytes>
+__device__ inline void copy_async_to(uint32_t shared, const void* global, bool copy) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(shared),
+        "l"(global), "r"(static_cast<int>(copy))
+        : "memory");
   } else {
-    copy_async<8>(shared, global);
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], %3;\n}\n" ::"r"(shared),
+        "l"(global), "r"(static_cast<int>(copy)), "n"(kBytes)
+        : "memory");
   }
+}
+
+// A group pair (4 or 8 bytes) into its slot of the stage.
+__device__ inline void copy_pair_async_to(uint32_t shared, const uint8_t* global, int32_t pair_bytes, bool copy) {
+  copy_async_to<4>(shared, global, copy && pair_bytes == 4);
+  copy_async_to<8>(shared, global, copy && pair_bytes != 4);
 }
 
 // VG: the values' channel groups per row (1: one per row; D / 32: per-token
@@ -231,13 +251,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const int column_head = kPacked ? g % int8_mma::kPackedHeads : g;
   const float* my_query = shared.query[column_head];
 
+  // Scores in base 2: the softmax scale times log2(e), folded into the keys'
+  // scales and a-terms (and the outliers' corrections).
+  const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
   // Key B operands of column g: [k step][register][part] (packed: the one
   // part of the column) and the scale s / 128 of the combined int32 sums;
   // the a-term sum(q') (per-token keys) or q'.a (per-channel), over the 4
   // lanes of column g.
   uint32_t key_b[kSteps][2][kKeyParts];
   // The lane's heads lane_head(0, 1) (columns of its score fragments):
-  // their scale and a-term, from the lanes that built them.
+  // their scale and a-term times log2e_scale, from the lanes that built them.
   float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
   int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
   auto build_key_operands = [&](int64_t s) {
@@ -300,8 +323,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     const float key_scale = largest / (127.0f * 128.0f * static_cast<float>(int8_mma::key_plane_scale(D)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h));
-      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * lane_head(h));
+      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h)) * log2e_scale;
+      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * lane_head(h)) * log2e_scale;
     }
   };
   if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
@@ -319,61 +342,72 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   float value_a_term[VG][2];  // [group][lane_head], this lane's tokens (summed over the lanes at the end)
 #pragma unroll
   for (int vg = 0; vg < VG; ++vg) value_a_term[vg][0] = value_a_term[vg][1] = 0.0f;
-  const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
+  const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  // The run in 32 bits from its first token (a split is far under 2^31
+  // tokens): its steps and tokens; the last step may be partial.
+  const int64_t run_first = first + step_begin * kInt8StepTokens;
+  const int32_t run_steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
+  const int32_t run_tokens =
+      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kInt8StepTokens ? last - run_first
+                                                                                   : int64_t{run_steps} * kInt8StepTokens);
   const int page_size = kl.spec.page_size;
   // Lane j's token of the next step to issue: its page's index in the page
   // table and its slot there, advanced by 32 tokens per step (one division
-  // per block, not two per step). Keys and values share the page table and,
-  // at 2 bits both, the rows' offsets in a page.
+  // per block, not two per step), and its page id, read one step ahead so
+  // that no issue waits on the page table. Keys and values share the page
+  // table and, at 2 bits both, the rows' offsets in a page.
   const int32_t step_pages = kInt8StepTokens / page_size, step_rest = kInt8StepTokens % page_size;
   int32_t next_page_index = 0, next_in_page = 0;
   {
-    const int64_t s_index = first + step_begin * kInt8StepTokens + lane - sink;
+    const int64_t s_index = run_first + lane - sink;
     next_page_index = static_cast<int32_t>(s_index / page_size);
     next_in_page = static_cast<int32_t>(s_index % page_size);
   }
+  int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
   const auto value_page_bytes = static_cast<uint32_t>(vl.page_bytes);
   const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
   const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
   const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
-  int issue_stage = 0;  // the stage the next issue fills (steps go round the kInt8Stages)
+  const bool outliers = key_outliers || value_outliers;
+  int issue_stage = 0;   // the stage the next issue fills (steps go round the kInt8Stages)
+  int32_t to_issue = run_tokens;  // tokens of the run not yet issued
 
-  // Starts the copies of step `step` into its stage (every lane takes part):
-  // lane j's token's page, its key and value pairs, then the code rows.
-  auto issue = [&](int64_t step) {
+  // Starts the copies of the next step into its stage (every lane takes
+  // part): lane j's token's key and value pairs, then the code rows.
+  auto issue = [&]() {
+    const int tokens = to_issue < kInt8StepTokens ? to_issue : kInt8StepTokens;
+    to_issue -= kInt8StepTokens;
+    const uint32_t stage_address = stages_address + issue_stage * static_cast<uint32_t>(sizeof(Stage));
     Stage& stage = stages[issue_stage];
     issue_stage = issue_stage + 1 == kInt8Stages ? 0 : issue_stage + 1;
-    const int64_t left = last - (first + step * kInt8StepTokens);
-    const int tokens = left < kInt8StepTokens ? static_cast<int>(left) : kInt8StepTokens;
     const bool valid = lane < tokens;
-    const int32_t page = valid ? page_row[next_page_index] : 0;
-    const int32_t in_page = next_in_page;
+    const int32_t page = next_page, in_page = next_in_page;
     next_page_index += step_pages;
     next_in_page += step_rest;
     if (next_in_page >= page_size) {
       next_in_page -= page_size;
       ++next_page_index;
     }
+    next_page = lane < to_issue ? page_row[next_page_index] : 0;
     const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
     const uint8_t* value_page =
         p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
-    if (valid) {
-      if (!per_channel_keys) {
-        copy_pair_async(&stage.key_pairs[lane], key_page + key_pairs.base + in_page * key_pairs.token_stride,
-                        static_cast<int32_t>(kl.pair_bytes));
-      }
+    copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, key_pairs)) + 8 * lane,
+                       key_page + key_pairs.base + in_page * key_pairs.token_stride, static_cast<int32_t>(kl.pair_bytes),
+                       valid && !per_channel_keys);
 #pragma unroll
-      for (int vg = 0; vg < VG; ++vg) {
-        copy_pair_async(&stage.value_pairs[lane][vg],
-                        value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
-                        static_cast<int32_t>(vl.pair_bytes));
-      }
+    for (int vg = 0; vg < VG; ++vg) {
+      copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, value_pairs)) + 8 * (VG * lane + vg),
+                         value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
+                         static_cast<int32_t>(vl.pair_bytes), valid);
     }
-    stage.page[lane] = page;
-    stage.in_page[lane] = in_page;
+    if (outliers) {
+      stage.page[lane] = page;
+      stage.in_page[lane] = in_page;
+    }
     // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
     // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
     // lane runs every round and every shuffle.
@@ -383,25 +417,26 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       const int chunk = round * kWarpSize + lane;
       const int row = chunk / kRowChunks, part = chunk % kRowChunks;
       const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
-      const int32_t at = __shfl_sync(0xffffffffu, row_offset, row) + part * 16;
-      if (row < tokens) {
-        copy_async<16>(stage.key_codes + chunk, p.key_cache.pages + static_cast<uint64_t>(row_page) * key_page_bytes + at);
-        copy_async<16>(stage.value_codes + chunk,
-                       p.value_cache.pages + static_cast<uint64_t>(row_page) * value_page_bytes + at);
-      }
+      const auto at = static_cast<uint32_t>(__shfl_sync(0xffffffffu, row_offset, row) + part * 16);
+      const bool copy = row < tokens;
+      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * chunk,
+                        p.key_cache.pages + (static_cast<uint64_t>(row_page) * key_page_bytes + at), copy);
+      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) + 16 * chunk,
+                        p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
     }
   };
 
 #pragma unroll
   for (int ahead = 0; ahead < kInt8Stages - 1; ++ahead) {
-    if (step_begin + ahead < step_end) issue(step_begin + ahead);
+    if (to_issue > 0) issue();
     copy_async_commit();
   }
   int compute_stage = 0;
-  for (int64_t step = step_begin; step < step_end; ++step) {
-    const int64_t t0 = first + step * kInt8StepTokens;
-    const int tokens = last - t0 < kInt8StepTokens ? static_cast<int>(last - t0) : kInt8StepTokens;
-    if (step + kInt8Stages - 1 < step_end) issue(step + kInt8Stages - 1);
+  int32_t left = run_tokens;  // tokens of the run from this step on
+  for (int32_t step = 0; step < run_steps; ++step) {
+    const int tokens = left < kInt8StepTokens ? left : kInt8StepTokens;
+    left -= kInt8StepTokens;
+    if (to_issue > 0) issue();
     copy_async_commit();
     copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
     __syncwarp();
@@ -422,6 +457,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       __syncwarp();
     }
     if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
+      const int64_t t0 = run_first + int64_t{step} * kInt8StepTokens;
       const int64_t key_group = (t0 - sink) / kl.spec.group;  // steps never straddle a group (G % 32 == 0)
       if (key_group != key_params_group) {
         build_key_operands(t0 - sink);
@@ -510,14 +546,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           correction[0] = __fmaf_rn(shared.query[lane_head(0)][d], delta, correction[0]);
           correction[1] = __fmaf_rn(shared.query[lane_head(1)][d], delta, correction[1]);
         });
-        score[j][0] += correction[0];
-        score[j][1] += correction[1];
+        score[j][0] = __fmaf_rn(correction[0], log2e_scale, score[j][0]);
+        score[j][1] = __fmaf_rn(correction[1], log2e_scale, score[j][1]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kItemRows; ++j) {
-      score[j][0] *= log2e_scale;
-      score[j][1] *= log2e_scale;
       if (tokens < kInt8StepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
         score[j][0] = score[j][1] = -INFINITY;
       }
@@ -553,7 +587,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     // Per value group: W = p * b per token and head, the a-terms, and the
     // step's largest W per head (over the head's lanes), its two 8-bit parts
     // into shared memory as the values' B operand reads them.
-    float part_scale[VG][2];  // the int32 sums' scale (packed: of this lane's part; else of 255 hi + lo)
+    float part_scale[VG][2];  // the int32 sums' scale (packed: of this lane's part; else of 256 hi + lo)
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
       float w[kItemRows][2], largest[2] = {0.0f, 0.0f};
@@ -578,12 +612,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
         const bool high_part = kPacked && c < 2;
-        part_scale[vg][h] = largest[h] * (high_part ? 1.0f / 255.0f : 1.0f / (255.0f * 255.0f));
+        part_scale[vg][h] = largest[h] * (high_part ? 256.0f / int8_mma::kWeightSteps : 1.0f / int8_mma::kWeightSteps);
       }
-      // Any inverse near 255 / largest will do (the parts' bound holds for
-      // the scale above; weight_parts clamps at 255).
-      const float inverse[2] = {largest[0] > 0.0f ? __fdividef(255.0f, largest[0]) : 0.0f,
-                                largest[1] > 0.0f ? __fdividef(255.0f, largest[1]) : 0.0f};
+      // Any inverse near 65535 / largest will do (the parts' bound holds for
+      // the unit above; weight_parts clamps at 65535).
+      const float inverse[2] = {largest[0] > 0.0f ? __fdividef(int8_mma::kWeightSteps, largest[0]) : 0.0f,
+                                largest[1] > 0.0f ? __fdividef(int8_mma::kWeightSteps, largest[1]) : 0.0f};
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
         const int k = int8_mma::value_token_of_k(item_row(j));  // the values' k order
@@ -660,7 +694,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             acc[tile][i] =
-                __fmaf_rn(static_cast<float>(255 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
+                __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
           }
         }
       }

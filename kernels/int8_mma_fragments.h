@@ -150,18 +150,24 @@ KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale
   return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};
 }
 
-// w (0 <= w <= scale * 255, or slightly above from an approximate inverse)
-// as scale * (hi + lo / 255) with hi and lo uint8: the weights' two parts,
-// both unsigned so that one mma type serves both (and packed parts share
-// one mma). |w - scale (hi + lo / 255)| <= scale / 510 for w <= scale * 255.
+// w (0 <= w <= unit * 65535, or slightly above from an approximate
+// inverse) as unit * (256 hi + lo) with hi and lo uint8, the bytes of one
+// 16-bit fixed-point number: the weights' two parts, both unsigned so that
+// one mma type serves both (and packed parts share one mma).
+// |w - unit (256 hi + lo)| <= unit / 2 for w <= unit * 65535. One multiply,
+// one clamp and one rounding conversion; the parts are the bytes.
+inline constexpr float kWeightSteps = 65535.0f;  // the largest 256 hi + lo
 struct WeightParts {
   uint8_t hi = 0, lo = 0;
 };
-KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_scale) {
-  const float scaled = fminf(w * inverse_scale, 255.0f);
-  const float hi = floorf(scaled);
-  const float lo = rintf((scaled - hi) * 255.0f);  // scaled - hi is exact
-  return {static_cast<uint8_t>(hi), static_cast<uint8_t>(lo)};
+KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_unit) {
+  const float scaled = fminf(w * inverse_unit, kWeightSteps);
+#ifdef __CUDA_ARCH__
+  const uint32_t q = __float2uint_rn(scaled);
+#else
+  const auto q = static_cast<uint32_t>(rintf(scaled));
+#endif
+  return {static_cast<uint8_t>(q >> 8), static_cast<uint8_t>(q & 0xffu)};
 }
 
 // ---------------------------------------------------------------- packed parts

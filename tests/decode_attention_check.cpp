@@ -278,13 +278,13 @@ double io_unit(ElementType io) {
 // instead: each q'_d (times its channel scale) within max |q'| / (127 * 256)
 // (two int8 parts; max |q'| <= ||q'||) of its value, against codes times a
 // scale, |b code| <= 3 max |k'|, over D channels; each weight W_t = p_t b_t
-// within the step's largest W / 255 times 1 / 510 (its two uint8 parts)
-// plus 255 * 2^-21 (the parts come from an approximate inverse of the scale,
-// within 2 ulp), so a step's 32 tokens move an output by <= 3 * 32 (1 / 510
-// + 255 * 2^-21) / 255 of its largest W, and summed over the steps and
-// normalized by sum p, of max_t b_t <= 3 max |v'|:
+// within the step's largest W / 65535 times 1 / 2 (its two uint8 parts,
+// one 16-bit fixed-point number) plus 65535 * 2^-21 (the parts come from an
+// approximate inverse of the unit, within 2 ulp), so a step's 32 tokens move
+// an output by <= 3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 of its largest W,
+// and summed over the steps and normalized by sum p, of max_t b_t <= 3 max |v'|:
 //   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
-//   values: |delta o_d| <= (3 * 32 (1 / 510 + 255 * 2^-21) / 255 + 32 * 2^-23) 3 max |v'|.
+//   values: |delta o_d| <= (3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
                              int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
   const int64_t split = plan.tensor_cores ? plan.tokens_per_split : tokens_per_split;
@@ -296,8 +296,8 @@ double attention_error_bound(const Float64Attention& f, double softmax_scale, in
   if (plan.int8) {
     const double operand_logit =
         softmax_scale * (3.0 * dim / (127.0 * 256.0) * f.query_norm + (dim + 16.0) * 0x1p-23 * 3 * f.query_l1) * f.key_max;
-    const double weight_part = 1.0 / 510.0 + 255.0 * 0x1p-21;
-    bound += 4 * operand_logit * f.value_norm + (3.0 * 32 * weight_part / 255.0 + 32 * 0x1p-23) * 3 * f.value_max;
+    const double weight_part = 0.5 + 65535.0 * 0x1p-21;
+    bound += 4 * operand_logit * f.value_norm + (3.0 * 32 * weight_part / 65535.0 + 32 * 0x1p-23) * 3 * f.value_max;
   } else if (plan.tensor_cores) {
     const double operand_logit = softmax_scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
     bound += 4 * operand_logit * f.value_norm + (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;

@@ -272,7 +272,7 @@ TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
 
 // Packed parts, values: B column n is part n / 4 of head n % 4's weights;
 // lanes c < 2 get the high sums of heads 2c, 2c + 1 and lanes c ^ 2 the low
-// sums of the same heads, so 255 hi + lo is the weighted sum of the codes.
+// sums of the same heads, so 256 hi + lo is the weighted sum of the codes.
 TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
   std::mt19937 random(5);
   std::vector<std::vector<int>> codes;
@@ -298,9 +298,9 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
         const int channel = 16 * tile + mma::value_channel_of_row(row);
         int64_t want = 0;
         for (int t = 0; t < 32; ++t) {
-          want += static_cast<int64_t>(codes[t][channel]) * (255 * parts[0][head][t] + parts[1][head][t]);
+          want += static_cast<int64_t>(codes[t][channel]) * (256 * parts[0][head][t] + parts[1][head][t]);
         }
-        ASSERT_EQ(255 * d[lane][reg] + d[lane ^ 2][reg], want << (2 * mma::value_row_log4(row)))
+        ASSERT_EQ(256 * d[lane][reg] + d[lane ^ 2][reg], want << (2 * mma::value_row_log4(row)))
             << "m tile " << tile << " lane " << lane << " register " << reg;
       }
     }
@@ -308,7 +308,7 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
 }
 
 // The parts' bounds (the kernel's test bound uses them): queries
-// |x - s (hi + lo / 128)| <= s / 256, weights |w - s (hi + lo / 255)| <= s / 510 (hi, lo uint8),
+// |x - s (hi + lo / 128)| <= s / 256, weights |w - u (256 hi + lo)| <= u / 2 (hi, lo uint8),
 // plus float32's share: the scale and its inverse round separately (s times
 // 1/s is 1 within 2 ulps) and so does the scaled value: 4 u |x|, u = 2^-24.
 TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
@@ -329,18 +329,22 @@ TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
       ASSERT_LE(std::abs(static_cast<int>(p.hi)), 127);
     }
     const float weight_max = std::fabs(x[0]) + 1e-30f;
-    const float weight_scale = weight_max / 255.0f;
+    const float weight_unit = weight_max / mma::kWeightSteps;
     // The kernel's inverse is approximate (__fdividef, 2 ulp): the parts'
-    // error may grow by 255 * 2^-21 of the scale, and hi + lo / 255 stays
-    // within 255.
+    // error may grow by 65535 * 2^-21 of the unit, and 256 hi + lo stays
+    // within 65535 (clamped, not wrapped).
     for (const float inverse_error : {1.0f, 1.0f + 0x1p-22f, 1.0f - 0x1p-22f}) {
-      const float weight_inverse = 255.0f / weight_max * inverse_error;
+      const float weight_inverse = mma::kWeightSteps / weight_max * inverse_error;
       for (float v : x) {
         const float w = std::min(std::fabs(v), weight_max);
         const mma::WeightParts p = mma::weight_parts(w, weight_inverse);
-        const double back = static_cast<double>(weight_scale) * (p.hi + p.lo / 255.0);
-        ASSERT_LE(std::fabs(back - w), weight_scale * (1.0 / 510.0 + 255.0 * 0x1p-21) + 0x1p-22 * w) << w;
+        const double back = static_cast<double>(weight_unit) * (256.0 * p.hi + p.lo);
+        ASSERT_LE(std::fabs(back - w), weight_unit * (0.5 + 65535.0 * 0x1p-21) + 0x1p-22 * w) << w;
       }
+      // The step's largest weight itself, where the inverse's error would
+      // carry 256 hi + lo past 65535: it clamps.
+      const mma::WeightParts top = mma::weight_parts(weight_max, weight_inverse);
+      ASSERT_GE(256 * top.hi + top.lo, 65534);
     }
   }
 }
