@@ -9,7 +9,9 @@
 //   asynchronous_append): append_time_us per step of 16 queued back to back
 //   (throughput), append_latency_us of one step and its synchronize();
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
-// Times are CUDA-event medians of --repeats launches after warm-up. FlashInfer
+// Times are CUDA-event medians of --repeats launches after warm-up, each
+// queued behind a busy kernel so that the events time the device side
+// (the host side is measured on its own). FlashInfer
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
@@ -58,7 +60,12 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-// Median microseconds of `work` on the current device (CUDA events).
+// Median microseconds of `work` on the current device (CUDA events around
+// it on the default stream). Each repeat is queued behind a busy kernel, so
+// that the events time the device side of the work back to back: without
+// it a launch whose host side (planning, enqueueing) outlasts its kernels,
+// as at batch 1, would be timed at the host's pace. The host side is
+// measured on its own (decode_host_us).
 double median_us(const std::function<void()>& work, int repeats) {
   for (int i = 0; i < 3; ++i) work();
   KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -67,6 +74,7 @@ double median_us(const std::function<void()>& work, int repeats) {
   KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
   KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < repeats; ++i) {
+    busy_wait_on(nullptr, 300'000);  // 300 us: longer than any enqueue here
     KVFORGE_CUDA_CHECK(cudaEventRecord(start));
     work();
     KVFORGE_CUDA_CHECK(cudaEventRecord(stop));

@@ -36,11 +36,15 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 
 def median_us(step, repeats):
+    """Median device microseconds of step: each repeat queued behind a busy
+    kernel (torch.cuda._sleep, about 0.5 ms), so that the events time the
+    device side and not Python's enqueue, as the C++ benchmark does."""
     for _ in range(3):
         step()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
         start.record()
         step()
         end.record()

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_kernel.cuh"
@@ -165,14 +166,38 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
   return shared_bytes;
 }
 
+// Launches `kernel` on `stream`; `dependent`: with programmatic stream
+// serialization (sm_90), so that its blocks may start while the kernel
+// before it still runs (device::allow_dependent_launch): the kernel must
+// wait for that one (device::wait_for_prerequisite_grid) before it reads
+// what it wrote, or, if it reads nothing of it, before it completes.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream, bool dependent,
+            Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// `dependent`: launched behind the exact ranges' kernel, which reads
+// nothing this one writes, as its dependent (launch).
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool dependent) {
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    kernel<<<grid, kInt8Threads, shared_bytes, stream>>>(p, workspace, device::TensorCoreSplits{plan.tokens_per_split});
+    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
+           device::TensorCoreSplits{plan.tokens_per_split});
   });
 }
 
@@ -223,13 +248,17 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
   if (plan.tensor_cores) {
     if constexpr (kBits == 2) {
       if (plan.int8) {
-        launch_int8<D>(p, workspace, plan, stream);
-      } else {
-        launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
+        // The exact ranges first (a short kernel, after everything before
+        // it on the stream), then the int8 kernel as its dependent: its
+        // blocks start beside theirs instead of after them.
+        if (plan.exact_splits > 0) {
+          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+        }
+        launch_int8<D>(p, workspace, plan, stream, plan.exact_splits > 0);
+        return;
       }
-    } else {
-      launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
     }
+    launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) {
       launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
     }
@@ -246,8 +275,10 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   } else {
     launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
+  // The merge as the split kernels' dependent: it launches while they run
+  // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
-  device::decode_merge_kernel<D><<<grid, D, 0, stream>>>(p, workspace);
+  launch(device::decode_merge_kernel<D>, grid, D, 0, stream, true, p, workspace);
 }
 
 // The longest context of the batch: the caller's max_length, else what a

@@ -312,9 +312,28 @@ __device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment
   }
 }
 
+// Programmatic dependent launch (sm_90; no-ops where it is absent): a
+// kernel launched with programmatic stream serialization may start once
+// every block of the kernel before it has called allow_dependent_launch
+// (or exited), and wait_for_prerequisite_grid waits until that kernel has
+// completed and its writes are visible. decode_attention uses it so that
+// the exact ranges' blocks, the int8 kernel's and the merge's launch
+// overlap (kernels/decode_attention.cu, launch_for_bits).
+__device__ inline void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ inline void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 template <int D, int kBits, int kWarps>
 __global__ void __launch_bounds__(kWarps * kWarpSize)
     decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
+  allow_dependent_launch();  // nothing after this kernel reads its state before the merge waits for it
   constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
   constexpr int kPerLane = D / kWarpSize;
   __shared__ float keys[kTileTokens * kKeyStride];
@@ -423,6 +442,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
 // independent loads.
 template <int D>
 __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+  wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
   __shared__ float merged[D];
   __shared__ float weights[D];
   __shared__ float reduce[D / kWarpSize];
