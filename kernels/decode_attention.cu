@@ -58,26 +58,50 @@ void check_params(const DecodeParams& p) {
   }
 }
 
-template <int D, int kBits, int kWarps>
-void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace,
-                   const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
-  device::decode_split_kernel<D, kBits, kWarps><<<grid, kWarps * device::kWarpSize, 0, stream>>>(p, workspace, assignment);
+// Launches `kernel` on `stream`; `dependent`: with programmatic stream
+// serialization (sm_90), so that its blocks may start while the kernel
+// before it still runs (device::allow_dependent_launch): the kernel must
+// wait for that one (device::wait_for_prerequisite_grid) before it reads
+// what it wrote, or, if it reads nothing of it, before it completes.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream, bool dependent,
+            Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
-// The general kernel over `blocks` splits per (KV head, sequence).
+template <int D, int kBits, int kWarps>
+void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                   const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream, bool dependent) {
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+                  static_cast<unsigned>(p.batch.count));
+  launch(device::decode_split_kernel<D, kBits, kWarps>, grid, kWarps * device::kWarpSize, 0, stream, dependent, p,
+         workspace, assignment);
+}
+
+// The general kernel over `blocks` splits per (KV head, sequence);
+// `dependent` as launch's.
 template <int D, int kBits>
 void launch_general(const DecodeParams& p, const device::SplitWorkspace& workspace,
-                    const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream) {
+                    const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
+                    bool dependent = false) {
   const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
   // At least 4 warps dequantize; warps beyond the group only dequantize.
   if (group <= 4) {
-    launch_splits<D, kBits, 4>(p, workspace, assignment, blocks, stream);
+    launch_splits<D, kBits, 4>(p, workspace, assignment, blocks, stream, dependent);
   } else if (group <= 8) {
-    launch_splits<D, kBits, 8>(p, workspace, assignment, blocks, stream);
+    launch_splits<D, kBits, 8>(p, workspace, assignment, blocks, stream, dependent);
   } else {
-    launch_splits<D, kBits, 16>(p, workspace, assignment, blocks, stream);
+    launch_splits<D, kBits, 16>(p, workspace, assignment, blocks, stream, dependent);
   }
 }
 
@@ -166,37 +190,14 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
   return shared_bytes;
 }
 
-// Launches `kernel` on `stream`; `dependent`: with programmatic stream
-// serialization (sm_90), so that its blocks may start while the kernel
-// before it still runs (device::allow_dependent_launch): the kernel must
-// wait for that one (device::wait_for_prerequisite_grid) before it reads
-// what it wrote, or, if it reads nothing of it, before it completes.
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream, bool dependent,
-            Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
-  KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-// `dependent`: launched behind the exact ranges' kernel, which reads
-// nothing this one writes, as its dependent (launch).
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                 cudaStream_t stream, bool dependent) {
+                 cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
+    launch(kernel, grid, kInt8Threads, shared_bytes, stream, false, p, workspace,
            device::TensorCoreSplits{plan.tokens_per_split});
   });
 }
@@ -248,13 +249,13 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
   if (plan.tensor_cores) {
     if constexpr (kBits == 2) {
       if (plan.int8) {
-        // The exact ranges first (a short kernel, after everything before
-        // it on the stream), then the int8 kernel as its dependent: its
-        // blocks start beside theirs instead of after them.
+        // The int8 kernel, then the exact ranges as its dependent: their
+        // blocks fill its last wave instead of starting after it (they read
+        // nothing it writes, and wait for it before they exit).
+        launch_int8<D>(p, workspace, plan, stream);
         if (plan.exact_splits > 0) {
-          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
         }
-        launch_int8<D>(p, workspace, plan, stream, plan.exact_splits > 0);
         return;
       }
     }

@@ -225,6 +225,11 @@ __device__ inline float rotated_query_element(const Rotation& rotation, const fl
   if (rotation.kind == RotationKind::kMatrix) {
     const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
     float out = 0.0f;
+    // The fmas stay one chain in k order (6.3's arithmetic); unrolled, the
+    // matrix loads of 16 steps are in flight at once instead of one: the
+    // chain of dependent loads made the rotation most of a short block's
+    // time (the exact ranges' blocks of 32 tokens).
+#pragma unroll 16
     for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
     return out;
   }
@@ -268,7 +273,10 @@ struct SplitWorkspace {
   int32_t max_splits = 0;
 };
 
-inline constexpr int kExactChunk = 32;  // tokens per block of the exact ranges: one tile, short blocks
+// Tokens per block of the exact ranges: two tiles, so that the sink and a
+// window of 256 tokens take 5 blocks per sequence and KV head, each
+// rotating the group's queries once.
+inline constexpr int kExactChunk = 64;
 
 // Which tokens block x of decode_split_kernel takes, and which state it writes:
 //   splits of tokens_per_split tokens over the whole context (the general
@@ -317,8 +325,8 @@ __device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment
 // every block of the kernel before it has called allow_dependent_launch
 // (or exited), and wait_for_prerequisite_grid waits until that kernel has
 // completed and its writes are visible. decode_attention uses it so that
-// the exact ranges' blocks, the int8 kernel's and the merge's launch
-// overlap (kernels/decode_attention.cu, launch_for_bits).
+// the exact ranges' blocks fill the int8 kernel's last wave and the merge
+// launches while they run (kernels/decode_attention.cu, launch_for_bits).
 __device__ inline void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -333,7 +341,10 @@ __device__ inline void wait_for_prerequisite_grid() {
 template <int D, int kBits, int kWarps>
 __global__ void __launch_bounds__(kWarps * kWarpSize)
     decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
-  allow_dependent_launch();  // nothing after this kernel reads its state before the merge waits for it
+  // Launched as the int8 kernel's dependent (the exact ranges), it reads
+  // nothing that kernel writes, and waits for it before it exits, so that
+  // its completion (what the merge waits for) implies the int8 kernel's.
+  allow_dependent_launch();
   constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
   constexpr int kPerLane = D / kWarpSize;
   __shared__ float keys[kTileTokens * kKeyStride];
@@ -357,6 +368,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
                                 workspace.max_splits + state;
       workspace.max_sum[2 * index] = -INFINITY;
     }
+    wait_for_prerequisite_grid();
     return;
   }
   const int32_t slot = p.batch.slots[entry];
@@ -423,15 +435,17 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     }
     running_max = new_max;
   }
-  if (!scoring) return;
-  const int64_t index =
-      (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + warp) * workspace.max_splits + state;
-  if (lane == 0) {
-    workspace.max_sum[2 * index] = running_max;
-    workspace.max_sum[2 * index + 1] = running_sum;
-  }
+  if (scoring) {
+    const int64_t index =
+        (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + warp) * workspace.max_splits + state;
+    if (lane == 0) {
+      workspace.max_sum[2 * index] = running_max;
+      workspace.max_sum[2 * index + 1] = running_sum;
+    }
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + lane + k * kWarpSize] = acc[k];
+    for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + lane + k * kWarpSize] = acc[k];
+  }
+  wait_for_prerequisite_grid();
 }
 
 // One block of D threads per (query head, sequence entry): the non-empty

@@ -221,17 +221,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   auto lane_head = [c](int h) { return kPacked ? 2 * (c % 2) + h : 2 * c + h; };
   // Lanes that write a head's per-lane state (packed: lanes c ^ 2 hold the same heads).
   const bool head_writer = g == 0 && (!kPacked || c < 2);
-  // The merge may launch (and wait) as soon as every block runs; this
-  // kernel, launched behind the exact ranges' kernel as its dependent, waits
-  // for that kernel before it exits, so that its completion (what the merge
-  // waits for) implies theirs.
+  // The exact ranges' kernel, launched behind this one as its dependent,
+  // may start as soon as every block of this one runs.
   allow_dependent_launch();
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
-    wait_for_prerequisite_grid();
     return;
   }
   const int32_t slot = p.batch.slots[entry];
@@ -778,7 +775,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   __syncthreads();
 
   write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
-  wait_for_prerequisite_grid();
 }
 
 }  // namespace kvforge::kernels::decode_attention_device
