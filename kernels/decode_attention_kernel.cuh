@@ -484,9 +484,17 @@ __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, c
     }
     weights[d] = weight;
     __syncthreads();
-    const int64_t count = states - chunk < D ? states - chunk : D;
-    for (int64_t k = 0; k < count; ++k) {
-      if (weights[k] != 0.0f) out = __fmaf_rn(workspace.acc[(base + chunk + k) * D + d], weights[k], out);
+    // One fma chain in split order; every state's row is loaded (an empty
+    // split's may be anything: the select keeps it out), so that unrolled,
+    // 8 loads are in flight instead of one load per step of the chain (at
+    // batch 1 the merge's 64 splits took longer than the splits' kernel).
+    const int count = static_cast<int>(states - chunk < D ? states - chunk : D);
+    const float* rows = workspace.acc + (base + chunk) * D + d;
+#pragma unroll 8
+    for (int k = 0; k < count; ++k) {
+      const float row = rows[static_cast<int64_t>(k) * D];
+      const float weight_k = weights[k];
+      out = weight_k != 0.0f ? __fmaf_rn(row, weight_k, out) : out;
     }
   }
   sum = warp_sum(sum);
@@ -503,6 +511,7 @@ __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, c
     __syncthreads();
     const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D + static_cast<int64_t>(d) * D;
     out = 0.0f;
+#pragma unroll 16
     for (int i = 0; i < D; ++i) out = __fmaf_rn(merged[i], matrix[i], out);
   }
   store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + d, out);
