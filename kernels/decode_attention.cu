@@ -190,14 +190,15 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
   return shared_bytes;
 }
 
+// `dependent` as launch's.
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool dependent) {
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
   with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    launch(kernel, grid, kInt8Threads, shared_bytes, stream, false, p, workspace,
+    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
            device::TensorCoreSplits{plan.tokens_per_split});
   });
 }
@@ -249,12 +250,20 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
   if (plan.tensor_cores) {
     if constexpr (kBits == 2) {
       if (plan.int8) {
-        // The int8 kernel, then the exact ranges as its dependent: their
-        // blocks fill its last wave instead of starting after it (they read
-        // nothing it writes, and wait for it before they exit).
-        launch_int8<D>(p, workspace, plan, stream);
-        if (plan.exact_splits > 0) {
-          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
+        // Both orders make the second kernel the first's programmatic
+        // dependent: it reads nothing the first writes, and waits for it
+        // before it exits (so that the merge, which waits for the second,
+        // finds both done). Few exact blocks first, beside the int8 kernel's
+        // from the start; else the int8 kernel first, the exact blocks
+        // filling its last wave instead of starting after it.
+        if (plan.exact_first) {
+          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+          launch_int8<D>(p, workspace, plan, stream, true);
+        } else {
+          launch_int8<D>(p, workspace, plan, stream, false);
+          if (plan.exact_splits > 0) {
+            launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
+          }
         }
         return;
       }
@@ -356,19 +365,24 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
+    const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
+    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
+                                             ceil_div64(ring, device::kExactChunk));
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
-    // every warp's tiles (16 tokens; the int8 kernel's steps: 32).
-    const int64_t resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8);
+    // every warp's tiles (16 tokens; the int8 kernel's steps: 32). Few exact
+    // blocks (DecodePlan::exact_first) take a slot each from the int8
+    // kernel's (a general block needs fewer registers than an int8 one).
+    const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
+    const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8);
+    plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
+    const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
                                        : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
-    const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
-    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
-                                             ceil_div64(ring, device::kExactChunk));
   } else {
     // The caller's split (the CPU reference's) when it gives one.
     plan.tokens_per_split = p.tokens_per_split > 0 ? p.tokens_per_split : 0;

@@ -49,6 +49,50 @@ __device__ inline float load_element(ElementType element, const uint8_t* at) {
   return *reinterpret_cast<const float*>(at);
 }
 
+// kCount consecutive elements from `at` into out[0..kCount): in 16-byte
+// loads where `at` is 16-byte aligned (an exact row's run of a code word's
+// elements is, in a cache from cudaMalloc), else one load per element.
+template <int kCount>
+__device__ inline void load_elements(ElementType element, const uint8_t* at, float* out) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(at) & 15u) == 0;
+  if (element == ElementType::kFloat32) {
+    if constexpr (kCount % 4 == 0) {
+      if (aligned) {
+#pragma unroll
+        for (int i = 0; i < kCount / 4; ++i) {
+          const float4 v = reinterpret_cast<const float4*>(at)[i];
+          out[4 * i] = v.x, out[4 * i + 1] = v.y, out[4 * i + 2] = v.z, out[4 * i + 3] = v.w;
+        }
+        return;
+      }
+    }
+  } else if constexpr (kCount % 8 == 0) {
+    if (aligned) {
+#pragma unroll
+      for (int i = 0; i < kCount / 8; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(at)[i];
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const auto low = static_cast<unsigned short>(words[w] & 0xffffu);
+          const auto high = static_cast<unsigned short>(words[w] >> 16);
+          if (element == ElementType::kBFloat16) {
+            out[8 * i + 2 * w] = __uint_as_float(static_cast<uint32_t>(low) << 16);
+            out[8 * i + 2 * w + 1] = __uint_as_float(static_cast<uint32_t>(high) << 16);
+          } else {
+            out[8 * i + 2 * w] = __half2float(__ushort_as_half(low));
+            out[8 * i + 2 * w + 1] = __half2float(__ushort_as_half(high));
+          }
+        }
+      }
+      return;
+    }
+  }
+  const int64_t bytes = element_bytes(element);
+#pragma unroll
+  for (int c = 0; c < kCount; ++c) out[c] = load_element(element, at + c * bytes);
+}
+
 __device__ inline float load_io(ElementType io, const void* base, int64_t index) {
   return load_element(io, static_cast<const uint8_t*>(base) + index * element_bytes(io));
 }
@@ -146,8 +190,7 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
     const TokenPlace place = place_of(l, tokens, token);
     if (!place.quantized) {
       const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
-#pragma unroll
-      for (int c = 0; c < kPerWord; ++c) out[c] = load_element(spec.element, in + (d0 + c) * element);
+      load_elements<kPerWord>(spec.element, in + d0 * element, out);
       continue;
     }
     const int64_t s = place.slot_index, in_page = s % spec.page_size;
@@ -325,8 +368,9 @@ __device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment
 // every block of the kernel before it has called allow_dependent_launch
 // (or exited), and wait_for_prerequisite_grid waits until that kernel has
 // completed and its writes are visible. decode_attention uses it so that
-// the exact ranges' blocks fill the int8 kernel's last wave and the merge
-// launches while they run (kernels/decode_attention.cu, launch_for_bits).
+// the exact ranges' blocks run beside the int8 kernel's (or fill its last
+// wave) and the merge launches while they run (kernels/decode_attention.cu,
+// launch_for_bits).
 __device__ inline void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -343,7 +387,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
   // Launched as the int8 kernel's dependent (the exact ranges), it reads
   // nothing that kernel writes, and waits for it before it exits, so that
-  // its completion (what the merge waits for) implies the int8 kernel's.
+  // its completion (what the merge waits for) implies the int8 kernel's;
+  // launched first (DecodePlan::exact_first), the int8 kernel may start
+  // once every block of this one runs.
   allow_dependent_launch();
   constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
   constexpr int kPerLane = D / kWarpSize;

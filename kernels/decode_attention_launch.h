@@ -26,6 +26,11 @@ struct DecodePlan {
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
   int32_t splits = 0;            // its blocks per (KV head, sequence)
   int32_t exact_splits = 0;      // tensor cores: the general kernel's blocks over the exact ranges
+  // int8: the exact ranges' blocks are few (at most an eighth of the int8
+  // kernel's resident blocks: batch 1), so they launch first and run beside
+  // the int8 kernel's, whose splits are planned for the slots they leave;
+  // else the int8 kernel launches first and their blocks fill its last wave.
+  bool exact_first = false;
   int64_t states = 0;            // split states per query head: splits + exact_splits
 };
 

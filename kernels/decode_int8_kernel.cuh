@@ -222,13 +222,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // Lanes that write a head's per-lane state (packed: lanes c ^ 2 hold the same heads).
   const bool head_writer = g == 0 && (!kPacked || c < 2);
   // The exact ranges' kernel, launched behind this one as its dependent,
-  // may start as soon as every block of this one runs.
+  // may start as soon as every block of this one runs; launched behind it
+  // (DecodePlan::exact_first), this one waits for it before it exits, so
+  // that its completion (what the merge waits for) implies theirs.
   allow_dependent_launch();
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
+    wait_for_prerequisite_grid();
     return;
   }
   const int32_t slot = p.batch.slots[entry];
@@ -775,6 +778,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   __syncthreads();
 
   write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
+  wait_for_prerequisite_grid();
 }
 
 }  // namespace kvforge::kernels::decode_attention_device
