@@ -185,6 +185,9 @@ int run(int argc, char** argv) {
   app.add_option("--commit", commit);
   app.add_option("--command", command);
   CLI11_PARSE(app, argc, argv);
+  // The benchmark's own command line, next to the caller's (--command): the
+  // report says which contexts, batches, methods and bits it ran.
+  const std::vector<std::string> arguments(argv, argv + argc);
   if (kernels::cuda_device_count() == 0) {
     std::cerr << "kvforge_bench_decode_attention: no CUDA device\n";
     return 2;
@@ -429,6 +432,7 @@ int run(int argc, char** argv) {
                                  {"machine", properties.name},
                                  {"commit", commit},
                                  {"command", command},
+                                 {"arguments", arguments},
                                  {"copy_bandwidth_bytes_per_s", copy_bandwidth},
                                  {"rows", rows}};
   std::ofstream(out) << report.dump(1) << "\n";

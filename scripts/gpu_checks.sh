@@ -269,7 +269,8 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   [ -z "${DECODE_BENCH_BF16:-}" ] || bf16_columns="--bf16-tensor-cores"
   ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $bf16_columns \
     $baselines --commit "${KVFORGE_COMMIT:-unknown}" \
-    --command "GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" > "$LOGS/decode_attention_bench.log" 2>&1 \
+    --command "DECODE_BENCH_ARGS='${DECODE_BENCH_ARGS:-}' DECODE_BENCH_BF16='${DECODE_BENCH_BF16:-}' SKIP_BASELINES='${SKIP_BASELINES:-}' DECODE_BASELINES_ARGS='${DECODE_BASELINES_ARGS:-}' GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" \
+    > "$LOGS/decode_attention_bench.log" 2>&1 \
     || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
   tail -6 "$LOGS/decode_attention_bench.log"; }
   # Where the tensor-core kernel's time goes: Nsight Compute on one launch
