@@ -12,7 +12,12 @@ Input: the output of `cuobjdump -sass -fun MANGLED_NAME OBJECT` (cuobjdump
 comes with the CUDA toolkit; where it is missing, the PyPI wheel
 nvidia-cuda-cuobjdump carries it).
 
-Usage: bench/sass_loop_spills.py SASS_FILE
+The longest backward branch can be an outer one (a shuffle's divergence
+retry around the step loop, as in the int8 decode): --loops lists every
+backward branch spanning at least 16 KB of code with its own counts, so
+that the step loop can be picked by hand.
+
+Usage: bench/sass_loop_spills.py SASS_FILE [--loops]
 """
 import re
 import sys
@@ -43,17 +48,38 @@ def main_loop(code):
     return best
 
 
+def large_loops(code, span=0x4000):
+    """[(first, last)] of every backward branch spanning at least `span` bytes, in address order."""
+    loops = set()
+    for address, text in code:
+        if "BRA" not in text or "BRA.DIV" in text:
+            continue
+        m = re.search(r"0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address and address - int(m.group(1), 16) >= span:
+            loops.add((int(m.group(1), 16), address))
+    return sorted(loops)
+
+
+def count(op, where):
+    return sum(1 for text in where if re.search(rf"\b{op}(\.|\s|$)", text))
+
+
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--loops"):
         sys.exit(__doc__)
     code = instructions(open(sys.argv[1]).read())
     if not code:
         sys.exit(f"{sys.argv[1]}: no SASS instructions (expected cuobjdump -sass output)")
+    if len(sys.argv) == 3:
+        for first, last in large_loops(code):
+            inside = [text for address, text in code if first <= address <= last]
+            print(f"loop {first:#x}-{last:#x}: {len(inside)} instructions, LDL {count('LDL', inside)}, "
+                  f"STL {count('STL', inside)}, LDS {count('LDS', inside)}")
+        return
     loop = main_loop(code)
     if loop is None:
         sys.exit(f"{sys.argv[1]}: no backward branch, so no loop")
     inside = [text for address, text in code if loop[0] <= address <= loop[1]]
-    count = lambda op, where: sum(1 for text in where if re.search(rf"\b{op}(\.|\s|$)", text))
     every = [text for _, text in code]
     print(f"main loop {loop[0]:#x}-{loop[1]:#x}: {len(inside)} instructions, "
           f"LDL {count('LDL', inside)}, STL {count('STL', inside)}; "
