@@ -269,9 +269,9 @@ __device__ inline float rotated_query_element(const Rotation& rotation, const fl
     const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
     float out = 0.0f;
     // The fmas stay one chain in k order (6.3's arithmetic); unrolled, the
-    // matrix loads of 16 steps are in flight at once instead of one: the
-    // chain of dependent loads made the rotation most of a short block's
-    // time (the exact ranges' blocks of 32 tokens).
+    // matrix loads of 16 steps are in flight at once instead of one load
+    // per fma of the chain (every block rotates its group's queries, also
+    // the exact ranges' short ones).
 #pragma unroll 16
     for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
     return out;
