@@ -102,10 +102,8 @@ void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
 DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
   DecodeCase c;
-  c.name = std::move(name);
-  c.fit = kernel_test_fit(method, bits);
-  c.head_dim = head_dim;
-  c.heads = heads;
+  static_cast<KernelCase&>(c) = make_kernel_case(std::move(name), method, bits, head_dim, heads);
+  c.tokens_per_split = 256;
   return c;
 }
 

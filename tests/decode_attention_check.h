@@ -25,6 +25,7 @@
 #include "kernels/decode_params.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
+#include "tests/kernel_cases.h"
 #include "model/rope.h"
 
 namespace kvforge::testing {
@@ -63,18 +64,10 @@ kernels::DecodeParams device_params(DeviceArrays& device, const kernels::DecodeP
 
 // ------------------------------------------------------------ cases
 
-struct DecodeCase {
-  std::string name;
-  FitOptions fit;
-  int64_t head_dim = 128;
-  int64_t heads = 2;  // query heads; kv_heads is kDecodeKvHeads
-  int64_t page_size = 16;
-  kernels::ElementType element = kernels::ElementType::kFloat16;
+// A layout case (tests/kernel_cases.h; kv_heads is kDecodeKvHeads, splits
+// of 256 tokens unless the case says otherwise) with what decode adds.
+struct DecodeCase : KernelCase {
   kernels::ElementType io = kernels::ElementType::kFloat32;
-  RotationForm key_rotation = RotationForm::kNone;
-  RotationForm value_rotation = RotationForm::kNone;
-  bool key_centre = false;
-  int64_t tokens_per_split = 256;
   std::vector<int64_t> lengths{1, 5, 37, 300, 1031, 4099};
   // kInt8TensorCores: the case must be one the 8-bit integer kernel reads
   // (a test failure otherwise), and its operand terms join the bound.
@@ -83,7 +76,8 @@ struct DecodeCase {
 
 void PrintTo(const DecodeCase& c, std::ostream* os);
 
-// A case of the method at `bits` without Fisher weights, calibrated on every token.
+// A case of the method at `bits` without Fisher weights, calibrated on every
+// token (make_kernel_case's), with splits of 256 tokens.
 DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads);
 
 // One layer's configuration fitted by calib on synthetic windows (rotated

@@ -34,6 +34,7 @@
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/quantized_kv_cache.h"
 #include "tests/kernel_activations.h"
+#include "tests/kernel_cases.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -44,29 +45,9 @@ using kernels::TensorKind;
 
 constexpr int64_t kKvHeads = 2, kLayers = 2;
 
-struct Case {
-  std::string name;
-  FitOptions fit;
-  int64_t head_dim = 128;
-  int64_t heads = 2;
-  int64_t page_size = 16;
-  ElementType element = ElementType::kFloat16;
-  RotationForm key_rotation = RotationForm::kNone;
-  RotationForm value_rotation = RotationForm::kNone;
-  bool key_centre = false;
-  bool long_context = false;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
-  Case c;
-  c.name = std::move(name);
-  c.fit = testing::kernel_test_fit(method, bits);
-  c.head_dim = head_dim;
-  c.heads = heads;
-  return c;
-}
+// The layouts (tests/kernel_cases.h): the CPU reference's, and some more.
+using Case = testing::KernelCase;
+using testing::make_kernel_case;
 
 using testing::array_of;
 using testing::to_element;
@@ -225,98 +206,22 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
 }
 
 std::vector<Case> cases() {
-  std::vector<Case> all;
-  {  // KVQuant: offline pre-RoPE keys with thresholds, all-heads values with top/bottom outliers, sink 1.
-    Case c = make_case("kvquant_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
-    c.fit.outlier_fraction = 0.04;
-    all.push_back(c);
-  }
-  {  // Rotated: pair angles on the pre-RoPE keys, a matrix on the values; 4 bits, a page of 12.
-    Case c = make_case("kvquant_rotated_4bit_d64_gqa1_page12", QuantMethod::kKvquant, 4, 64, 2);
-    c.fit.outlier_fraction = 0.04;
-    c.page_size = 12;
-    c.key_rotation = RotationForm::kPairAngles;
-    c.value_rotation = RotationForm::kMatrix;
-    all.push_back(c);
-  }
-  {  // KVQuant's tau variant (per-head values, token_tau outliers); bf16.
-    Case c = make_case("kvquant_tau_2bit_d64_gqa4_bf16", QuantMethod::kKvquant, 2, 64, 8);
-    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
-    c.fit.outlier_fraction = 0.03;
-    c.element = ElementType::kBFloat16;
-    all.push_back(c);
-  }
+  std::vector<Case> all = testing::layout_cases();
   {  // KVQuant with per-head top/bottom values.
-    Case c = make_case("kvquant_per_head_values_4bit_d128_gqa8", QuantMethod::kKvquant, 4, 128, 16);
+    Case c = make_kernel_case("kvquant_per_head_values_4bit_d128_gqa8", QuantMethod::kKvquant, 4, 128, 16);
     c.fit.value_grouping = Grouping::kPerToken;
     c.fit.outlier_fraction = 0.05;
     all.push_back(c);
   }
-  {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
-    Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
-    c.fit.residual_tokens = 32;
-    all.push_back(c);
-  }
-  {  // KIVI at 4 bits with a sink, a page (12) that divides no group, sliding keys.
-    Case c = make_case("kivi_sliding_sink_4bit_d64_gqa1_page12", QuantMethod::kKivi, 4, 64, 2);
-    c.fit.residual_tokens = 32;
-    c.fit.sink_tokens = 2;
-    c.fit.key_residual_rule = ResidualRule::kSliding;
-    c.page_size = 12;
-    all.push_back(c);
-  }
   {  // KIVI sliding without a residual: a ring of G - 1 tokens, the completing token takes the first one's row.
-    Case c = make_case("kivi_sliding_no_residual_2bit_d64_gqa4", QuantMethod::kKivi, 2, 64, 8);
+    Case c = make_kernel_case("kivi_sliding_no_residual_2bit_d64_gqa4", QuantMethod::kKivi, 2, 64, 8);
     c.fit.residual_tokens = 0;
     c.fit.key_group = 16;
     c.fit.key_residual_rule = ResidualRule::kSliding;
     all.push_back(c);
   }
-  {  // KIVI with a page of 64 holding two groups; fp32 elements.
-    Case c = make_case("kivi_4bit_d128_gqa1_page64_fp32", QuantMethod::kKivi, 4, 128, 2);
-    c.fit.residual_tokens = 64;
-    c.fit.key_group = 32;
-    c.page_size = 64;
-    c.element = ElementType::kFloat32;
-    all.push_back(c);
-  }
-  {  // int2-rot: a matrix with a centre on the keys, a matrix on the values.
-    Case c = make_case("int2rot_rotated_2bit_d128_gqa4", QuantMethod::kInt2Rot, 2, 128, 8);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.key_rotation = RotationForm::kMatrix;
-    c.value_rotation = RotationForm::kMatrix;
-    c.key_centre = true;
-    all.push_back(c);
-  }
-  {  // int2-rot unrotated at 4 bits, page 12.
-    Case c = make_case("int2rot_4bit_d64_gqa1_page12", QuantMethod::kInt2Rot, 4, 64, 2);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.page_size = 12;
-    all.push_back(c);
-  }
-  all.push_back(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2));
-  all.push_back(make_case("rtn_4bit_d64_gqa4", QuantMethod::kRtn, 4, 64, 8));
-  {  // RTN with groups of 32 channels and top/bottom outliers per head.
-    Case c = make_case("rtn_groups32_outliers_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
-    c.fit.key_group = 32;
-    c.fit.value_group = 32;
-    c.fit.outlier_fraction = 0.05;
-    all.push_back(c);
-  }
-  {  // Long contexts (3003 and 1404 tokens): KVQuant and int2-rot rotated.
-    Case c = make_case("kvquant_long_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
-    c.fit.outlier_fraction = 0.02;
-    c.long_context = true;
-    all.push_back(c);
-    Case r = make_case("int2rot_rotated_long_4bit_d128_gqa4", QuantMethod::kInt2Rot, 4, 128, 8);
-    r.fit.sink_tokens = 4;
-    r.fit.residual_tokens = 64;
-    r.key_rotation = r.value_rotation = RotationForm::kMatrix;
-    r.long_context = true;
-    all.push_back(r);
-    Case k = make_case("kivi_long_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
+  {  // KIVI over a long context (as the layouts' long KVQuant and int2-rot).
+    Case k = make_kernel_case("kivi_long_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
     k.fit.residual_tokens = 128;
     k.long_context = true;
     all.push_back(k);
@@ -507,13 +412,13 @@ TEST_P(AppendCudaLarge, PoolsEqualTheCpuReferenceAfterEveryRound) {
 std::vector<LargeWorkload> large_workloads() {
   std::vector<LargeWorkload> all;
   {  // KVQuant's tau variant at batch 64: per-token outliers of 64 sequences popping the free stack at once.
-    Case c = make_case("kvquant_tau_2bit_d128_gqa4_batch64", QuantMethod::kKvquant, 2, 128, 8);
+    Case c = make_kernel_case("kvquant_tau_2bit_d128_gqa4_batch64", QuantMethod::kKvquant, 2, 128, 8);
     c.fit.value_outlier_rule = OutlierRule::kTokenTau;
     c.fit.outlier_fraction = 0.03;
     all.push_back({c, testing::mixed_lengths(64, 8192, 5), 1000});
   }
   {  // int2-rot rotated at 4 bits, batch 64: sink, ring and rotation per sequence; page 12.
-    Case c = make_case("int2rot_rotated_4bit_d64_gqa8_page12_batch64", QuantMethod::kInt2Rot, 4, 64, 16);
+    Case c = make_kernel_case("int2rot_rotated_4bit_d64_gqa8_page12_batch64", QuantMethod::kInt2Rot, 4, 64, 16);
     c.fit.sink_tokens = 4;
     c.fit.residual_tokens = 16;
     c.key_rotation = c.value_rotation = RotationForm::kMatrix;
@@ -522,7 +427,7 @@ std::vector<LargeWorkload> large_workloads() {
     all.push_back({c, testing::mixed_lengths(64, 8192, 6), 700});
   }
   {  // One 128K context: KVQuant (pre-RoPE keys with thresholds, value outliers, sink 1) in chunks of 8192.
-    Case c = make_case("kvquant_2bit_d128_gqa4_128k", QuantMethod::kKvquant, 2, 128, 8);
+    Case c = make_kernel_case("kvquant_2bit_d128_gqa4_128k", QuantMethod::kKvquant, 2, 128, 8);
     c.fit.outlier_fraction = 0.02;
     all.push_back({c, {131072}, 8192});
   }
@@ -571,7 +476,7 @@ CpuAndCuda cpu_and_cuda(const Case& c, uint64_t seed, kernels::CacheOptions opti
 // CUDA append itself returns, and the synchronize() after it reports the
 // exhaustion, once, naming the layer and the batch.
 void expect_exhaustion_as_on_the_cpu(bool asynchronous) {
-  Case c = make_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
+  Case c = make_kernel_case("kvquant_small_pool", QuantMethod::kKvquant, 2, 64, 2);
   c.fit.outlier_fraction = 0.05;
   kernels::CacheOptions options;
   options.max_sequences = 2;
@@ -634,7 +539,7 @@ TEST(AppendCudaOutlierPool, AsynchronousExhaustionIsReportedBySynchronize) {
 TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatTheCpuDoes) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const QuantMethod method : {QuantMethod::kKvquant, QuantMethod::kKivi}) {
-    Case c = make_case(method == QuantMethod::kKvquant ? "kvquant_async" : "kivi_async", method, 2, 128, 8);
+    Case c = make_kernel_case(method == QuantMethod::kKvquant ? "kvquant_async" : "kivi_async", method, 2, 128, 8);
     kernels::CacheOptions options;
     options.max_sequences = 3;
     options.max_context = 512;

@@ -40,6 +40,7 @@
 #include "kernels/element_conversion.h"
 #include "kernels/quantized_kv_cache.h"
 #include "tests/kernel_activations.h"
+#include "tests/kernel_cases.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -181,22 +182,9 @@ TEST(RuntimeLayout, WindowsFollowTheArtifactRule) {
 
 // ------------------------------------------------------------ configurations
 
-struct Case {
-  std::string name;
-  FitOptions fit;
-  int64_t head_dim = 128;
-  int64_t heads = 2;  // query heads; kv_heads is 2
-  int64_t page_size = 16;
-  ElementType element = ElementType::kFloat16;
-  RotationForm key_rotation = RotationForm::kNone;
-  RotationForm value_rotation = RotationForm::kNone;
-  bool key_centre = false;
-  int64_t tokens_per_split = 16;
-  bool long_context = false;  // thousands of tokens in chunks of 1000 instead of the short schedule
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads);
+// The layouts: tests/kernel_cases.h (the CUDA append test runs them too).
+using Case = testing::KernelCase;
+using testing::make_kernel_case;
 
 constexpr int64_t kKvHeads = 2, kLayers = 2;
 
@@ -646,107 +634,7 @@ TEST_P(RuntimeKernelsCpu, StreamedBatchReadsBackTheOracleAndAttendsLikeFloat64) 
   }
 }
 
-Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
-  Case c;
-  c.name = std::move(name);
-  c.fit = testing::kernel_test_fit(method, bits);
-  c.head_dim = head_dim;
-  c.heads = heads;
-  return c;
-}
-
-std::vector<Case> cases() {
-  std::vector<Case> all;
-  {  // KVQuant: offline pre-RoPE keys with thresholds, all-heads values with top/bottom outliers, Q-Norm, sink 1.
-    Case c = make_case("kvquant_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
-    c.fit.outlier_fraction = 0.04;
-    all.push_back(c);
-  }
-  {  // Rotated: pair angles on the pre-RoPE keys, a matrix on the values; 4 bits, a page of 12.
-    Case c = make_case("kvquant_rotated_4bit_d64_gqa1_page12", QuantMethod::kKvquant, 4, 64, 2);
-    c.fit.outlier_fraction = 0.04;
-    c.page_size = 12;
-    c.key_rotation = RotationForm::kPairAngles;
-    c.value_rotation = RotationForm::kMatrix;
-    c.tokens_per_split = 0;
-    all.push_back(c);
-  }
-  {  // KVQuant's tau variant: per-head values with token_tau outliers; bf16 elements.
-    Case c = make_case("kvquant_tau_2bit_d64_gqa4_bf16", QuantMethod::kKvquant, 2, 64, 8);
-    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
-    c.fit.outlier_fraction = 0.03;
-    c.element = ElementType::kBFloat16;
-    all.push_back(c);
-  }
-  {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
-    Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
-    c.fit.residual_tokens = 32;
-    all.push_back(c);
-  }
-  {  // KIVI at 4 bits with a sink, a page (12) that divides no group of 32, sliding keys.
-    Case c = make_case("kivi_sliding_sink_4bit_d64_gqa1_page12", QuantMethod::kKivi, 4, 64, 2);
-    c.fit.residual_tokens = 32;
-    c.fit.sink_tokens = 2;
-    c.fit.key_residual_rule = ResidualRule::kSliding;
-    c.page_size = 12;
-    c.tokens_per_split = 32;
-    all.push_back(c);
-  }
-  {  // KIVI with a page (64) holding two groups, no residual for... values slide over 32.
-    Case c = make_case("kivi_4bit_d128_gqa1_page64_fp32", QuantMethod::kKivi, 4, 128, 2);
-    c.fit.residual_tokens = 64;
-    c.fit.key_group = 32;
-    c.page_size = 64;
-    c.element = ElementType::kFloat32;
-    all.push_back(c);
-  }
-  {  // int2-rot with its learned-rotation form: a matrix (with a centre) on the keys and the values.
-    Case c = make_case("int2rot_rotated_2bit_d128_gqa4", QuantMethod::kInt2Rot, 2, 128, 8);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.key_rotation = RotationForm::kMatrix;
-    c.value_rotation = RotationForm::kMatrix;
-    c.key_centre = true;
-    all.push_back(c);
-  }
-  {  // int2-rot unrotated at 4 bits, page 12.
-    Case c = make_case("int2rot_4bit_d64_gqa1_page12", QuantMethod::kInt2Rot, 4, 64, 2);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.page_size = 12;
-    all.push_back(c);
-  }
-  {  // RTN, no windows.
-    all.push_back(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2));
-    Case c = make_case("rtn_4bit_d64_gqa4_split64", QuantMethod::kRtn, 4, 64, 8);
-    c.tokens_per_split = 64;
-    all.push_back(c);
-  }
-  {  // Long contexts (3003 and 1404 tokens), splits of 256: KVQuant, and int2-rot rotated.
-    Case c = make_case("kvquant_long_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
-    c.fit.outlier_fraction = 0.02;
-    c.tokens_per_split = 256;
-    c.long_context = true;
-    all.push_back(c);
-    Case r = make_case("int2rot_rotated_long_4bit_d128_gqa4", QuantMethod::kInt2Rot, 4, 128, 8);
-    r.fit.sink_tokens = 4;
-    r.fit.residual_tokens = 64;
-    r.key_rotation = r.value_rotation = RotationForm::kMatrix;
-    r.tokens_per_split = 256;
-    r.long_context = true;
-    all.push_back(r);
-  }
-  {  // RTN with groups of 32 channels and top/bottom outliers per head.
-    Case c = make_case("rtn_groups32_outliers_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
-    c.fit.key_group = 32;
-    c.fit.value_group = 32;
-    c.fit.outlier_fraction = 0.05;
-    all.push_back(c);
-  }
-  return all;
-}
-
-INSTANTIATE_TEST_SUITE_P(Layouts, RuntimeKernelsCpu, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Layouts, RuntimeKernelsCpu, ::testing::ValuesIn(testing::layout_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // ------------------------------------------------------------ the eval's cache
@@ -821,13 +709,13 @@ void expect_runtime_reads_what_eval_simulates(const Case& c) {
 }
 
 TEST(RuntimeKernelsCpuAgainstEval, KvquantReadsWhatTheSimulatedCacheReturns) {
-  Case c = make_case("kvquant_vs_eval", QuantMethod::kKvquant, 2, 64, 4);
+  Case c = make_kernel_case("kvquant_vs_eval", QuantMethod::kKvquant, 2, 64, 4);
   c.fit.outlier_fraction = 0.05;
   expect_runtime_reads_what_eval_simulates(c);
 }
 
 TEST(RuntimeKernelsCpuAgainstEval, SlidingKiviWithASinkReadsWhatTheSimulatedCacheReturns) {
-  Case c = make_case("kivi_vs_eval", QuantMethod::kKivi, 2, 64, 4);
+  Case c = make_kernel_case("kivi_vs_eval", QuantMethod::kKivi, 2, 64, 4);
   c.fit.residual_tokens = 8;
   c.fit.key_group = 8;
   c.fit.value_group = 16;
