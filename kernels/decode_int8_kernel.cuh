@@ -660,27 +660,31 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     }
 #pragma unroll
     for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
-      uint32_t words[2][4][4];  // [part][i][tile - 4 w4]
+      // Each part's words are gathered into the A registers of the four m
+      // tiles before the next part's are loaded (the fence keeps the loads
+      // apart), so that 16 words are live at a time, not 32.
+      uint32_t a_of[4][4];  // [tile - 4 w4][A register]
 #pragma unroll
       for (int part = 0; part < 2; ++part) {
+        uint32_t words[4][4];  // [i][tile - 4 w4]
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint4 u = stage.value_codes[value_row[part][i] * kRowChunks + w4];
-          words[part][i][0] = u.x, words[part][i][1] = u.y, words[part][i][2] = u.z, words[part][i][3] = u.w;
+          words[i][0] = u.x, words[i][1] = u.y, words[i][2] = u.z, words[i][3] = u.w;
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t gathered = int8_mma::gather_byte(words[0][j], words[1][j], words[2][j], words[3][j], g % 4);
+          a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
+          a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+        }
+        asm volatile("" ::: "memory");
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int tile = 4 * w4 + j;
         const int vg = tile / kTilesPerGroup;
-        uint32_t a[4];
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          const uint32_t gathered = int8_mma::gather_byte(words[part][0][j], words[part][1][j], words[part][2][j],
-                                                          words[part][3][j], g % 4);
-          a[2 * part] = int8_mma::value_a_register(gathered, g, 0);
-          a[2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
-        }
+        const uint32_t (&a)[4] = a_of[j];
         // B column g: packed, part g / 4 of head g % 4; else head g's high
         // and low parts in two mmas.
         auto b_register = [&](int part, int head, int half) {
