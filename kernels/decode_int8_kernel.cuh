@@ -160,26 +160,6 @@ __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, u
   return min == max ? Affine{min, 0.0f} : Affine{lo, b};
 }
 
-// cp.async of kBytes to a shared-memory address, skipped where !copy: the
-// walk keeps its destinations as 32-bit shared addresses (no generic-to-
-// shared conversion per copy) and predicates its copies rather than
-// branching around them.
-template <int kBytes>
-__device__ inline void copy_async_to(uint32_t shared, const void* global, bool copy) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (kBytes == 16) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(shared),
-        "l"(global), "r"(static_cast<int>(copy))
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], %3;\n}\n" ::"r"(shared),
-        "l"(global), "r"(static_cast<int>(copy)), "n"(kBytes)
-        : "memory");
-  }
-}
-
 // A group pair (4 or 8 bytes) into its slot of the stage.
 __device__ inline void copy_pair_async_to(uint32_t shared, const uint8_t* global, int32_t pair_bytes, bool copy) {
   copy_async_to<4>(shared, global, copy && pair_bytes == 4);

@@ -142,6 +142,26 @@ __device__ inline void copy_async(void* shared, const void* global) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes) : "memory");
   }
 }
+// The same to a 32-bit shared-memory address, skipped where !copy: the
+// int8 kernel's walk keeps its destinations as such addresses (no generic-
+// to-shared conversion per copy) and predicates its copies rather than
+// branching around them.
+template <int kBytes>
+__device__ inline void copy_async_to(uint32_t shared, const void* global, bool copy) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(shared),
+        "l"(global), "r"(static_cast<int>(copy))
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], %3;\n}\n" ::"r"(shared),
+        "l"(global), "r"(static_cast<int>(copy)), "n"(kBytes)
+        : "memory");
+  }
+}
+
 // The online softmax's rescale of C fragments (columns 2c, 2c + 1 in
 // registers 0/2 and 1/3) by their heads' alphas.
 template <int kTiles>
