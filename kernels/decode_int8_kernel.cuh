@@ -179,6 +179,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
   constexpr int kTop = 3;
   static_assert(VG == 1 || VG == D / 32, "value groups: one per row or of 32 channels");
+  static_assert(kInt8StepTokens * 3 * 64 * 255 < (1 << 22), "the packed value sums convert by a float add");
   constexpr int kTilesPerGroup = kMTiles / VG;
   using Stage = Int8Stage<D, VG>;
   // Key mmas per k step and row block (packed: one for both parts), and the
@@ -671,11 +672,15 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
           return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
         };
         if constexpr (kPacked) {
-          int sum[4] = {0, 0, 0, 0};
+          // The sums start from kIntegerBiasBits: at most 32 tokens x 192
+          // (a code times its plane) x 255 < 2^22, they convert to float in
+          // one float add, not on the conversion pipe.
+          int sum[4] = {int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits,
+                        int8_mma::kIntegerBiasBits};
           mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] = __fmaf_rn(static_cast<float>(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
+            acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
           }
         } else {
           int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};

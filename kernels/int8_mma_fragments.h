@@ -42,6 +42,7 @@
 // block 1's (packed_kept): each lane scores 2 tokens of 2 heads, not 4.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/runtime_layout.h"
 
@@ -136,6 +137,44 @@ KVFORGE_HOST_DEVICE inline uint32_t value_a_register(uint32_t gathered, int g, i
   return gathered & (kCodeBytes << (2 * value_row_log4(g + 8 * upper)));
 }
 
+// ---------------------------------------------------------------- integers through float adds
+
+// Hopper converts between int32 and float32, and rounds a float to an
+// integer, at 16 per clock per multiprocessor, on the pipe that also runs
+// ex2; float adds run at 128. Integers of a known small range go through a
+// float add instead: for |n| < 2^22 the float kIntegerBias + n is exact, its
+// last place is worth 1 and its bits are kIntegerBiasBits + n; and adding
+// kIntegerBias to a float x of that range rounds x to an integer (to
+// nearest, ties to even: rintf's and __float2uint_rn's rounding).
+inline constexpr float kIntegerBias = 12582912.0f;       // 1.5 * 2^23
+inline constexpr int32_t kIntegerBiasBits = 0x4B400000;  // its bits; the low 16 are 0
+
+// kIntegerBiasBits + rint(x), for |x| < 2^22: its low byte is rint(x) as an
+// 8-bit two's complement number (|x| < 127.5), its low 16 bits rint(x)
+// itself for 0 <= x < 65535.5.
+KVFORGE_HOST_DEVICE inline int32_t biased_integer(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_int(__fadd_rn(x, kIntegerBias));
+#else
+  const float biased = x + kIntegerBias;
+  int32_t bits = 0;
+  std::memcpy(&bits, &biased, sizeof bits);
+  return bits;
+#endif
+}
+
+// n from kIntegerBiasBits + n (|n| < 2^22), exactly: the float add that
+// replaces an int32-to-float conversion.
+KVFORGE_HOST_DEVICE inline float unbiased_float(int32_t biased) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(__int_as_float(biased), kIntegerBias);
+#else
+  float value = 0.0f;
+  std::memcpy(&value, &biased, sizeof value);
+  return value - kIntegerBias;
+#endif
+}
+
 // ---------------------------------------------------------------- parts
 
 // x (|x| <= scale * 127) as scale * (hi + lo / 128) with hi, lo int8: the
@@ -143,11 +182,13 @@ KVFORGE_HOST_DEVICE inline uint32_t value_a_register(uint32_t gathered, int g, i
 struct SignedParts {
   int8_t hi = 0, lo = 0;
 };
+// Both roundings are float adds (biased_integer); scaled - hi and its
+// product with 128 are exact.
 KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale) {
   const float scaled = x * inverse_scale;
-  const float hi = rintf(scaled);
-  const float lo = rintf((scaled - hi) * 128.0f);
-  return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};
+  const int32_t hi = biased_integer(scaled);
+  const int32_t lo = biased_integer((scaled - unbiased_float(hi)) * 128.0f);
+  return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};  // the low bytes
 }
 
 // w (0 <= w <= unit * 65535, or slightly above from an approximate
@@ -155,19 +196,15 @@ KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale
 // 16-bit fixed-point number: the weights' two parts, both unsigned so that
 // one mma type serves both (and packed parts share one mma).
 // |w - unit (256 hi + lo)| <= unit / 2 for w <= unit * 65535. One multiply,
-// one clamp and one rounding conversion; the parts are the bytes.
+// one clamp and one rounding add (biased_integer); the parts are the bytes.
 inline constexpr float kWeightSteps = 65535.0f;  // the largest 256 hi + lo
 struct WeightParts {
   uint8_t hi = 0, lo = 0;
 };
 KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_unit) {
   const float scaled = fminf(w * inverse_unit, kWeightSteps);
-#ifdef __CUDA_ARCH__
-  const uint32_t q = __float2uint_rn(scaled);
-#else
-  const auto q = static_cast<uint32_t>(rintf(scaled));
-#endif
-  return {static_cast<uint8_t>(q >> 8), static_cast<uint8_t>(q & 0xffu)};
+  const int32_t q = biased_integer(scaled);  // rint(scaled) in the low 16 bits
+  return {static_cast<uint8_t>(q >> 8), static_cast<uint8_t>(q)};
 }
 
 // ---------------------------------------------------------------- packed parts

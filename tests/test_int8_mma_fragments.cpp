@@ -307,6 +307,39 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
   }
 }
 
+// The kernel's integer conversions by float adds: exact over the ranges it
+// uses them for, and rounding as rintf (to nearest, ties to even).
+TEST(Int8MmaFragments, FloatAddsConvertSmallIntegersExactly) {
+  for (int n = -70000; n <= 70000; ++n) {
+    ASSERT_EQ(mma::unbiased_float(mma::kIntegerBiasBits + n), static_cast<float>(n)) << n;
+  }
+  for (const int n : {-(1 << 22) + 1, (1 << 22) - 1}) {
+    ASSERT_EQ(mma::unbiased_float(mma::kIntegerBiasBits + n), static_cast<float>(n)) << n;
+  }
+  // The packed value sums (32 tokens, codes up to 3 times 4^3, weight parts
+  // up to 255) start from the bias in the mma's int32 accumulator.
+  const int64_t largest_value_sum = 32 * 192 * 255;
+  ASSERT_LT(largest_value_sum, int64_t{1} << 22);
+  ASSERT_LT(mma::kIntegerBiasBits + largest_value_sum, int64_t{1} << 31);
+  ASSERT_EQ(mma::unbiased_float(mma::kIntegerBiasBits + static_cast<int32_t>(largest_value_sum)),
+            static_cast<float>(largest_value_sum));
+
+  std::vector<float> xs = {0.0f, -0.0f, 0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 126.5f, -126.5f, 127.49f,
+                           65534.5f, 65535.0f, 65535.49f, 4194303.5f, -4194303.0f};
+  std::mt19937 random(23);
+  std::uniform_real_distribution<float> uniform(-4194303.0f, 4194303.0f);
+  std::uniform_real_distribution<float> small(-200.0f, 200.0f);
+  for (int i = 0; i < 100000; ++i) xs.push_back(i % 2 == 0 ? uniform(random) : small(random));
+  for (const float x : xs) {
+    const int32_t biased = mma::biased_integer(x);
+    const auto rounded = static_cast<int32_t>(std::rint(x));
+    ASSERT_EQ(biased - mma::kIntegerBiasBits, rounded) << x;
+    ASSERT_EQ(mma::unbiased_float(biased), std::rint(x)) << x;
+    if (std::fabs(x) < 127.5f) ASSERT_EQ(static_cast<int8_t>(biased), rounded) << x;
+    if (x >= 0.0f && x < 65535.5f) ASSERT_EQ(biased & 0xffff, rounded) << x;
+  }
+}
+
 // The parts' bounds (the kernel's test bound uses them): queries
 // |x - s (hi + lo / 128)| <= s / 256, weights |w - u (256 hi + lo)| <= u / 2 (hi, lo uint8),
 // plus float32's share: the scale and its inverse round separately (s times
