@@ -287,6 +287,49 @@ __device__ inline float rotated_query_element(const Rotation& rotation, const fl
   return q[j];
 }
 
+// The GQA group's queries rotated by the keys' rotation of `kv_head`:
+// query[h * D + j] = rotated_query_element of raw[h * D ...] for h < group
+// (raw: rows of D floats in shared memory, 16-byte aligned; read up to the
+// next multiple of 4 rows), 0 for group <= h < heads (an mma's padding).
+// The block's threads together; the caller synchronizes. A matrix column
+// is read once for four heads, whose sums (each rotated_query_element's one
+// fma chain in k order) run side by side: each block rotates its group's
+// queries, also the exact ranges' blocks of 64 tokens, where one chain per
+// element was half of their time.
+template <int D>
+__device__ inline void rotate_group_queries(const Rotation& rotation, int kv_head, int group, int heads,
+                                            const float* raw, float* query) {
+  for (int i = group * D + static_cast<int>(threadIdx.x); i < heads * D; i += blockDim.x) query[i] = 0.0f;
+  if (rotation.kind != RotationKind::kMatrix) {
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+      query[i] = rotated_query_element<D>(rotation, raw + (i / D) * D, kv_head, i % D);
+    }
+    return;
+  }
+  constexpr int kHeads = 4;  // per thread
+  const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+  const int units = (group + kHeads - 1) / kHeads * D;
+  for (int unit = threadIdx.x; unit < units; unit += blockDim.x) {
+    const int j = unit % D, first_head = unit / D * kHeads;
+    const float* rows = raw + first_head * D;
+    float sum[kHeads] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 2
+    for (int k = 0; k < D; k += 4) {
+      const float r0 = matrix[k * D + j], r1 = matrix[(k + 1) * D + j];
+      const float r2 = matrix[(k + 2) * D + j], r3 = matrix[(k + 3) * D + j];
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        const float4 x = *reinterpret_cast<const float4*>(rows + h * D + k);
+        sum[h] = __fmaf_rn(x.w, r3, __fmaf_rn(x.z, r2, __fmaf_rn(x.y, r1, __fmaf_rn(x.x, r0, sum[h]))));
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      if (first_head + h < group) query[(first_head + h) * D + j] = sum[h];
+    }
+  }
+}
+
 // RoPE at each token's position, float32 as the reference: angle =
 // float(t) * inv_freq[i], x cos + rotate_half(x) sin.
 template <int D>
@@ -394,7 +437,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
   constexpr int kKeyStride = D + 1;  // lane j reads key row j: no bank conflicts
   constexpr int kPerLane = D / kWarpSize;
   __shared__ float keys[kTileTokens * kKeyStride];
-  __shared__ float values[kTileTokens * D];
+  __shared__ __align__(16) float values[kTileTokens * D];
   __shared__ float query[kWarps * D];
   static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
   float* raw_query = values;  // before the first tile
@@ -430,10 +473,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
     raw_query[i] = load_io(p.io, p.queries, (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + g) * D + d);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int g = i / D, j = i % D;
-    query[i] = rotated_query_element<D>(p.key_rotation, raw_query + g * D, kv_head, j);
-  }
+  rotate_group_queries<D>(p.key_rotation, kv_head, group, group, raw_query, query);
 
   const bool scoring = warp < group;
   float running_max = -INFINITY, running_sum = 0.0f;

@@ -68,7 +68,9 @@ __device__ inline void mma_u8u8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0
 // the fourth resident block per multiprocessor.
 template <int D, int VG>
 struct Int8Shared {
-  float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
+  // The group's queries, rotated by the keys' rotation (rows 16-byte
+  // aligned for rotate_group_queries, as are raw_query's after them).
+  alignas(16) float query[kMaxTensorCoreGroup][D];
   // The unrotated queries (the preamble only), then the step's weights
   // (float, for the value outliers' corrections).
   union {

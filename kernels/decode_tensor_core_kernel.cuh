@@ -274,30 +274,7 @@ __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_b
   }
   for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
   __syncthreads();
-  if (p.key_rotation.kind == RotationKind::kMatrix) {
-    // Column j of the head's matrix read once for every query of the group
-    // (rotated_query_element's sums, in its order): one element at a time
-    // per head would read the 64 KB matrix group times per block from L2,
-    // more bytes than the block's share of the cache at batch 1.
-    const float* matrix = p.key_rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-    for (int j = threadIdx.x; j < D; j += blockDim.x) {
-      float sum[kMaxTensorCoreGroup];
-#pragma unroll
-      for (int h = 0; h < kMaxTensorCoreGroup; ++h) sum[h] = 0.0f;
-      for (int k = 0; k < D; ++k) {
-        const float r = matrix[k * D + j];
-#pragma unroll
-        for (int h = 0; h < kMaxTensorCoreGroup; ++h) sum[h] = __fmaf_rn(raw[h][k], r, sum[h]);
-      }
-#pragma unroll
-      for (int h = 0; h < kMaxTensorCoreGroup; ++h) query[h][j] = h < group ? sum[h] : 0.0f;
-    }
-  } else {
-    for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-      const int h = i / D, j = i % D;
-      query[h][j] = h < group ? rotated_query_element<D>(p.key_rotation, raw[h], kv_head, j) : 0.0f;
-    }
-  }
+  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
   __syncthreads();
 }
 
@@ -377,7 +354,9 @@ __device__ inline bool per_channel_groups(const TensorLayoutSpec& spec) {
 // Shared memory of one block.
 template <int D>
 struct TensorCoreShared {
-  float query[kMaxTensorCoreGroup][D];  // the group's queries, rotated by the keys' rotation
+  // The group's queries, rotated by the keys' rotation (rows 16-byte
+  // aligned for rotate_group_queries, as are raw_query's after them).
+  alignas(16) float query[kMaxTensorCoreGroup][D];
   float raw_query[kMaxTensorCoreGroup][D];
   float weights[kTensorCoreWarps][kTileRows][kMaxTensorCoreGroup];  // p of the tile, per warp
   float alpha[kTensorCoreWarps][kMaxTensorCoreGroup];
