@@ -177,15 +177,19 @@ void with_int8_kernel(const DecodeParams& p, F&& f) {
 }
 
 using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits);
-using Int8SharedBytes = int (*)(bool);
+using Int8SharedBytes = int (*)(bool, int);
 constexpr int kInt8Threads = device::kInt8Warps * device::kWarpSize;
 
 // The kernel's dynamic shared memory, set as its attribute: at every launch,
-// not once per planner, because the kernel serves two sizes (with and
-// without value outliers) and the attribute is the function's, so a
-// residency query for the smaller one lowers it for the larger.
+// not once per planner, because the kernel serves several sizes (with and
+// without value outliers, and with KIVI keys' channel pairs) and the
+// attribute is the function's, so a residency query for a smaller one
+// lowers it for a larger.
 int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, const DecodeParams& p) {
-  const int shared_bytes = shared_bytes_of(p.value_cache.layout.outlier_spans > 0);
+  const TensorPageLayout& keys = p.key_cache.layout;
+  const int channel_pair_bytes =
+      keys.spec.grouping == ScaleGrouping::kPerChannelTokens ? static_cast<int>(keys.pair_bytes) : 0;
+  const int shared_bytes = shared_bytes_of(p.value_cache.layout.outlier_spans > 0, channel_pair_bytes);
   KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
   return shared_bytes;
 }
@@ -345,8 +349,12 @@ bool int8_decode_supported(const DecodeParams& p) {
   const auto one_group_per_row = [dim](const TensorLayoutSpec& s) {
     return s.grouping == ScaleGrouping::kPerTokenAllHeads || (s.grouping == ScaleGrouping::kPerToken && s.group == dim);
   };
+  // Keys in per-channel token groups (KIVI's) come with KIVI's values, in
+  // groups of 32 channels: the one instantiation that stages their channel
+  // pairs (the others keep the registers that costs).
   const bool keys_ok = one_group_per_row(k) || k.grouping == ScaleGrouping::kPerChannelOffline ||
-                       (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % device::kInt8StepTokens == 0);
+                       (k.grouping == ScaleGrouping::kPerChannelTokens && k.group % device::kInt8StepTokens == 0 &&
+                        int8_value_groups_of_32(p));
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 

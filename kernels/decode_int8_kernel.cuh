@@ -100,6 +100,9 @@ struct Int8Stage {
   uint2 key_pairs[kInt8StepTokens];
   uint2 value_pairs[kInt8StepTokens][VG];
   int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
+  // per_channel_tokens keys: the step starts a key group (or the warp's
+  // run), and its group's channel pairs came with it (int8_channel_pairs_bytes).
+  int32_t channel_pairs = 0;
 };
 
 // Every warp's output rows (the block's merge, and the value outliers'
@@ -112,11 +115,21 @@ constexpr int int8_stage_bytes() {
   return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG>));
 }
 
-// The stages, then (value outliers) the output rows.
+// per_channel_tokens keys (KIVI's): every stage's D channel pairs
+// (pair_bytes each, channel d in slot d), for the steps that start a key
+// group; 0 for the other groupings.
+template <int D>
+constexpr int int8_channel_pairs_bytes(int pair_bytes) {
+  return kInt8Warps * kInt8Stages * D * pair_bytes;
+}
+
+// The stages, the channel pairs (channel_pair_bytes: a per_channel_tokens
+// key pair's bytes, else 0), then (value outliers) the output rows.
 template <int D, int VG>
-constexpr int int8_dynamic_shared_bytes(bool value_outliers) {
+constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_bytes) {
   static_assert(int8_stage_bytes<D, VG>() >= static_cast<int>(sizeof(Int8Out<D>)), "the stages hold the output rows");
-  return int8_stage_bytes<D, VG>() + (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
+  return int8_stage_bytes<D, VG>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
+         (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
 }
 
 // Where a token's group pairs lie in its page: base + in_page * token_stride
@@ -223,12 +236,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   const TensorPageLayout& vl = p.value_cache.layout;
   const int sink = kl.spec.sink_tokens;
   const bool per_channel_keys = per_channel_groups(kl.spec);
+  // Keys in per-channel token groups (int8_decode_supported: only with
+  // values in groups of 32 channels, VG > 1).
+  const bool channel_tokens = VG > 1 && kl.spec.grouping == ScaleGrouping::kPerChannelTokens;
+  const int channel_pair_bytes = channel_tokens ? static_cast<int>(kl.pair_bytes) : 0;
 
   const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
   // The output rows: past the stages with value outliers (zeroed here, their
   // corrections accumulate during the walk), else over the stages (written
   // once every warp is done with them).
-  auto& out = *reinterpret_cast<Int8Out<D>*>(dynamic_shared + (value_outliers ? int8_stage_bytes<D, VG>() : 0));
+  auto& out = *reinterpret_cast<Int8Out<D>*>(
+      dynamic_shared +
+      (value_outliers ? int8_stage_bytes<D, VG>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
   load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
                         value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
 
@@ -251,15 +270,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // The lane's heads lane_head(0, 1) (columns of its score fragments):
   // their scale and a-term times log2e_scale, from the lanes that built them.
   float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
-  int64_t key_params_group = -1;  // per_channel_tokens: the token group key_b was built for
-  auto build_key_operands = [&](int64_t s) {
-    if (per_channel_keys) {  // the group's D channel affines, 4 per lane, then read by every lane
-      const ChannelStream stream = channel_stream(kl, s, kv_head);
-      for (int d = lane; d < D; d += kWarpSize) {
-        shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, stream, kv_head, d, kTop);
-      }
-      __syncwarp();
-    }
+  // From the query and (per-channel keys) the channel affines in
+  // shared.channel[warp], which every lane reads.
+  auto build_key_operands = [&]() {
     // Lane (g, c) holds channels key_channel(D, j, c, h, i) of its column's
     // head: D / 4 of them.
     float x[kSteps][2][4];
@@ -316,7 +329,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * lane_head(h)) * log2e_scale;
     }
   };
-  if (kl.spec.grouping != ScaleGrouping::kPerChannelTokens) build_key_operands(0);
+  if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
+    for (int d = lane; d < D; d += kWarpSize) {
+      shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, ChannelStream{}, kv_head, d, kTop);
+    }
+    __syncwarp();
+  }
+  if (!channel_tokens) build_key_operands();
 
   // The lane's heads: the maxima (every lane of the heads alike) and the
   // sums of this lane's own weights (over the heads' lanes at the end).
@@ -368,10 +387,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // part): lane j's token's key and value pairs, then the code rows.
   auto issue = [&]() {
     const int tokens = to_issue < kInt8StepTokens ? to_issue : kInt8StepTokens;
-    to_issue -= kInt8StepTokens;
-    const uint32_t stage_address = stages_address + issue_stage * static_cast<uint32_t>(sizeof(Stage));
-    Stage& stage = stages[issue_stage];
+    const int stage_index = issue_stage;
+    const uint32_t stage_address = stages_address + stage_index * static_cast<uint32_t>(sizeof(Stage));
+    Stage& stage = stages[stage_index];
     issue_stage = issue_stage + 1 == kInt8Stages ? 0 : issue_stage + 1;
+    const int32_t issued = run_tokens - to_issue;  // the step's first token in the run
+    to_issue -= kInt8StepTokens;
     const bool valid = lane < tokens;
     const int32_t page = next_page, in_page = next_in_page;
     next_page_index += step_pages;
@@ -413,6 +434,43 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) + 16 * chunk,
                         p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
     }
+    // per_channel_tokens keys: the key group's channel pairs come with the
+    // step that starts the group (or the run), lane j taking channels
+    // j + 32 i from their stream positions (docs/runtime-layout.md 3.2). A
+    // pair lies in a page of one of its group's slots: where the step holds
+    // a slot of that page, the page id is a lane's (a shuffle; the page
+    // table's load would hold up the issue), else the page table's.
+    if (channel_tokens) {
+      const int32_t slot_index = static_cast<int32_t>(run_first - sink) + issued;  // the step's first s
+      const int32_t in_group = slot_index % kl.spec.group;
+      const bool starts = in_group == 0 || issued == 0;
+      if (lane == 0) stage.channel_pairs = starts;
+      if (starts) {
+        const auto per_slot = static_cast<int32_t>(kl.pairs_per_slot);
+        const int32_t per_page = page_size * per_slot;
+        const int32_t position = (slot_index - in_group) * per_slot + kv_head * D + lane;
+        const int32_t first_entry = position / per_page, first_offset = position % per_page;
+        const uint32_t slots = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_shared)) +
+                               static_cast<uint32_t>(int8_stage_bytes<D, VG>()) +
+                               static_cast<uint32_t>(((warp * kInt8Stages + stage_index) * D + lane) * channel_pair_bytes);
+#pragma unroll
+        for (int i = 0; i < D / kWarpSize; ++i) {
+          int32_t entry = first_entry, offset = first_offset + i * kWarpSize;
+          if (offset >= per_page) {  // past the page (small pages): rare
+            entry += offset / per_page;
+            offset %= per_page;
+          }
+          const int32_t from = entry * page_size - slot_index;  // the page's first slot, from the step's
+          const bool in_step = from > -page_size && from < tokens;
+          int32_t pair_page = __shfl_sync(0xffffffffu, page, from > 0 && from < kWarpSize ? from : 0);
+          if (!in_step) pair_page = page_row[entry];
+          copy_pair_async_to(slots + static_cast<uint32_t>(i * kWarpSize * channel_pair_bytes),
+                             p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(pair_page)) * key_page_bytes +
+                                 kl.params_offset + offset * channel_pair_bytes,
+                             channel_pair_bytes, true);
+        }
+      }
+    }
   };
 
 #pragma unroll
@@ -429,7 +487,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     copy_async_commit();
     copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
     __syncwarp();
-    const Stage& stage = stages[compute_stage];
+    const int stage_index = compute_stage;
+    const Stage& stage = stages[stage_index];
     compute_stage = compute_stage + 1 == kInt8Stages ? 0 : compute_stage + 1;
     {  // the step's affines from its pairs: lane j token j
       const bool valid = lane < tokens;
@@ -445,13 +504,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
       __syncwarp();
     }
-    if (kl.spec.grouping == ScaleGrouping::kPerChannelTokens) {
-      const int64_t t0 = run_first + int64_t{step} * kInt8StepTokens;
-      const int64_t key_group = (t0 - sink) / kl.spec.group;  // steps never straddle a group (G % 32 == 0)
-      if (key_group != key_params_group) {
-        build_key_operands(t0 - sink);
-        key_params_group = key_group;
+    if (channel_tokens && stage.channel_pairs) {
+      // The step starts a key group (steps never straddle one: G % 32 == 0)
+      // or the run: the group's channel affines from the pairs that came
+      // with it, then the key operands.
+      const uint8_t* pairs = dynamic_shared + int8_stage_bytes<D, VG>() + (warp * kInt8Stages + stage_index) * D * channel_pair_bytes;
+      for (int d = lane; d < D; d += kWarpSize) {
+        const uint2 raw = channel_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pairs + 4 * d), 0u)
+                                                  : *reinterpret_cast<const uint2*>(pairs + 8 * d);
+        shared.channel[warp][d] = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, raw, kTop);
       }
+      __syncwarp();
+      build_key_operands();
     }
     // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
     float score[kItemRows][2];  // [item][head]: token item_row(j), head lane_head(h)
