@@ -546,6 +546,7 @@ __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, c
   __shared__ float merged[D];
   __shared__ float weights[D];
   __shared__ float reduce[D / kWarpSize];
+  __shared__ float columns[D][kWarpSize + 1];  // 32 columns of the value rotation (padded: no bank conflicts)
   const int head = blockIdx.x, entry = blockIdx.y, d = threadIdx.x;
   const int warp = d / kWarpSize, lane = d % kWarpSize;
   const int64_t states = workspace.max_splits;
@@ -593,12 +594,23 @@ __global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, c
   const Rotation& rotation = p.value_rotation;
   const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
   if (rotation.kind == RotationKind::kMatrix) {
+    // o_d = sum_i o'_i R_di, one fma chain in i order. Thread d needs row d:
+    // read straight from global memory, a warp's load would touch 32 lines
+    // (rows D floats apart), so the rows come through shared memory 32
+    // columns at a time, each warp's load one row's 128 bytes.
     merged[d] = out;
-    __syncthreads();
-    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D + static_cast<int64_t>(d) * D;
+    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
     out = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < D; ++i) out = __fmaf_rn(merged[i], matrix[i], out);
+    for (int first = 0; first < D; first += kWarpSize) {
+      __syncthreads();  // merged is written; the previous columns are read
+      for (int e = d; e < D * kWarpSize; e += D) {
+        const int row = e / kWarpSize, column = e % kWarpSize;
+        columns[row][column] = matrix[row * D + first + column];
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int c = 0; c < kWarpSize; ++c) out = __fmaf_rn(merged[first + c], columns[d][c], out);
+    }
   }
   store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + d, out);
 }
