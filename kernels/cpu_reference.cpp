@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "kernels/element_conversion.h"
+#include "kernels/pair_affine.h"
 
 namespace kvforge::kernels {
 
@@ -445,19 +446,9 @@ bool read_head(const PagedTensor& cache, const Dequantization& dq, int32_t slot,
   const auto from_pair = [&](const uint8_t* pair, float& a, float& b) {
     tally(read_tally, pair, l.pair_bytes);
     const float min = load_element(spec.element, pair), max = load_element(spec.element, pair + element);
-    if (min == max) {  // kept as it is: every inlier equals min
-      a = min;
-      b = 0.0f;
-      return;
-    }
-    const float lo = dq.clip_ratio * min, hi = dq.clip_ratio * max;
-    if (dq.non_uniform) {
-      a = (lo + hi) * 0.5f;
-      b = (hi - lo) * 0.5f;
-    } else {
-      a = lo;
-      b = (hi - lo) / static_cast<float>(top);
-    }
+    const Affine affine = pair_affine(min, max, dq.clip_ratio, dq.non_uniform, top);
+    a = affine.a;
+    b = affine.b;
   };
   float a = 0, b = 0;
   if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) from_pair(page + token_pair_offset(l, 0, in_page, 0), a, b);

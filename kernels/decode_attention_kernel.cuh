@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "kernels/decode_params.h"
+#include "kernels/pair_affine.h"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -131,20 +132,13 @@ __device__ inline float warp_sum(float x) {
 
 // ---------------------------------------------------------------- dequantization
 
-// (a, b) of x^ = fma(b, L[code], a) from a stored (min, max): the
-// reference's float32 operations (docs/runtime-layout.md 6.2).
-struct Affine {
-  float a = 0, b = 0;
-};
-
+// (a, b) of x^ = fma(b, L[code], a) from a stored (min, max) in memory
+// (kernels/pair_affine.h).
 __device__ inline Affine affine_of_pair(const TensorPageLayout& l, const Dequantization& dq, const uint8_t* pair,
                                         int top) {
   const ElementType element = l.spec.element;
   const float min = load_element(element, pair), max = load_element(element, pair + element_bytes(element));
-  if (min == max) return {min, 0.0f};  // kept as it is
-  const float lo = __fmul_rn(dq.clip_ratio, min), hi = __fmul_rn(dq.clip_ratio, max);
-  if (dq.non_uniform) return {__fmul_rn(__fadd_rn(lo, hi), 0.5f), __fmul_rn(__fsub_rn(hi, lo), 0.5f)};
-  return {lo, __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(top))};
+  return pair_affine(min, max, dq.clip_ratio, dq.non_uniform, top);
 }
 
 // Where token t of a sequence with `tokens` cached is read from.

@@ -39,7 +39,6 @@
 
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/int8_mma_fragments.h"
-#include "kernels/small_division.h"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -155,9 +154,8 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
-// affine_of_pair's arithmetic (uniform grids: the int8 kernel's) on a pair
-// already in registers, without its branches: the same (a, b) bit for bit
-// (its division as small_division.h's three operations).
+// affine_of_pair on a pair already in registers (uniform grids: the int8
+// kernel's).
 __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, uint2 raw, int top) {
   float min, max;
   if (element == ElementType::kBFloat16) {
@@ -168,11 +166,7 @@ __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, u
   } else {
     min = __uint_as_float(raw.x), max = __uint_as_float(raw.y);
   }
-  const float lo = __fmul_rn(clip_ratio, min), hi = __fmul_rn(clip_ratio, max);
-  // (hi - lo) / top rounded once, as __fdiv_rn, in three operations
-  // (kernels/small_division.h).
-  const float b = divide_by_small(__fsub_rn(hi, lo), static_cast<float>(top), 1.0f / static_cast<float>(top));
-  return min == max ? Affine{min, 0.0f} : Affine{lo, b};
+  return pair_affine(min, max, clip_ratio, false, top);
 }
 
 // A group pair (4 or 8 bytes) into its slot of the stage.
