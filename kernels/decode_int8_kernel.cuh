@@ -199,7 +199,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   constexpr int kKeyWords = int8_mma::key_words(D);
   static_assert(int8_mma::key_mmas(D) == D / 32, "one key mma per 32 channels");
   constexpr int kRowChunks = Stage::kRowBytes / 16;
-  __shared__ Int8Shared<D, VG> shared;
+  // Raw bytes: a __shared__ variable is never constructed, and the
+  // struct's members have default initializers (Affine's).
+  __shared__ __align__(16) uint8_t shared_bytes[sizeof(Int8Shared<D, VG>)];
+  auto& shared = *reinterpret_cast<Int8Shared<D, VG>*>(shared_bytes);
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;

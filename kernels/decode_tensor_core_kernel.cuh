@@ -399,7 +399,10 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   constexpr int kTop = (1 << kBits) - 1;
   using Stage = TileStage<D, kBits, KG, VG>;
   constexpr int kRowChunks = Stage::kRowBytes / 16;  // 16-byte copies per code row
-  __shared__ TensorCoreShared<D> shared;
+  // Raw bytes: a __shared__ variable is never constructed, and the
+  // struct's members have default initializers (Affine's).
+  __shared__ __align__(16) uint8_t shared_bytes[sizeof(TensorCoreShared<D>)];
+  auto& shared = *reinterpret_cast<TensorCoreShared<D>*>(shared_bytes);
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
