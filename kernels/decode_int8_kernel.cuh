@@ -154,6 +154,15 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
+// 1 / x on the special-function unit (rcp.approx.ftz: within 1 ulp; a
+// denormal or zero x gives +inf, as in __fdividef), without __fdividef's
+// extra operations for |x| > 2^126.
+__device__ inline float fast_reciprocal(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // affine_of_pair on a pair already in registers (uniform grids: the int8
 // kernel's).
 __device__ inline Affine uniform_affine(ElementType element, float clip_ratio, uint2 raw, int top) {
@@ -666,8 +675,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       }
       // Any inverse near 65535 / largest will do (the parts' bound holds for
       // the unit above; weight_parts clamps at 65535).
-      const float inverse[2] = {largest[0] > 0.0f ? __fdividef(int8_mma::kWeightSteps, largest[0]) : 0.0f,
-                                largest[1] > 0.0f ? __fdividef(int8_mma::kWeightSteps, largest[1]) : 0.0f};
+      const float inverse[2] = {largest[0] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[0]) : 0.0f,
+                                largest[1] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[1]) : 0.0f};
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
         const int k = int8_mma::value_token_of_k(item_row(j));  // the values' k order

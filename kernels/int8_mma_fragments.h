@@ -195,15 +195,26 @@ KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale
 // inverse) as unit * (256 hi + lo) with hi and lo uint8, the bytes of one
 // 16-bit fixed-point number: the weights' two parts, both unsigned so that
 // one mma type serves both (and packed parts share one mma).
-// |w - unit (256 hi + lo)| <= unit / 2 for w <= unit * 65535. One multiply,
-// one clamp and one rounding add (biased_integer); the parts are the bytes.
+// |w - unit (256 hi + lo)| <= unit / 2 for w <= unit * 65535. One fma,
+// w * inverse_unit + kIntegerBias, rounds the exact product to an integer
+// (biased_integer's add, fused), and one integer minimum clamps it at 65535
+// (also an infinite product, from the inverse of a denormal largest weight);
+// the parts are the low bytes.
 inline constexpr float kWeightSteps = 65535.0f;  // the largest 256 hi + lo
 struct WeightParts {
   uint8_t hi = 0, lo = 0;
 };
 KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_unit) {
-  const float scaled = fminf(w * inverse_unit, kWeightSteps);
-  const int32_t q = biased_integer(scaled);  // rint(scaled) in the low 16 bits
+  constexpr int32_t kLargest = kIntegerBiasBits + 65535;
+#if defined(__CUDA_ARCH__)
+  const int32_t biased = __float_as_int(__fmaf_rn(w, inverse_unit, kIntegerBias));
+  const int32_t q = min(biased, kLargest);
+#else
+  const float sum = std::fma(w, inverse_unit, kIntegerBias);
+  int32_t biased = 0;
+  std::memcpy(&biased, &sum, sizeof biased);
+  const int32_t q = biased < kLargest ? biased : kLargest;
+#endif
   return {static_cast<uint8_t>(q >> 8), static_cast<uint8_t>(q)};
 }
 

@@ -363,7 +363,7 @@ TEST(Int8MmaFragments, PartsReconstructWithinTheirBounds) {
     }
     const float weight_max = std::fabs(x[0]) + 1e-30f;
     const float weight_unit = weight_max / mma::kWeightSteps;
-    // The kernel's inverse is approximate (__fdividef, 2 ulp): the parts'
+    // The kernel's inverse is approximate (65535 times rcp.approx: within 2 ulp): the parts'
     // error may grow by 65535 * 2^-21 of the unit, and 256 hi + lo stays
     // within 65535 (clamped, not wrapped).
     for (const float inverse_error : {1.0f, 1.0f + 0x1p-22f, 1.0f - 0x1p-22f}) {
