@@ -77,7 +77,8 @@ struct Int8Shared {
     float weights[kInt8Warps][kInt8StepTokens][kMaxTensorCoreGroup];
   };
   // The two 8-bit parts of the step's W as the values' B operand reads
-  // them, [group][part][head][k] (int8_mma::value_token_of_k: token of k).
+  // them, [group][part][head][k] (token of k: int8_mma::transposed_token_of_k
+  // with one value group per row, else value_token_of_k).
   uint8_t weight_parts[kInt8Warps][VG][2][kMaxTensorCoreGroup][kInt8StepTokens];
   float alpha[kInt8Warps][kMaxTensorCoreGroup];
   float value_a_term[kInt8Warps][VG][kMaxTensorCoreGroup];
@@ -152,6 +153,25 @@ __device__ inline float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// ldmatrix.m8n8.x4.trans (int8_mma_fragments.h, "values by ldmatrix"):
+// lane l gives the shared address of row l % 8 of matrix l / 8.
+__device__ inline void load_matrices_transposed(uint32_t (&d)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(address)
+               : "memory");
+}
+
+// Where 16-byte chunk `block` of token row `row` lies in a stage's value
+// codes (one value group per row), in chunks: at head_dim 128 (two chunks a
+// row) rows 4-7 of each octet swap their two chunks, so that the 8 rows one
+// ldmatrix matrix reads (32 bytes apart) fall in 8 different groups of 4
+// banks instead of 4.
+template <int kRowChunks>
+__device__ inline int value_chunk(int row, int block) {
+  return kRowChunks == 2 ? 2 * row + (block ^ ((row >> 2) & 1)) : row * kRowChunks + block;
 }
 
 // 1 / x on the special-function unit (rcp.approx.ftz: within 1 ulp; a
@@ -437,7 +457,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       const bool copy = row < tokens;
       copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * chunk,
                         p.key_cache.pages + (static_cast<uint64_t>(row_page) * key_page_bytes + at), copy);
-      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) + 16 * chunk,
+      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
+                            16 * (VG == 1 ? value_chunk<kRowChunks>(row, part) : chunk),
                         p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
     }
     // per_channel_tokens keys: the key group's channel pairs come with the
@@ -679,7 +700,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
                                 largest[1] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[1]) : 0.0f};
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
-        const int k = int8_mma::value_token_of_k(item_row(j));  // the values' k order
+        // the values' k order
+        const int k = VG == 1 ? int8_mma::transposed_k_of_token(item_row(j)) : int8_mma::value_token_of_k(item_row(j));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int8_mma::WeightParts parts = int8_mma::weight_parts(w[j][h], inverse[h]);
@@ -703,67 +725,95 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 
     // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens,
     // with the weights of T's value group
-    // Each gathering row's words of four m tiles at once (16-byte loads; the
-    // lanes of one column c read the same four rows, in different banks).
-    int value_row[2][4];  // the tokens of k = 16 part + 4c + i
-#pragma unroll
-    for (int part = 0; part < 2; ++part) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) value_row[part][i] = int8_mma::value_token_of_k(16 * part + 4 * c + i);
-    }
-#pragma unroll
-    for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
-      // Each part's words are gathered into the A registers of the four m
-      // tiles before the next part's are loaded (the fence keeps the loads
-      // apart), so that 16 words are live at a time, not 32.
-      uint32_t a_of[4][4];  // [tile - 4 w4][A register]
-#pragma unroll
-      for (int part = 0; part < 2; ++part) {
-        uint32_t words[4][4];  // [i][tile - 4 w4]
+    auto accumulate_tile = [&](int tile, const uint32_t (&a)[4]) {
+      const int vg = tile / kTilesPerGroup;
+      // B column g: packed, part g / 4 of head g % 4; else head g's high
+      // and low parts in two mmas.
+      auto b_register = [&](int part, int head, int half) {
+        return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
+      };
+      if constexpr (kPacked) {
+        // The sums start from kIntegerBiasBits: at most 32 tokens x 192
+        // (a code times its plane) x 255 < 2^22, they convert to float in
+        // one float add, not on the conversion pipe.
+        int sum[4] = {int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits,
+                      int8_mma::kIntegerBiasBits};
+        mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const uint4 u = stage.value_codes[value_row[part][i] * kRowChunks + w4];
-          words[i][0] = u.x, words[i][1] = u.y, words[i][2] = u.z, words[i][3] = u.w;
+          acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
         }
+      } else {
+        int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
+        mma_u8u8(sum_hi, a, b_register(0, g, 0), b_register(0, g, 1));
+        mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t gathered = int8_mma::gather_byte(words[0][j], words[1][j], words[2][j], words[3][j], g % 4);
-          a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
-          a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+        for (int i = 0; i < 4; ++i) {
+          acc[tile][i] = __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
         }
-        asm volatile("" ::: "memory");
+      }
+    };
+    if constexpr (VG == 1) {
+      // By ldmatrix (int8_mma_fragments.h, "values by ldmatrix"): lane l
+      // addresses token l's 16 bytes of column block mb, so one load gives
+      // a lane its unit of the four token octets; a byte permute per
+      // gathered word and a mask per A register.
+      const uint32_t codes_address = stages_address + static_cast<uint32_t>(stage_index * sizeof(Stage)) +
+                                     static_cast<uint32_t>(offsetof(Stage, value_codes));
+#pragma unroll
+      for (int mb = 0; mb < kRowChunks; ++mb) {
+        uint32_t octets[4];  // tokens 0-7, 8-15, 16-23, 24-31
+        load_matrices_transposed(octets, codes_address + static_cast<uint32_t>(
+                                                             16 * value_chunk<kRowChunks>(lane, mb)));
+#pragma unroll
+        for (int beta = 0; beta < 2; ++beta) {
+          const uint32_t gathered[2] = {int8_mma::transposed_gather(octets[0], octets[1], beta),
+                                        int8_mma::transposed_gather(octets[2], octets[3], beta)};
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int tile = 4 * mb + 2 * beta + q;
+            const uint32_t a[4] = {int8_mma::transposed_value_a_register(gathered[0], tile, 0),
+                                   int8_mma::transposed_value_a_register(gathered[0], tile, 1),
+                                   int8_mma::transposed_value_a_register(gathered[1], tile, 0),
+                                   int8_mma::transposed_value_a_register(gathered[1], tile, 1)};
+            accumulate_tile(tile, a);
+          }
+        }
+      }
+    } else {
+      // Groups of 32 channels: each gathering row's words of four m tiles
+      // at once (16-byte loads; the lanes of one column c read the same four
+      // rows, in different banks).
+      int value_row[2][4];  // the tokens of k = 16 part + 4c + i
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) value_row[part][i] = int8_mma::value_token_of_k(16 * part + 4 * c + i);
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int tile = 4 * w4 + j;
-        const int vg = tile / kTilesPerGroup;
-        const uint32_t (&a)[4] = a_of[j];
-        // B column g: packed, part g / 4 of head g % 4; else head g's high
-        // and low parts in two mmas.
-        auto b_register = [&](int part, int head, int half) {
-          return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
-        };
-        if constexpr (kPacked) {
-          // The sums start from kIntegerBiasBits: at most 32 tokens x 192
-          // (a code times its plane) x 255 < 2^22, they convert to float in
-          // one float add, not on the conversion pipe.
-          int sum[4] = {int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits,
-                        int8_mma::kIntegerBiasBits};
-          mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
+      for (int w4 = 0; w4 < kRowWords / 4; ++w4) {
+        // Each part's words are gathered into the A registers of the four m
+        // tiles before the next part's are loaded (the fence keeps the loads
+        // apart), so that 16 words are live at a time, not 32.
+        uint32_t a_of[4][4];  // [tile - 4 w4][A register]
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          uint32_t words[4][4];  // [i][tile - 4 w4]
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
+            const uint4 u = stage.value_codes[value_row[part][i] * kRowChunks + w4];
+            words[i][0] = u.x, words[i][1] = u.y, words[i][2] = u.z, words[i][3] = u.w;
           }
-        } else {
-          int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
-          mma_u8u8(sum_hi, a, b_register(0, g, 0), b_register(0, g, 1));
-          mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[tile][i] =
-                __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t gathered = int8_mma::gather_byte(words[0][j], words[1][j], words[2][j], words[3][j], g % 4);
+            a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
+            a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
           }
+          asm volatile("" ::: "memory");
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) accumulate_tile(4 * w4 + j, a_of[j]);
       }
     }
     if (value_outliers) {
@@ -825,8 +875,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = i < 2 ? g : g + 8;
-        const float value = acc[t][i] * (1.0f / static_cast<float>(1 << (2 * int8_mma::value_row_log4(row))));
-        float& o = out[warp][lane_head(i % 2)][16 * t + int8_mma::value_channel_of_row(row)];
+        const int log4 = VG == 1 ? int8_mma::transposed_value_row_log4(t, row) : int8_mma::value_row_log4(row);
+        const int channel = VG == 1 ? int8_mma::transposed_value_channel(t, row) : 16 * t + int8_mma::value_channel_of_row(row);
+        const float value = acc[t][i] * (1.0f / static_cast<float>(1 << (2 * log4)));
+        float& o = out[warp][lane_head(i % 2)][channel];
         o = value_outliers ? o + value : value;
       }
     }

@@ -137,6 +137,50 @@ KVFORGE_HOST_DEVICE inline uint32_t value_a_register(uint32_t gathered, int g, i
   return gathered & (kCodeBytes << (2 * value_row_log4(g + 8 * upper)));
 }
 
+// ---------------------------------------------------------------- values by ldmatrix (one group per row)
+
+// ldmatrix.m8n8.x4.trans loads four 8 x 8 matrices of 16-bit units from
+// shared memory, lane l addressing row l % 8 of matrix l / 8, and gives
+// lane (g, c) unit g of rows 2c (low half) and 2c + 1 (high half) of each.
+// With a step's tokens as the rows and a 16-byte column block mb of their
+// code rows as a matrix's 8 units, a lane receives unit g (bytes 2g and
+// 2g + 1 of the block: channels 64 mb + 8g .. + 7) of tokens 2c and 2c + 1
+// of an octet of tokens, and one byte permute of two octets' registers
+// (tokens o + 2c, o + 2c + 1 and o + 8 + 2c, o + 9 + 2c) gives byte beta of
+// four tokens in one word; a mask per plane makes an A register of it. No
+// lane gathers a byte another lane gathers too (gather_byte's way gathers
+// each twice, from four rows' loads and three permutes per word):
+//   k = 16h + 4c + i holds token 16h + 2c + i % 2 + 8 (i / 2);
+//   m tile T = 4 mb + 2 beta + q, row r: plane 2q + r / 8 of byte beta of
+//   unit r % 8 of column block mb, i.e. channel
+//   64 mb + 8 (r % 8) + 4 beta + 2q + r / 8, its codes times 4^(2q + r / 8).
+// A tile's rows span 64 channels, so this serves values with one group per
+// row (a tile's B operand holds one group's weights).
+
+KVFORGE_HOST_DEVICE constexpr int transposed_token_of_k(int k) {
+  return 16 * (k / 16) + 2 * ((k % 16) / 4) + k % 2 + 8 * ((k % 4) / 2);
+}
+KVFORGE_HOST_DEVICE constexpr int transposed_k_of_token(int t) {
+  return 16 * (t / 16) + 4 * ((t % 8) / 2) + 2 * ((t % 16) / 8) + t % 2;
+}
+
+// Byte beta (0, 1) of unit g of four tokens, from the lane's registers of
+// two octets (o and o + 8) of one column block.
+KVFORGE_HOST_DEVICE inline uint32_t transposed_gather(uint32_t octet, uint32_t next_octet, int beta) {
+  return byte_perm(octet, next_octet, beta == 0 ? 0x6420u : 0x7531u);
+}
+
+KVFORGE_HOST_DEVICE constexpr int transposed_value_row_log4(int tile, int row) { return 2 * (tile % 2) + row / 8; }
+KVFORGE_HOST_DEVICE constexpr int transposed_value_channel(int tile, int row) {
+  return 64 * (tile / 4) + 8 * (row % 8) + 4 * ((tile / 2) % 2) + transposed_value_row_log4(tile, row);
+}
+
+// A register of m tile `tile` for rows g (upper 0) or g + 8 (upper 1) from
+// the gathered word of its column block, byte and k half.
+KVFORGE_HOST_DEVICE inline uint32_t transposed_value_a_register(uint32_t gathered, int tile, int upper) {
+  return gathered & (kCodeBytes << (2 * transposed_value_row_log4(tile, 8 * upper)));
+}
+
 // ---------------------------------------------------------------- integers through float adds
 
 // Hopper converts between int32 and float32, and rounds a float to an

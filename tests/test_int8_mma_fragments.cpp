@@ -226,6 +226,88 @@ TEST(Int8MmaFragments, ValueOperandsGiveTheWeightedSumsOfEachChannel) {
   }
 }
 
+// ---- values by ldmatrix (one value group per row)
+
+// Byte k of a token's code row (words little-endian).
+uint32_t row_byte(const std::vector<uint32_t>& row, int k) { return (row[static_cast<size_t>(k / 4)] >> (8 * (k % 4))) & 0xFFu; }
+
+// ldmatrix.m8n8.trans, as PTX states it, of the 8 x 8 matrix of 16-bit
+// units whose row j is bytes [16 mb, 16 mb + 16) of token first + j's row:
+// lane (g, c) receives unit g of rows 2c (low half) and 2c + 1 (high half).
+uint32_t ldmatrix_transposed(const std::vector<std::vector<uint32_t>>& rows, int first, int mb, int g, int c) {
+  auto unit = [&](int token) {
+    const auto& row = rows[static_cast<size_t>(token)];
+    return row_byte(row, 16 * mb + 2 * g) | (row_byte(row, 16 * mb + 2 * g + 1) << 8);
+  };
+  return unit(first + 2 * c) | (unit(first + 2 * c + 1) << 16);
+}
+
+TEST(Int8MmaFragments, TransposedTokenOrderIsAPermutationAndItsInverse) {
+  std::vector<int> seen(32, 0);
+  for (int k = 0; k < 32; ++k) {
+    const int t = mma::transposed_token_of_k(k);
+    ASSERT_GE(t, 0);
+    ASSERT_LT(t, 32);
+    ++seen[static_cast<size_t>(t)];
+    EXPECT_EQ(mma::transposed_k_of_token(t), k);
+  }
+  for (const int n : seen) EXPECT_EQ(n, 1);
+}
+
+// Every m tile's sums from ldmatrix-loaded registers, one byte permute per
+// gathered word and a mask per A register, against the weighted code sums
+// of the channel each row names (head_dim 128 and 64; 8 heads' weights).
+TEST(Int8MmaFragments, TransposedValueOperandsGiveTheWeightedSumsOfEachChannel) {
+  std::mt19937 random(13);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const int dim : {128, 64}) {
+    std::vector<std::vector<int>> codes;
+    const auto rows = random_rows(32, dim, random, codes);
+    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
+    for (auto& head : weights) {
+      for (auto& w : head) w = static_cast<uint8_t>(byte(random));
+    }
+    std::vector<int> channels_seen(static_cast<size_t>(dim), 0);
+    for (int tile = 0; tile < dim / 16; ++tile) {
+      const int mb = tile / 4, beta = (tile / 2) % 2;
+      LaneA a{};
+      LaneB b{};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t octet = ldmatrix_transposed(rows, 16 * half, mb, g, c);
+          const uint32_t next_octet = ldmatrix_transposed(rows, 16 * half + 8, mb, g, c);
+          const uint32_t gathered = mma::transposed_gather(octet, next_octet, beta);
+          a[lane][2 * half] = mma::transposed_value_a_register(gathered, tile, 0);
+          a[lane][2 * half + 1] = mma::transposed_value_a_register(gathered, tile, 1);
+          uint32_t bytes = 0;  // column g's weights at k = 16 half + 4c + i
+          for (int i = 0; i < 4; ++i) {
+            const int t = mma::transposed_token_of_k(16 * half + 4 * c + i);
+            bytes |= static_cast<uint32_t>(weights[static_cast<size_t>(g)][static_cast<size_t>(t)]) << (8 * i);
+          }
+          b[lane][half] = bytes;
+        }
+      }
+      LaneC d{};
+      emulate_m16n8k32(a, b, false, d);
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int reg = 0; reg < 4; ++reg) {
+          const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+          const int channel = mma::transposed_value_channel(tile, row);
+          ASSERT_LT(channel, dim);
+          if (c == 0 && reg % 2 == 0) ++channels_seen[static_cast<size_t>(channel)];
+          int64_t want = 0;
+          for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
+          ASSERT_EQ(d[lane][reg], want << (2 * mma::transposed_value_row_log4(tile, row)))
+              << "head_dim " << dim << " m tile " << tile << " lane " << lane << " register " << reg;
+        }
+      }
+    }
+    for (const int n : channels_seen) EXPECT_EQ(n, 1) << "head_dim " << dim;  // the tiles' rows cover every channel once
+  }
+}
+
 // Packed parts (groups of at most 4 heads), keys: B column n is part n / 4
 // of head n % 4's query; after the exchange lane (g, c) holds the high and
 // low sums of tokens 16 (c / 2) + g + 8 r and heads 2 (c % 2) + j, whose
