@@ -94,6 +94,17 @@ __device__ inline void load_elements(ElementType element, const uint8_t* at, flo
   for (int c = 0; c < kCount; ++c) out[c] = load_element(element, at + c * bytes);
 }
 
+// kCount floats (a multiple of 4) to a 16-byte aligned `out` in 16-byte
+// stores.
+template <int kCount>
+__device__ inline void store_floats(float* out, const float (&x)[kCount]) {
+  static_assert(kCount % 4 == 0, "whole 16-byte stores");
+#pragma unroll
+  for (int i = 0; i < kCount / 4; ++i) {
+    reinterpret_cast<float4*>(out)[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  }
+}
+
 __device__ inline float load_io(ElementType io, const void* base, int64_t index) {
   return load_element(io, static_cast<const uint8_t*>(base) + index * element_bytes(io));
 }
@@ -165,7 +176,8 @@ __device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens,
 
 // Head `head` of tokens [first, first + count) into tile[j * stride + d], in
 // the stored basis, without the outliers: every thread of the block takes
-// (token, 32-bit code word) units.
+// (token, 32-bit code word) units and stores each unit's elements in 16-byte
+// stores (tile and stride keep every row 16-byte aligned).
 template <int D, int kBits>
 __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& dq, const float* levels, int32_t slot,
                                 const int32_t* page_row, int64_t tokens, int64_t first, int count, int head,
@@ -180,11 +192,13 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   for (int unit = threadIdx.x; unit < count * kWords; unit += blockDim.x) {
     const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
     const int64_t token = first + j;
-    float* out = tile + j * stride + d0;
+    float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
+    float x[kPerWord];
     const TokenPlace place = place_of(l, tokens, token);
     if (!place.quantized) {
       const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
-      load_elements<kPerWord>(spec.element, in + d0 * element, out);
+      load_elements<kPerWord>(spec.element, in + d0 * element, x);
+      store_floats(out, x);
       continue;
     }
     const int64_t s = place.slot_index, in_page = s % spec.page_size;
@@ -218,8 +232,9 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
           break;
       }
       const uint32_t code = (word >> (c * kBits)) & kMask;
-      out[c] = __fmaf_rn(affine.b, levels[code], affine.a);
+      x[c] = __fmaf_rn(affine.b, levels[code], affine.a);
     }
+    store_floats(out, x);
   }
 }
 
