@@ -257,6 +257,12 @@ class BlockAppender {
     const int64_t sink = l_.spec.sink_tokens, ring = l_.ring_capacity;
     for (int64_t row = first; row < last; ++row) {
       const int64_t token = length + (row - first);
+      // A per-token grouping's page, read before the token's barriers so
+      // that the load is in flight while the token is prepared.
+      uint8_t* page = nullptr;
+      if constexpr (kGrouping != ScaleGrouping::kPerChannelTokens) {
+        if (token >= sink) page = page_of_slot(token - sink);
+      }
       prepare_token(row);
       if (token < sink) {
         store_exact(token, y_);
@@ -266,7 +272,7 @@ class BlockAppender {
       const int64_t s = token - sink;
       bool ok = true;
       if constexpr (kGrouping != ScaleGrouping::kPerChannelTokens) {
-        ok = quantize_token(s);
+        ok = quantize_token(s, page);
       } else if ((s + 1) % l_.spec.group == 0) {
         ok = quantize_channel_group(s / l_.spec.group);
       }
@@ -288,6 +294,8 @@ class BlockAppender {
   __device__ void prepare_token(int64_t row) {
     const int64_t in_bytes = kvforge::kernels::element_bytes(a_.input_type);
     const auto* input = static_cast<const uint8_t*>(a_.input) + row * width_ * in_bytes;
+    // Unrolled: a thread's loads in flight together, not one after another.
+#pragma unroll 4
     for (int i = threadIdx.x; i < width_; i += kThreads) {
       scratch_[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
     }
@@ -486,8 +494,8 @@ class BlockAppender {
   }
 
   // Per-token groupings and per_channel_offline: token slot s.
-  __device__ bool quantize_token(int64_t s) {
-    uint8_t* page = page_of_slot(s);
+  // `page`: page_of_slot(s), read by the caller ahead.
+  __device__ bool quantize_token(int64_t s, uint8_t* page) {
     const int64_t in_page = s % l_.spec.page_size;
     const bool outliers = q_.outliers != OutlierSelection::kNone;
     uint32_t* mask = outliers ? masks_ : nullptr;
@@ -525,6 +533,8 @@ class BlockAppender {
     // the token's latency is a few channels' division, not a word's 16.
     constexpr int per_word = 32 / kBits;
     const int group_size = m_.groups > 0 ? width_ / m_.groups : width_;
+    // Unrolled: the threads' channels' divisions overlap.
+#pragma unroll 4
     for (int i = threadIdx.x; i < padded_width(); i += kThreads) {
       int code = 0;
       if (i < width_) {
