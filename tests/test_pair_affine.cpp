@@ -4,9 +4,9 @@
 // non-uniform grids, kept groups, over pairs of many magnitudes.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <random>
 
 #include "kernels/pair_affine.h"
@@ -14,11 +14,7 @@
 namespace kvforge {
 namespace {
 
-uint32_t bits_of(float x) {
-  uint32_t b = 0;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
+uint32_t bits_of(float x) { return std::bit_cast<uint32_t>(x); }
 
 kernels::Affine documented(float min, float max, float clip, bool non_uniform, int top) {
   if (min == max) return {min, 0.0f};
