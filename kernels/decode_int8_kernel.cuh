@@ -36,6 +36,7 @@
 // states into one split state for decode_merge_kernel.
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/int8_mma_fragments.h"
@@ -297,8 +298,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // their scale and a-term times log2e_scale, from the lanes that built them.
   float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
   // From the query and (per-channel keys) the channel affines in
-  // shared.channel[warp], which every lane reads.
-  auto build_key_operands = [&]() {
+  // shared.channel[warp], which every lane reads. `per_channel`:
+  // per_channel_keys, as std::true_type in the step loop's rebuild (KIVI's
+  // keys), which so carries no per-token branch.
+  auto build_key_operands = [&](auto per_channel) {
     // Lane (g, c) holds channels key_channel(D, j, c, h, i) of its column's
     // head: D / 4 of them.
     float x[kSteps][2][4];
@@ -311,7 +314,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         for (int i = 0; i < 4; ++i) {
           const int d = int8_mma::key_channel(D, step, c, half, i);
           float q = my_query[d];
-          if (per_channel_keys) {
+          if (per_channel) {
             const Affine affine = shared.channel[warp][d];
             a_term = __fmaf_rn(q, affine.a, a_term);
             q = __fmul_rn(q, affine.b);
@@ -332,19 +335,21 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     for (int step = 0; step < kSteps; ++step) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        uint32_t hi = 0, lo = 0;
+        // Packed: the column's one part (the high part's for g < 4).
+        uint32_t words[kKeyParts] = {};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int8_mma::SignedParts parts = int8_mma::signed_parts(x[step][half][i], inverse);
-          hi |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
-          lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
+          if constexpr (kPacked) {
+            const int8_t part = g < int8_mma::kPackedHeads ? parts.hi : parts.lo;
+            words[0] |= static_cast<uint32_t>(static_cast<uint8_t>(part)) << (8 * i);
+          } else {
+            words[0] |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
+            words[1] |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
+          }
         }
-        if constexpr (kPacked) {
-          key_b[step][half][0] = g < int8_mma::kPackedHeads ? hi : lo;
-        } else {
-          key_b[step][half][0] = hi;
-          key_b[step][half][1] = lo;
-        }
+#pragma unroll
+        for (int part = 0; part < kKeyParts; ++part) key_b[step][half][part] = words[part];
       }
     }
     // The combined sums 128 hi.c + lo.c carry key_plane_scale (a power of 4).
@@ -361,7 +366,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     }
     __syncwarp();
   }
-  if (!channel_tokens) build_key_operands();
+  if (!channel_tokens) build_key_operands(per_channel_keys);
 
   // The lane's heads: the maxima (every lane of the heads alike) and the
   // sums of this lane's own weights (over the heads' lanes at the end).
@@ -542,7 +547,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         shared.channel[warp][d] = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, raw, kTop);
       }
       __syncwarp();
-      build_key_operands();
+      build_key_operands(std::true_type{});
     }
     // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
     float score[kItemRows][2];  // [item][head]: token item_row(j), head lane_head(h)

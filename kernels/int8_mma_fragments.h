@@ -226,12 +226,20 @@ KVFORGE_HOST_DEVICE inline float unbiased_float(int32_t biased) {
 struct SignedParts {
   int8_t hi = 0, lo = 0;
 };
-// Both roundings are float adds (biased_integer); scaled - hi and its
-// product with 128 are exact.
+// Both roundings are float adds (biased_integer's; the second fused into
+// the fma with the exact product (scaled - hi) * 128, so it rounds as the
+// add of that product would).
 KVFORGE_HOST_DEVICE inline SignedParts signed_parts(float x, float inverse_scale) {
   const float scaled = x * inverse_scale;
   const int32_t hi = biased_integer(scaled);
-  const int32_t lo = biased_integer((scaled - unbiased_float(hi)) * 128.0f);
+  const float rest = scaled - unbiased_float(hi);  // exact
+#if defined(__CUDA_ARCH__)
+  const int32_t lo = __float_as_int(__fmaf_rn(rest, 128.0f, kIntegerBias));
+#else
+  const float biased = std::fma(rest, 128.0f, kIntegerBias);
+  int32_t lo = 0;
+  std::memcpy(&lo, &biased, sizeof lo);
+#endif
   return {static_cast<int8_t>(hi), static_cast<int8_t>(lo)};  // the low bytes
 }
 
