@@ -669,13 +669,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
     // exactly 1: one vote instead of rescaling every accumulator.
     const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
     if (rescale) rescale_columns(acc, alpha);
-    // Per value group: W = p * b per token and head, the a-terms, and the
-    // step's largest W per head (over the head's lanes), its two 8-bit parts
-    // into shared memory as the values' B operand reads them.
-    float part_scale[VG][2];  // the int32 sums' scale (packed: of this lane's part; else of 256 hi + lo)
+    // W = p * b per token, head and value group, the a-terms, and the
+    // step's largest W per head over the head's lanes and its groups: one
+    // unit U_h for every group (the error bound is in the head's largest
+    // |v'| either way, and groups of 32 channels so share one reduction);
+    // the two 8-bit parts into shared memory as the values' B operand reads
+    // them.
+    float largest[2] = {0.0f, 0.0f};
+    float kept_w[kItemRows][2];  // one value group: W kept for its parts (more groups recompute it)
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
-      float w[kItemRows][2], largest[2] = {0.0f, 0.0f};
       if (rescale) {
         value_a_term[vg][0] *= alpha[0];
         value_a_term[vg][1] *= alpha[1];
@@ -685,31 +688,37 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         const Affine affine = shared.value_affine[warp][item_row(j)][vg];  // {0, 0} past the range
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          w[j][h] = weight[j][h] * affine.b;
           value_a_term[vg][h] = __fmaf_rn(weight[j][h], affine.a, value_a_term[vg][h]);
-          largest[h] = fmaxf(largest[h], w[j][h]);
+          kept_w[j][h] = weight[j][h] * affine.b;
+          largest[h] = fmaxf(largest[h], kept_w[j][h]);
         }
       }
+    }
+    float part_scale[2];  // the int32 sums' scale (packed: of this lane's part; else of 256 hi + lo)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (kPacked) largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
-        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
-        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
-        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
-        const bool high_part = kPacked && c < 2;
-        part_scale[vg][h] = largest[h] * (high_part ? 256.0f / int8_mma::kWeightSteps : 1.0f / int8_mma::kWeightSteps);
-      }
-      // Any inverse near 65535 / largest will do (the parts' bound holds for
-      // the unit above; weight_parts clamps at 65535).
-      const float inverse[2] = {largest[0] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[0]) : 0.0f,
-                                largest[1] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[1]) : 0.0f};
+    for (int h = 0; h < 2; ++h) {
+      if (kPacked) largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
+      largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
+      const bool high_part = kPacked && c < 2;
+      part_scale[h] = largest[h] * (high_part ? 256.0f / int8_mma::kWeightSteps : 1.0f / int8_mma::kWeightSteps);
+    }
+    // Any inverse near 65535 / largest will do (the parts' bound holds for
+    // the unit above; weight_parts clamps at 65535).
+    const float inverse[2] = {largest[0] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[0]) : 0.0f,
+                              largest[1] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[1]) : 0.0f};
+#pragma unroll
+    for (int vg = 0; vg < VG; ++vg) {
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
         // the values' k order
         const int k = VG == 1 ? int8_mma::transposed_k_of_token(item_row(j)) : int8_mma::value_token_of_k(item_row(j));
+        const float b = VG == 1 ? 0.0f : shared.value_affine[warp][item_row(j)][vg].b;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int8_mma::WeightParts parts = int8_mma::weight_parts(w[j][h], inverse[h]);
+          const float w = VG == 1 ? kept_w[j][h] : weight[j][h] * b;
+          const int8_mma::WeightParts parts = int8_mma::weight_parts(w, inverse[h]);
           shared.weight_parts[warp][vg][0][lane_head(h)][k] = parts.hi;
           shared.weight_parts[warp][vg][1][lane_head(h)][k] = parts.lo;
         }
@@ -746,7 +755,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[vg][i % 2], acc[tile][i]);
+          acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[i % 2], acc[tile][i]);
         }
       } else {
         int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
@@ -754,7 +763,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          acc[tile][i] = __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[vg][i % 2], acc[tile][i]);
+          acc[tile][i] = __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[i % 2], acc[tile][i]);
         }
       }
     };
