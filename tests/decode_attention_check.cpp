@@ -276,9 +276,10 @@ double io_unit(ElementType io) {
 // instead: each q'_d (times its channel scale) within max |q'| / (127 * 256)
 // (two int8 parts; max |q'| <= ||q'||) of its value, against codes times a
 // scale, |b code| <= 3 max |k'|, over D channels; each weight W_t = p_t b_t
-// within the step's largest W / 65535 times 1 / 2 (its two uint8 parts,
-// one 16-bit fixed-point number) plus 65535 * 2^-21 (the parts come from an
-// approximate inverse of the unit, within 2 ulp), so a step's 32 tokens move
+// within the step's largest W (of the head, over its value groups) / 65535
+// times 1 / 2 (its two uint8 parts, one 16-bit fixed-point number) plus
+// 65535 * 2^-21 (the parts come from an approximate inverse of the unit,
+// within 2 ulp), so a step's 32 tokens move
 // an output by <= 3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 of its largest W,
 // and summed over the steps and normalized by sum p, of max_t b_t <= 3 max |v'|:
 //   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
