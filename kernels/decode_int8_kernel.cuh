@@ -16,9 +16,12 @@
 //   - values: out^T[d, h] = sum_t V^T[d, t] W[t, h] over a step of 32
 //     tokens (the mma's K), W = p * b (softmax weight times the token's
 //     scale) as U_h (256 hi + lo) (the two bytes of a 16-bit fixed-point
-//     number) with U_h the step's largest W of head h over 65535: each
-//     step's int32 sums are scaled into float32 accumulators, and the a-term
-//     sum_t p_t a_t stays float32;
+//     number) with U_h the step's largest W of head h (over its value
+//     groups) over 65535: each step's int32 sums are scaled into float32
+//     accumulators, and the a-term sum_t p_t a_t stays float32; the code
+//     bytes of four tokens reach a lane by ldmatrix.trans with one value
+//     group per row (int8_mma_fragments.h, "values by ldmatrix"), else by
+//     three byte permutes of four rows' words;
 //   - GQA groups of at most 4 heads (kPacked) put the two parts in the
 //     mma's columns 0-3 and 4-7 (int8_mma_fragments.h, "packed parts"): one
 //     key and one value mma per tile instead of two, and each lane scores
