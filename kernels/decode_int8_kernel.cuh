@@ -483,25 +483,19 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       if (starts) {
         const auto per_slot = static_cast<int32_t>(kl.pairs_per_slot);
         const int32_t per_page = page_size * per_slot;
-        const int32_t position = (slot_index - in_group) * per_slot + kv_head * D + lane;
-        const int32_t first_entry = position / per_page, first_offset = position % per_page;
+        const StreamPlace first = stream_place(slot_index - in_group, per_slot, per_page, kv_head * D + lane);
         const uint32_t slots = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_shared)) +
                                static_cast<uint32_t>(int8_stage_bytes<D, VG>()) +
                                static_cast<uint32_t>(((warp * kInt8Stages + stage_index) * D + lane) * channel_pair_bytes);
 #pragma unroll
         for (int i = 0; i < D / kWarpSize; ++i) {
-          int32_t entry = first_entry, offset = first_offset + i * kWarpSize;
-          if (offset >= per_page) {  // past the page (small pages): rare
-            entry += offset / per_page;
-            offset %= per_page;
-          }
-          const int32_t from = entry * page_size - slot_index;  // the page's first slot, from the step's
-          const bool in_step = from > -page_size && from < tokens;
-          int32_t pair_page = __shfl_sync(0xffffffffu, page, from > 0 && from < kWarpSize ? from : 0);
-          if (!in_step) pair_page = page_row[entry];
+          const StreamPlace at = stream_advance(first, i * kWarpSize, per_page);
+          const int32_t source = step_slot_in_page(at.entry, page_size, slot_index, tokens);  // < tokens <= 32
+          int32_t pair_page = __shfl_sync(0xffffffffu, page, source > 0 ? source : 0);
+          if (source < 0) pair_page = page_row[at.entry];
           copy_pair_async_to(slots + static_cast<uint32_t>(i * kWarpSize * channel_pair_bytes),
                              p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(pair_page)) * key_page_bytes +
-                                 kl.params_offset + offset * channel_pair_bytes,
+                                 kl.params_offset + at.offset * channel_pair_bytes,
                              channel_pair_bytes, true);
         }
       }

@@ -167,6 +167,37 @@ KVFORGE_HOST_DEVICE inline int64_t channel_pair_stream_index(const TensorPageLay
 KVFORGE_HOST_DEVICE inline int64_t pairs_per_page(const TensorPageLayout& l) {
   return l.spec.page_size * l.pairs_per_slot;
 }
+// A stream position split into its page-table entry and its pair index in
+// that page's parameter section, in 32-bit arithmetic (the int8 decode's:
+// streams of fewer than 2^31 pairs).
+struct StreamPlace {
+  int32_t entry = 0, offset = 0;
+};
+// Channel `channel`'s pair of the group whose first slot is `group_first`
+// (= group * G): channel_pair_stream_index over pairs_per_page.
+KVFORGE_HOST_DEVICE inline StreamPlace stream_place(int32_t group_first, int32_t pairs_per_slot, int32_t per_page,
+                                                    int32_t channel) {
+  const int32_t sigma = group_first * pairs_per_slot + channel;
+  return {sigma / per_page, sigma % per_page};
+}
+// `by` >= 0 pairs further on, without a division while it stays in the page.
+KVFORGE_HOST_DEVICE inline StreamPlace stream_advance(StreamPlace place, int32_t by, int32_t per_page) {
+  int32_t entry = place.entry, offset = place.offset + by;
+  if (offset >= per_page) {
+    entry += offset / per_page;
+    offset %= per_page;
+  }
+  return {entry, offset};
+}
+// The first of a step's token slots [step_first, step_first + tokens) that
+// lies in the page of page-table entry `entry`, as its index in the step
+// (a lane that holds the page id), or -1 where none does.
+KVFORGE_HOST_DEVICE inline int32_t step_slot_in_page(int32_t entry, int32_t page_size, int32_t step_first,
+                                                     int32_t tokens) {
+  const int32_t from = entry * page_size - step_first;  // the page's first slot, from the step's
+  if (from <= -page_size || from >= tokens) return -1;
+  return from > 0 ? from : 0;
+}
 // Row pointers: row r = in_page * spans + span; its entries are
 // [pointer[r], pointer[r + 1]) (sequence-wide entry numbers).
 KVFORGE_HOST_DEVICE inline int64_t row_pointer_offset(const TensorPageLayout& l, int64_t row) {
