@@ -181,6 +181,79 @@ KVFORGE_HOST_DEVICE inline uint32_t transposed_value_a_register(uint32_t gathere
   return gathered & (kCodeBytes << (2 * transposed_value_row_log4(tile, 8 * upper)));
 }
 
+// ---------------------------------------------------------------- 4-bit codes
+
+// At 4 bits a code row word holds 8 channels, channel d at bits 4d: masking
+// it with 0x0F0F0F0F << 4p ("plane" p of 2) leaves channels p, 2 + p, 4 + p
+// and 6 + p as its bytes, times 16^p, the same one-mask A registers.
+//   keys: lane column c reads its row words w = W c .. W c + W - 1
+//   (W = head_dim / 32: one 8- or 16-byte load); mma j takes plane
+//   p = j / (W / 2) of words W c + 2m + half (m = j % (W / 2)) in its B
+//   register `half`, so that byte i of that register holds channel
+//   8 (W c + 2m + half) + 2i + p; the plane-0 sums are times 16 once before
+//   the plane-1 mmas (Horner over the two planes): the sums are 16 times the
+//   dot product;
+//   values by ldmatrix: unit g of column block mb (16 bytes: 32 channels)
+//   is channels 32 mb + 4g .. + 3; m tile T = 2 mb + beta, row r: plane
+//   r / 8 of byte beta of unit r % 8, channel 32 (T / 2) + 4 (r % 8) +
+//   2 (T % 2) + r / 8, times 16^(r / 8); the token order is
+//   transposed_token_of_k's;
+//   values gathered (groups of 32 channels): m tile T is words 2T and
+//   2T + 1; row r: plane (r / 4) % 2 of byte r % 4 of word 2T + r / 8,
+//   channel 16T + 8 (r / 8) + 2 (r % 4) + (r / 4) % 2, times
+//   16^((r / 4) % 2); a lane gathers byte g % 4 of four tokens' words 2T
+//   (row g) and 2T + 1 (row g + 8); the token order is value_token_of_k's.
+inline constexpr uint32_t kNibbles = 0x0F0F0F0Fu;
+
+KVFORGE_HOST_DEVICE constexpr int nibble_key_words(int dim) { return dim / 32; }
+KVFORGE_HOST_DEVICE constexpr int nibble_key_plane(int dim, int j) { return j / (dim / 64); }
+KVFORGE_HOST_DEVICE constexpr int nibble_key_word(int dim, int j, int half) { return 2 * (j % (dim / 64)) + half; }
+// The mma before which the sums are times 16 (the first of plane 1).
+KVFORGE_HOST_DEVICE constexpr int nibble_key_horner_mma(int dim) { return dim / 64; }
+inline constexpr int kNibbleKeyScale = 16;
+
+// The channel that byte i of B register `half` of lane column c holds in
+// key mma j (and A's k = 16 half + 4c + i).
+KVFORGE_HOST_DEVICE inline int nibble_key_channel(int dim, int j, int c, int half, int i) {
+  return 8 * (nibble_key_words(dim) * c + nibble_key_word(dim, j, half)) + 2 * i + nibble_key_plane(dim, j);
+}
+
+// A register `which` (0..3) of key mma j from the lane's words of its rows
+// g and g + 8 (nibble_key_words of each, from word W c): codes times 16^p.
+KVFORGE_HOST_DEVICE inline uint32_t nibble_key_a_register(int dim, const uint32_t* words_g, const uint32_t* words_g8, int j,
+                                                          int which) {
+  const uint32_t* words = which % 2 == 0 ? words_g : words_g8;
+  return words[nibble_key_word(dim, j, which / 2)] & (kNibbles << (4 * nibble_key_plane(dim, j)));
+}
+
+KVFORGE_HOST_DEVICE inline uint32_t nibble_key_b_register(int dim, const int8_t* query, int j, int c, int half) {
+  uint32_t result = 0;
+  for (int i = 0; i < 4; ++i) {
+    const auto byte = static_cast<uint8_t>(query[nibble_key_channel(dim, j, c, half, i)]);
+    result |= static_cast<uint32_t>(byte) << (8 * i);
+  }
+  return result;
+}
+
+KVFORGE_HOST_DEVICE constexpr int nibble_transposed_value_channel(int tile, int row) {
+  return 32 * (tile / 2) + 4 * (row % 8) + 2 * (tile % 2) + row / 8;
+}
+// The power of 16 a row's sums carry: 16^nibble_..._log16.
+KVFORGE_HOST_DEVICE constexpr int nibble_transposed_value_row_log16(int row) { return row / 8; }
+KVFORGE_HOST_DEVICE inline uint32_t nibble_transposed_value_a_register(uint32_t gathered, int upper) {
+  return gathered & (kNibbles << (4 * upper));
+}
+
+KVFORGE_HOST_DEVICE constexpr int nibble_value_channel_of_row(int tile, int row) {
+  return 16 * tile + 8 * (row / 8) + 2 * (row % 4) + (row / 4) % 2;
+}
+KVFORGE_HOST_DEVICE constexpr int nibble_value_row_log16(int row) { return (row / 4) % 2; }
+// A register of rows g (upper 0) or g + 8 (upper 1) from the byte g % 4 of
+// four tokens' word 2T + upper (gather_byte).
+KVFORGE_HOST_DEVICE inline uint32_t nibble_value_a_register(uint32_t gathered, int g) {
+  return gathered & (kNibbles << (4 * ((g / 4) % 2)));
+}
+
 // ---------------------------------------------------------------- integers through float adds
 
 // Hopper converts between int32 and float32, and rounds a float to an

@@ -308,6 +308,149 @@ TEST(Int8MmaFragments, TransposedValueOperandsGiveTheWeightedSumsOfEachChannel) 
   }
 }
 
+// ---- 4-bit codes
+
+// 4-bit code rows: token t's words, channel d at bits 4 (d % 8) of word d / 8.
+std::vector<std::vector<uint32_t>> random_nibble_rows(int tokens, int dim, std::mt19937& random,
+                                                      std::vector<std::vector<int>>& codes) {
+  std::uniform_int_distribution<int> code(0, 15);
+  std::vector<std::vector<uint32_t>> rows(static_cast<size_t>(tokens), std::vector<uint32_t>(static_cast<size_t>(dim / 8)));
+  codes.assign(static_cast<size_t>(tokens), std::vector<int>(static_cast<size_t>(dim)));
+  for (int t = 0; t < tokens; ++t) {
+    for (int d = 0; d < dim; ++d) {
+      const int x = code(random);
+      codes[t][d] = x;
+      rows[t][d / 8] |= static_cast<uint32_t>(x) << (4 * (d % 8));
+    }
+  }
+  return rows;
+}
+
+TEST(Int8MmaFragments, NibbleKeyChannelsOfKAreAPermutation) {
+  for (const int dim : {64, 128}) {
+    std::vector<int> seen(static_cast<size_t>(dim), 0);
+    for (int j = 0; j < mma::key_mmas(dim); ++j) {
+      for (int c = 0; c < 4; ++c) {
+        for (int half = 0; half < 2; ++half) {
+          for (int i = 0; i < 4; ++i) ++seen[static_cast<size_t>(mma::nibble_key_channel(dim, j, c, half, i))];
+        }
+      }
+    }
+    for (const int n : seen) EXPECT_EQ(n, 1) << "head_dim " << dim;
+  }
+}
+
+// A 4-bit key row block's sums as the kernel forms them: its mmas in order,
+// the sums times 16 before the first plane-1 mma.
+TEST(Int8MmaFragments, NibbleKeyOperandsGiveTheDotProductsOfCodesAndQueries) {
+  std::mt19937 random(17);
+  std::uniform_int_distribution<int> part(-127, 127);
+  for (const int dim : {64, 128}) {
+    std::vector<std::vector<int>> codes;
+    const auto rows = random_nibble_rows(16, dim, random, codes);
+    std::vector<std::vector<int8_t>> query(8, std::vector<int8_t>(static_cast<size_t>(dim)));
+    for (auto& head : query) {
+      for (auto& x : head) x = static_cast<int8_t>(part(random));
+    }
+    LaneC d{};
+    for (int j = 0; j < mma::key_mmas(dim); ++j) {
+      if (j == mma::nibble_key_horner_mma(dim)) {
+        for (auto& lane : d) {
+          for (auto& x : lane) x *= mma::kNibbleKeyScale;
+        }
+      }
+      LaneA a{};
+      LaneB b{};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        const int first = mma::nibble_key_words(dim) * c;
+        const uint32_t* words_g = rows[static_cast<size_t>(g)].data() + first;
+        const uint32_t* words_g8 = rows[static_cast<size_t>(g + 8)].data() + first;
+        for (int which = 0; which < 4; ++which) a[lane][which] = mma::nibble_key_a_register(dim, words_g, words_g8, j, which);
+        for (int half = 0; half < 2; ++half) b[lane][half] = mma::nibble_key_b_register(dim, query[static_cast<size_t>(g)].data(), j, c, half);
+      }
+      emulate_m16n8k32(a, b, true, d);
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      for (int reg = 0; reg < 4; ++reg) {
+        const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        int64_t want = 0;
+        for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
+        ASSERT_EQ(d[lane][reg], mma::kNibbleKeyScale * want) << "head_dim " << dim << " lane " << lane << " register " << reg;
+      }
+    }
+  }
+}
+
+// 4-bit values by ldmatrix and by gathers: every m tile's sums against the
+// weighted code sums of the channel each row names.
+TEST(Int8MmaFragments, NibbleValueOperandsGiveTheWeightedSumsOfEachChannel) {
+  std::mt19937 random(19);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const int dim : {128, 64}) {
+    std::vector<std::vector<int>> codes;
+    const auto rows = random_nibble_rows(32, dim, random, codes);
+    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
+    for (auto& head : weights) {
+      for (auto& w : head) w = static_cast<uint8_t>(byte(random));
+    }
+    for (const bool transposed : {true, false}) {
+      std::vector<int> channels_seen(static_cast<size_t>(dim), 0);
+      for (int tile = 0; tile < dim / 16; ++tile) {
+        LaneA a{};
+        LaneB b{};
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, c = lane % 4;
+          for (int half = 0; half < 2; ++half) {
+            if (transposed) {
+              const int mb = tile / 2, beta = tile % 2;
+              const uint32_t gathered = mma::transposed_gather(ldmatrix_transposed(rows, 16 * half, mb, g, c),
+                                                               ldmatrix_transposed(rows, 16 * half + 8, mb, g, c), beta);
+              a[lane][2 * half] = mma::nibble_transposed_value_a_register(gathered, 0);
+              a[lane][2 * half + 1] = mma::nibble_transposed_value_a_register(gathered, 1);
+            } else {
+              for (int upper = 0; upper < 2; ++upper) {
+                int token[4];
+                for (int i = 0; i < 4; ++i) token[i] = mma::value_token_of_k(16 * half + 4 * c + i);
+                const auto word = [&](int t) { return rows[static_cast<size_t>(token[t])][static_cast<size_t>(2 * tile + upper)]; };
+                const uint32_t gathered = mma::gather_byte(word(0), word(1), word(2), word(3), g % 4);
+                a[lane][2 * half + upper] = mma::nibble_value_a_register(gathered, g);
+              }
+            }
+            uint32_t bytes = 0;  // column g's weights at k = 16 half + 4c + i
+            for (int i = 0; i < 4; ++i) {
+              const int k = 16 * half + 4 * c + i;
+              const int t = transposed ? mma::transposed_token_of_k(k) : mma::value_token_of_k(k);
+              bytes |= static_cast<uint32_t>(weights[static_cast<size_t>(g)][static_cast<size_t>(t)]) << (8 * i);
+            }
+            b[lane][half] = bytes;
+          }
+        }
+        LaneC d{};
+        emulate_m16n8k32(a, b, false, d);
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, c = lane % 4;
+          for (int reg = 0; reg < 4; ++reg) {
+            const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+            const int channel = transposed ? mma::nibble_transposed_value_channel(tile, row)
+                                           : mma::nibble_value_channel_of_row(tile, row);
+            const int log16 = transposed ? mma::nibble_transposed_value_row_log16(row) : mma::nibble_value_row_log16(row);
+            ASSERT_LT(channel, dim);
+            if (c == 0 && reg % 2 == 0) ++channels_seen[static_cast<size_t>(channel)];
+            int64_t want = 0;
+            for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
+            ASSERT_EQ(d[lane][reg], want << (4 * log16))
+                << (transposed ? "ldmatrix" : "gathered") << " head_dim " << dim << " m tile " << tile << " lane " << lane
+                << " register " << reg;
+          }
+        }
+      }
+      for (const int n : channels_seen) EXPECT_EQ(n, 1) << "head_dim " << dim;
+    }
+  }
+}
+
 // Packed parts (groups of at most 4 heads), keys: B column n is part n / 4
 // of head n % 4's query; after the exchange lane (g, c) holds the high and
 // low sums of tokens 16 (c / 2) + g + 8 r and heads 2 (c % 2) + j, whose
