@@ -163,16 +163,25 @@ bool int8_packed_parts(const DecodeParams& p) {
   return p.num_heads / p.key_cache.layout.spec.kv_heads <= int8_mma::kPackedHeads;
 }
 
-// Calls f with the int8 kernel instantiation that serves p (head_dim D).
-template <int D, typename F>
-void with_int8_kernel(const DecodeParams& p, F&& f) {
+// Calls f with the int8 kernel instantiation that serves p (head_dim D,
+// kBits bits).
+template <int D, int kBits, typename F>
+void with_int8_kernel_bits(const DecodeParams& p, F&& f) {
   const bool groups_of_32 = int8_value_groups_of_32(p), packed = int8_packed_parts(p);
   if (groups_of_32) {
-    packed ? f(device::decode_int8_kernel<D, D / 32, true>, device::int8_dynamic_shared_bytes<D, D / 32>)
-           : f(device::decode_int8_kernel<D, D / 32, false>, device::int8_dynamic_shared_bytes<D, D / 32>);
+    packed ? f(device::decode_int8_kernel<D, D / 32, true, kBits>, device::int8_dynamic_shared_bytes<D, D / 32, kBits>)
+           : f(device::decode_int8_kernel<D, D / 32, false, kBits>, device::int8_dynamic_shared_bytes<D, D / 32, kBits>);
   } else {
-    packed ? f(device::decode_int8_kernel<D, 1, true>, device::int8_dynamic_shared_bytes<D, 1>)
-           : f(device::decode_int8_kernel<D, 1, false>, device::int8_dynamic_shared_bytes<D, 1>);
+    packed ? f(device::decode_int8_kernel<D, 1, true, kBits>, device::int8_dynamic_shared_bytes<D, 1, kBits>)
+           : f(device::decode_int8_kernel<D, 1, false, kBits>, device::int8_dynamic_shared_bytes<D, 1, kBits>);
+  }
+}
+template <int D, typename F>
+void with_int8_kernel(const DecodeParams& p, F&& f) {
+  if (p.key_cache.layout.spec.bits == 2) {
+    with_int8_kernel_bits<D, 2>(p, f);
+  } else {
+    with_int8_kernel_bits<D, 4>(p, f);
   }
 }
 
@@ -233,9 +242,15 @@ int tensor_core_residency(const DecodeParams& p) {
 int kernel_variant(const DecodeParams& p, bool int8) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int dim = k.head_dim == 64 ? 0 : 1;
-  if (int8) {
-    return 8 + 8 * dim + (int8_value_groups_of_32(p) ? 4 : 0) + (int8_packed_parts(p) ? 2 : 0) +
-           (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
+  if (int8) {  // 16 and up: head_dim, bits, value groups, packed parts, value outliers, channel pairs' bytes
+    const int channel_pairs =
+        k.grouping != ScaleGrouping::kPerChannelTokens ? 0 : p.key_cache.layout.pair_bytes == 4 ? 1 : 2;
+    int variant = dim;
+    variant = 2 * variant + (k.bits == 4 ? 1 : 0);
+    variant = 2 * variant + (int8_value_groups_of_32(p) ? 1 : 0);
+    variant = 2 * variant + (int8_packed_parts(p) ? 1 : 0);
+    variant = 2 * variant + (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
+    return 16 + 3 * variant + channel_pairs;
   }
   const bool grouped = grouped_channels(k) || grouped_channels(p.value_cache.layout.spec);
   return 4 * dim + (k.bits == 2 ? 0 : 2) + (grouped ? 1 : 0);
@@ -339,7 +354,7 @@ bool int8_decode_supported(const DecodeParams& p) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const TensorLayoutSpec& v = p.value_cache.layout.spec;
   const int dim = k.head_dim;
-  if ((dim != 64 && dim != 128) || k.bits != 2 || v.bits != 2) return false;
+  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4) || v.bits != k.bits) return false;
   if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
   if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
   // The walk's address arithmetic: 32-bit page sizes and in-page offsets,

@@ -95,9 +95,9 @@ struct Int8Shared {
 // One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
 // tokens' code rows and group pairs, copied asynchronously, and each token's
 // page id and index in it (the same in both pools; for the outliers).
-template <int D, int VG>
+template <int D, int VG, int kBits>
 struct Int8Stage {
-  static constexpr int kRowBytes = D * 2 / 8;
+  static constexpr int kRowBytes = D * kBits / 8;
   static constexpr int kRowWords = kRowBytes / 4;
   uint4 key_codes[kInt8StepTokens * kRowBytes / 16];
   uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
@@ -114,9 +114,9 @@ struct Int8Stage {
 template <int D>
 using Int8Out = float[kInt8Warps][kMaxTensorCoreGroup][D];
 
-template <int D, int VG>
+template <int D, int VG, int kBits>
 constexpr int int8_stage_bytes() {
-  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG>));
+  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG, kBits>));
 }
 
 // per_channel_tokens keys (KIVI's): every stage's D channel pairs
@@ -129,10 +129,11 @@ constexpr int int8_channel_pairs_bytes(int pair_bytes) {
 
 // The stages, the channel pairs (channel_pair_bytes: a per_channel_tokens
 // key pair's bytes, else 0), then (value outliers) the output rows.
-template <int D, int VG>
+template <int D, int VG, int kBits>
 constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_bytes) {
-  static_assert(int8_stage_bytes<D, VG>() >= static_cast<int>(sizeof(Int8Out<D>)), "the stages hold the output rows");
-  return int8_stage_bytes<D, VG>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
+  static_assert(int8_stage_bytes<D, VG, kBits>() >= static_cast<int>(sizeof(Int8Out<D>)),
+                "the stages hold the output rows");
+  return int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
          (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
 }
 
@@ -169,13 +170,15 @@ __device__ inline void load_matrices_transposed(uint32_t (&d)[4], uint32_t addre
 }
 
 // Where 16-byte chunk `block` of token row `row` lies in a stage's value
-// codes (one value group per row), in chunks: at head_dim 128 (two chunks a
-// row) rows 4-7 of each octet swap their two chunks, so that the 8 rows one
-// ldmatrix matrix reads (32 bytes apart) fall in 8 different groups of 4
-// banks instead of 4.
+// codes (one value group per row), in chunks, so that the 8 rows one
+// ldmatrix matrix reads fall in 8 different groups of 4 banks: with two
+// chunks a row (32 bytes apart) rows 4-7 of each octet swap them; with four
+// (64 bytes apart) rows 2i and 2i + 1 take chunk block ^ i.
 template <int kRowChunks>
 __device__ inline int value_chunk(int row, int block) {
-  return kRowChunks == 2 ? 2 * row + (block ^ ((row >> 2) & 1)) : row * kRowChunks + block;
+  if constexpr (kRowChunks == 2) return 2 * row + (block ^ ((row >> 2) & 1));
+  if constexpr (kRowChunks == 4) return 4 * row + (block ^ ((row >> 1) & 3));
+  return row * kRowChunks + block;
 }
 
 // 1 / x on the special-function unit (rcp.approx.ftz: within 1 ulp; a
@@ -211,25 +214,34 @@ __device__ inline void copy_pair_async_to(uint32_t shared, const uint8_t* global
 // VG: the values' channel groups per row (1: one per row; D / 32: per-token
 // groups of 32 channels, KIVI's, two m tiles each).
 // kPacked: the group has at most int8_mma::kPackedHeads heads.
-// Four blocks per multiprocessor with one value group per row (128
+// kBits: 2 or 4 (int8_mma_fragments.h, "4-bit codes").
+// Four blocks per multiprocessor at 2 bits with one value group per row (128
 // registers, about 51 KB of shared memory): the kernel waits on shared
-// memory and its copies, so resident warps are what hides that.
-template <int D, int VG, bool kPacked>
-__global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
+// memory and its copies, so resident warps are what hides that. The larger
+// stages of 4 bits and of KIVI's value groups leave room for fewer.
+template <int D, int VG, bool kPacked, int kBits>
+constexpr int int8_blocks_per_multiprocessor() {
+  return kBits == 2 ? (VG == 1 ? 4 : 3) : (VG == 1 ? 3 : 2);
+}
+template <int D, int VG, bool kPacked, int kBits>
+__global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multiprocessor<D, VG, kPacked, kBits>()))
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
+  static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
+  constexpr bool kNibbles = kBits == 4;
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
-  constexpr int kTop = 3;
+  constexpr int kTop = (1 << kBits) - 1;
   static_assert(VG == 1 || VG == D / 32, "value groups: one per row or of 32 channels");
-  static_assert(kInt8StepTokens * 3 * 64 * 255 < (1 << 22), "the packed value sums convert by a float add");
+  // A masked code byte is at most 3 * 64 (2 bits) or 15 * 16 (4 bits).
+  static_assert(kInt8StepTokens * 240 * 255 < (1 << 22), "the packed value sums convert by a float add");
   constexpr int kTilesPerGroup = kMTiles / VG;
-  using Stage = Int8Stage<D, VG>;
+  using Stage = Int8Stage<D, VG, kBits>;
   // Key mmas per k step and row block (packed: one for both parts), and the
   // token rows a lane scores (for 2 heads each).
   constexpr int kKeyParts = kPacked ? 1 : 2;
   constexpr int kItemRows = kPacked ? 2 : 4;
   constexpr int kRowWords = Stage::kRowWords;
-  constexpr int kKeyWords = int8_mma::key_words(D);
+  constexpr int kKeyWords = kNibbles ? int8_mma::nibble_key_words(D) : int8_mma::key_words(D);
   static_assert(int8_mma::key_mmas(D) == D / 32, "one key mma per 32 channels");
   constexpr int kRowChunks = Stage::kRowBytes / 16;
   // Raw bytes: a __shared__ variable is never constructed, and the
@@ -277,7 +289,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // once every warp is done with them).
   auto& out = *reinterpret_cast<Int8Out<D>*>(
       dynamic_shared +
-      (value_outliers ? int8_stage_bytes<D, VG>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
+      (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
   load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
                         value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
 
@@ -305,8 +317,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
   // per_channel_keys, as std::true_type in the step loop's rebuild (KIVI's
   // keys), which so carries no per-token branch.
   auto build_key_operands = [&](auto per_channel) {
-    // Lane (g, c) holds channels key_channel(D, j, c, h, i) of its column's
-    // head: D / 4 of them.
+    // Lane (g, c) holds channels key_channel(D, j, c, h, i) (at 4 bits
+    // nibble_key_channel's) of its column's head: D / 4 of them.
     float x[kSteps][2][4];
     float largest = 0.0f, a_term = 0.0f;
 #pragma unroll
@@ -315,7 +327,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int d = int8_mma::key_channel(D, step, c, half, i);
+          const int d = kNibbles ? int8_mma::nibble_key_channel(D, step, c, half, i)
+                                 : int8_mma::key_channel(D, step, c, half, i);
           float q = my_query[d];
           if (per_channel) {
             const Affine affine = shared.channel[warp][d];
@@ -355,8 +368,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         for (int part = 0; part < kKeyParts; ++part) key_b[step][half][part] = words[part];
       }
     }
-    // The combined sums 128 hi.c + lo.c carry key_plane_scale (a power of 4).
-    const float key_scale = largest / (127.0f * 128.0f * static_cast<float>(int8_mma::key_plane_scale(D)));
+    // The combined sums 128 hi.c + lo.c carry key_plane_scale (a power of 4;
+    // at 4 bits 16).
+    constexpr int kPlaneScale = kNibbles ? int8_mma::kNibbleKeyScale : int8_mma::key_plane_scale(D);
+    const float key_scale = largest / (127.0f * 128.0f * static_cast<float>(kPlaneScale));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h)) * log2e_scale;
@@ -485,7 +500,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         const int32_t per_page = page_size * per_slot;
         const StreamPlace first = stream_place(slot_index - in_group, per_slot, per_page, kv_head * D + lane);
         const uint32_t slots = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_shared)) +
-                               static_cast<uint32_t>(int8_stage_bytes<D, VG>()) +
+                               static_cast<uint32_t>(int8_stage_bytes<D, VG, kBits>()) +
                                static_cast<uint32_t>(((warp * kInt8Stages + stage_index) * D + lane) * channel_pair_bytes);
 #pragma unroll
         for (int i = 0; i < D / kWarpSize; ++i) {
@@ -537,7 +552,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       // The step starts a key group (steps never straddle one: G % 32 == 0)
       // or the run: the group's channel affines from the pairs that came
       // with it, then the key operands.
-      const uint8_t* pairs = dynamic_shared + int8_stage_bytes<D, VG>() + (warp * kInt8Stages + stage_index) * D * channel_pair_bytes;
+      const uint8_t* pairs = dynamic_shared + int8_stage_bytes<D, VG, kBits>() + (warp * kInt8Stages + stage_index) * D * channel_pair_bytes;
       for (int d = lane; d < D; d += kWarpSize) {
         const uint2 raw = channel_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pairs + 4 * d), 0u)
                                                   : *reinterpret_cast<const uint2*>(pairs + 8 * d);
@@ -552,10 +567,17 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
       int dots[2][kKeyParts][4];  // [rb][part][C register]: token 16 rb + g + 8 (i / 2), column 2c + i % 2
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
-        // The lane's words of rows g and g + 8 (key_first_word onwards).
+        // The lane's words of rows g and g + 8 (key_first_word onwards; at 4
+        // bits nibble_key_words of them from word nibble_key_words * c).
         uint32_t words_g[kKeyWords], words_g8[kKeyWords];
-        const auto* codes = reinterpret_cast<const uint32_t*>(stage.key_codes) + int8_mma::key_first_word(D, c);
-        if constexpr (kKeyWords == 2) {
+        const auto* codes = reinterpret_cast<const uint32_t*>(stage.key_codes) +
+                            (kNibbles ? kKeyWords * c : int8_mma::key_first_word(D, c));
+        if constexpr (kKeyWords == 4) {
+          const uint4 u = *reinterpret_cast<const uint4*>(codes + (16 * rb + g) * kRowWords);
+          const uint4 v = *reinterpret_cast<const uint4*>(codes + (16 * rb + g + 8) * kRowWords);
+          words_g[0] = u.x, words_g[1] = u.y, words_g[2] = u.z, words_g[3] = u.w;
+          words_g8[0] = v.x, words_g8[1] = v.y, words_g8[2] = v.z, words_g8[3] = v.w;
+        } else if constexpr (kKeyWords == 2) {
           const uint2 u = *reinterpret_cast<const uint2*>(codes + (16 * rb + g) * kRowWords);
           const uint2 v = *reinterpret_cast<const uint2*>(codes + (16 * rb + g + 8) * kRowWords);
           words_g[0] = u.x, words_g[1] = u.y, words_g8[0] = v.x, words_g8[1] = v.y;
@@ -565,17 +587,21 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         }
 #pragma unroll
         for (int part = 0; part < kKeyParts; ++part) dots[rb][part][0] = dots[rb][part][1] = dots[rb][part][2] = dots[rb][part][3] = 0;
-        // Horner over the planes: the sums times 4 before each next mma.
+        // Horner over the planes: the sums times 4 before each next mma (at
+        // 4 bits times 16 before the first plane-1 mma).
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           uint32_t a[4];
 #pragma unroll
-          for (int which = 0; which < 4; ++which) a[which] = int8_mma::key_a_register(D, words_g, words_g8, s, which);
+          for (int which = 0; which < 4; ++which) {
+            a[which] = kNibbles ? int8_mma::nibble_key_a_register(D, words_g, words_g8, s, which)
+                                : int8_mma::key_a_register(D, words_g, words_g8, s, which);
+          }
 #pragma unroll
           for (int part = 0; part < kKeyParts; ++part) {
-            if (s > 0) {
+            if (kNibbles ? s == int8_mma::nibble_key_horner_mma(D) : s > 0) {
 #pragma unroll
-              for (int i = 0; i < 4; ++i) dots[rb][part][i] *= 4;
+              for (int i = 0; i < 4; ++i) dots[rb][part][i] *= kNibbles ? int8_mma::kNibbleKeyScale : 4;
             }
             mma_u8s8(dots[rb][part], a, key_b[s][0][part], key_b[s][1][part]);
           }
@@ -622,7 +648,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
                              stage.in_page[row]};
         float correction[2] = {0.0f, 0.0f};
         for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
-          const int code = code_at<2>(kl, at, kv_head, d);
+          const int code = code_at<kBits>(kl, at, kv_head, d);
           const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
           correction[0] = __fmaf_rn(shared.query[lane_head(0)][d], delta, correction[0]);
@@ -780,14 +806,22 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         for (int beta = 0; beta < 2; ++beta) {
           const uint32_t gathered[2] = {int8_mma::transposed_gather(octets[0], octets[1], beta),
                                         int8_mma::transposed_gather(octets[2], octets[3], beta)};
+          if constexpr (kNibbles) {  // tile 2 mb + beta: rows g, g + 8 the two planes
+            const uint32_t a[4] = {int8_mma::nibble_transposed_value_a_register(gathered[0], 0),
+                                   int8_mma::nibble_transposed_value_a_register(gathered[0], 1),
+                                   int8_mma::nibble_transposed_value_a_register(gathered[1], 0),
+                                   int8_mma::nibble_transposed_value_a_register(gathered[1], 1)};
+            accumulate_tile(2 * mb + beta, a);
+          } else {
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int tile = 4 * mb + 2 * beta + q;
-            const uint32_t a[4] = {int8_mma::transposed_value_a_register(gathered[0], tile, 0),
-                                   int8_mma::transposed_value_a_register(gathered[0], tile, 1),
-                                   int8_mma::transposed_value_a_register(gathered[1], tile, 0),
-                                   int8_mma::transposed_value_a_register(gathered[1], tile, 1)};
-            accumulate_tile(tile, a);
+            for (int q = 0; q < 2; ++q) {
+              const int tile = 4 * mb + 2 * beta + q;
+              const uint32_t a[4] = {int8_mma::transposed_value_a_register(gathered[0], tile, 0),
+                                     int8_mma::transposed_value_a_register(gathered[0], tile, 1),
+                                     int8_mma::transposed_value_a_register(gathered[1], tile, 0),
+                                     int8_mma::transposed_value_a_register(gathered[1], tile, 1)};
+              accumulate_tile(tile, a);
+            }
           }
         }
       }
@@ -818,13 +852,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const uint32_t gathered = int8_mma::gather_byte(words[0][j], words[1][j], words[2][j], words[3][j], g % 4);
-            a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
-            a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+            if constexpr (kNibbles) {  // word j is tile 2 w4 + j / 2's rows g (j even) or g + 8
+              a_of[j / 2][2 * part + j % 2] = int8_mma::nibble_value_a_register(gathered, g);
+            } else {
+              a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
+              a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+            }
           }
           asm volatile("" ::: "memory");
         }
+        constexpr int kTilesPerChunk = kNibbles ? 2 : 4;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) accumulate_tile(4 * w4 + j, a_of[j]);
+        for (int j = 0; j < kTilesPerChunk; ++j) accumulate_tile(kTilesPerChunk * w4 + j, a_of[j]);
       }
     }
     if (value_outliers) {
@@ -836,7 +875,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
         const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
                              stage.in_page[lane]};
         for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
-          const int code = code_at<2>(vl, at, kv_head, d);
+          const int code = code_at<kBits>(vl, at, kv_head, d);
           const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
           for (int h = 0; h < group; ++h) atomicAdd(&out[warp][h][d], shared.weights[warp][lane][h] * delta);
@@ -886,9 +925,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, VG == 1 ? 4 : 3)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = i < 2 ? g : g + 8;
-        const int log4 = VG == 1 ? int8_mma::transposed_value_row_log4(t, row) : int8_mma::value_row_log4(row);
-        const int channel = VG == 1 ? int8_mma::transposed_value_channel(t, row) : 16 * t + int8_mma::value_channel_of_row(row);
-        const float value = acc[t][i] * (1.0f / static_cast<float>(1 << (2 * log4)));
+        // The row's channel and the power of 2 its codes carried.
+        int channel, shift;
+        if constexpr (kNibbles) {
+          channel = VG == 1 ? int8_mma::nibble_transposed_value_channel(t, row) : int8_mma::nibble_value_channel_of_row(t, row);
+          shift = 4 * (VG == 1 ? int8_mma::nibble_transposed_value_row_log16(row) : int8_mma::nibble_value_row_log16(row));
+        } else {
+          channel = VG == 1 ? int8_mma::transposed_value_channel(t, row) : 16 * t + int8_mma::value_channel_of_row(row);
+          shift = 2 * (VG == 1 ? int8_mma::transposed_value_row_log4(t, row) : int8_mma::value_row_log4(row));
+        }
+        const float value = acc[t][i] * (1.0f / static_cast<float>(1 << shift));
         float& o = out[warp][lane_head(i % 2)][channel];
         o = value_outliers ? o + value : value;
       }

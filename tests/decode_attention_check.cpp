@@ -280,8 +280,10 @@ double io_unit(ElementType io) {
 // times 1 / 2 (its two uint8 parts, one 16-bit fixed-point number) plus
 // 65535 * 2^-21 (the parts come from an approximate inverse of the unit,
 // within 2 ulp), so a step's 32 tokens move
-// an output by <= 3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 of its largest W,
-// and summed over the steps and normalized by sum p, of max_t b_t <= 3 max |v'|:
+// an output by <= top * 32 (1 / 2 + 65535 * 2^-21) / 65535 of its largest W
+// (codes up to top = 2^b - 1), and summed over the steps and normalized by
+// sum p, of top * max_t b_t = max (hi - lo) <= 2 max |v'| (at 2 and 4 bits
+// alike; the bound below keeps 2 bits' looser 3 * 3 max |v'|):
 //   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
 //   values: |delta o_d| <= (3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,

@@ -115,7 +115,9 @@ std::vector<Case> cases() {
      // rtn at head_dim 128 and 64 with value outliers, int2-rot rotated with a
      // sink and a window (GQA 8), per-channel keys of 32 tokens with KIVI's
      // value groups of 32 channels (head_dim 128, and 64 with a sink, sliding
-     // keys and page 12), a 16K context. Per-channel keys of 32 tokens with
+     // keys and page 12), rtn at 4 bits, a 16K context (the default also
+     // takes the 4-bit kivi and int2-rot layouts above to it). Per-channel
+     // keys of 32 tokens with
      // all-heads values (bf16 io) are not the int8 kernel's: the default
      // takes them to the bf16 tensor cores.
     Case rtn = make_case("int8_rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
@@ -151,6 +153,9 @@ std::vector<Case> cases() {
     kivi_small.page_size = 12;
     kivi_small.kernel = kernels::DecodeKernel::kInt8TensorCores;
     all.push_back(kivi_small);
+    Case four_bits = make_case("int8_rtn_4bit_d128_gqa4", QuantMethod::kRtn, 4, 128, 8);  // 4-bit codes, 64-byte rows
+    four_bits.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(four_bits);
     Case long_context = make_case("int8_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
     long_context.lengths = {16411, 33};
     long_context.kernel = kernels::DecodeKernel::kInt8TensorCores;
@@ -170,10 +175,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DecodeAttentionCuda, ::testing::ValuesIn(cases
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // On any machine (no GPU needed): the int8 cases are layouts the 8-bit
-// integer kernel reads, and the layouts it does not (4 bits, kvquant's
-// non-uniform pre-RoPE keys, rtn's per-token groups of 32 key channels,
-// KIVI's keys with all-heads values) are refused by its test, so that they
-// run the bf16 or the general kernel.
+// integer kernel reads, the default takes it wherever it reads a layout (at
+// 2 and 4 bits), and the layouts it does not read (kvquant's non-uniform
+// pre-RoPE keys, rtn's per-token groups of 32 key channels, KIVI's keys with
+// all-heads values) are refused by its test, so that they run the bf16 or
+// the general kernel.
 TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
   int int8_cases = 0;
   for (const Case& c : cases()) {
@@ -191,10 +197,12 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       ++int8_cases;
     }
     const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
-                          c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4";
+                          c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
+                          c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
+                          c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12";
     EXPECT_EQ(reads, expected) << c.name;
   }
-  EXPECT_EQ(int8_cases, 6);
+  EXPECT_EQ(int8_cases, 7);
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
