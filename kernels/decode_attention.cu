@@ -267,25 +267,23 @@ template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
   if (plan.tensor_cores) {
-    if constexpr (kBits == 2) {
-      if (plan.int8) {
-        // Both orders make the second kernel the first's programmatic
-        // dependent: it reads nothing the first writes, and waits for it
-        // before it exits (so that the merge, which waits for the second,
-        // finds both done). Few exact blocks first, beside the int8 kernel's
-        // from the start; else the int8 kernel first, the exact blocks
-        // filling its last wave instead of starting after it.
-        if (plan.exact_first) {
-          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
-          launch_int8<D>(p, workspace, plan, stream, true);
-        } else {
-          launch_int8<D>(p, workspace, plan, stream, false);
-          if (plan.exact_splits > 0) {
-            launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
-          }
+    if (plan.int8) {
+      // Both orders make the second kernel the first's programmatic
+      // dependent: it reads nothing the first writes, and waits for it
+      // before it exits (so that the merge, which waits for the second,
+      // finds both done). Few exact blocks first, beside the int8 kernel's
+      // from the start; else the int8 kernel first, the exact blocks
+      // filling its last wave instead of starting after it.
+      if (plan.exact_first) {
+        launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+        launch_int8<D>(p, workspace, plan, stream, true);
+      } else {
+        launch_int8<D>(p, workspace, plan, stream, false);
+        if (plan.exact_splits > 0) {
+          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
         }
-        return;
       }
+      return;
     }
     launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) {

@@ -41,11 +41,12 @@ struct DecodePlan {
 // multiple of 16 tokens or offline ones.
 bool tensor_core_decode_supported(const DecodeParams& params);
 
-// Whether the 8-bit integer tensor-core kernel reads it: 2 bits, head_dim 64
+// Whether the 8-bit integer tensor-core kernel reads it: 2 or 4 bits, head_dim 64
 // or 128, uniform levels, post-RoPE keys, at most 8 query heads per KV head;
 // values with one group per token row (all-heads, or per_token groups of
 // head_dim) or per_token groups of 32 channels; keys with one group per row
-// or per-channel (offline, or groups of a multiple of 32 tokens).
+// or per-channel (offline, or groups of a multiple of 32 tokens with values
+// in groups of 32 channels).
 bool int8_decode_supported(const DecodeParams& params);
 
 // params.kernel picks among the kernels that read the layout.
