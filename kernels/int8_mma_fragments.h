@@ -95,16 +95,9 @@ KVFORGE_HOST_DEVICE inline uint32_t key_a_register(int dim, const uint32_t* word
   return word & (kCodeBytes << (2 * j));
 }
 
-// B register `half` (0, 1) of lane column c for key mma j: bytes i are the
-// query parts of key_channel (`query` the head's D parts).
-KVFORGE_HOST_DEVICE inline uint32_t key_b_register(int dim, const int8_t* query, int j, int c, int half) {
-  uint32_t result = 0;
-  for (int i = 0; i < 4; ++i) {
-    const auto byte = static_cast<uint8_t>(query[key_channel(dim, j, c, half, i)]);
-    result |= static_cast<uint32_t>(byte) << (8 * i);
-  }
-  return result;
-}
+
+// (key_b_register, the B registers at either width, follows the 4-bit
+// section.)
 
 // ---------------------------------------------------------------- values
 
@@ -226,11 +219,14 @@ KVFORGE_HOST_DEVICE inline uint32_t nibble_key_a_register(int dim, const uint32_
   return words[nibble_key_word(dim, j, which / 2)] & (kNibbles << (4 * nibble_key_plane(dim, j)));
 }
 
-KVFORGE_HOST_DEVICE inline uint32_t nibble_key_b_register(int dim, const int8_t* query, int j, int c, int half) {
+// B register `half` (0, 1) of lane column c for key mma j at `bits` (2:
+// key_channel's order, 4: nibble_key_channel's): bytes i are the query parts
+// of those channels (`query` the head's D parts).
+KVFORGE_HOST_DEVICE inline uint32_t key_b_register(int dim, const int8_t* query, int j, int c, int half, int bits = 2) {
   uint32_t result = 0;
   for (int i = 0; i < 4; ++i) {
-    const auto byte = static_cast<uint8_t>(query[nibble_key_channel(dim, j, c, half, i)]);
-    result |= static_cast<uint32_t>(byte) << (8 * i);
+    const int channel = bits == 2 ? key_channel(dim, j, c, half, i) : nibble_key_channel(dim, j, c, half, i);
+    result |= static_cast<uint32_t>(static_cast<uint8_t>(query[channel])) << (8 * i);
   }
   return result;
 }

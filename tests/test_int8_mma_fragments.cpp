@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/int8_mma_fragments.h"
@@ -58,39 +59,57 @@ void emulate_m16n8k32(const LaneA& a, const LaneB& b, bool b_signed, LaneC& d) {
   }
 }
 
-// 2-bit code rows: token t's words, channel d at bits 2 (d % 16) of word d / 16.
-std::vector<std::vector<uint32_t>> random_rows(int tokens, int dim, std::mt19937& random, std::vector<std::vector<int>>& codes) {
-  std::uniform_int_distribution<int> code(0, 3);
-  std::vector<std::vector<uint32_t>> rows(static_cast<size_t>(tokens), std::vector<uint32_t>(static_cast<size_t>(dim / 16)));
+// Code rows of `bits` (2 or 4): token t's words, channel d at bits
+// bits * (d % per_word) of word d / per_word.
+std::vector<std::vector<uint32_t>> random_rows(int tokens, int dim, std::mt19937& random, std::vector<std::vector<int>>& codes,
+                                               int bits = 2) {
+  const int per_word = 32 / bits;
+  std::uniform_int_distribution<int> code(0, (1 << bits) - 1);
+  std::vector<std::vector<uint32_t>> rows(static_cast<size_t>(tokens), std::vector<uint32_t>(static_cast<size_t>(dim / per_word)));
   codes.assign(static_cast<size_t>(tokens), std::vector<int>(static_cast<size_t>(dim)));
   for (int t = 0; t < tokens; ++t) {
     for (int d = 0; d < dim; ++d) {
       const int x = code(random);
       codes[t][d] = x;
-      rows[t][d / 16] |= static_cast<uint32_t>(x) << (2 * (d % 16));
+      rows[t][d / per_word] |= static_cast<uint32_t>(x) << (bits * (d % per_word));
     }
   }
   return rows;
 }
 
+// The kernel's key operands by code width: the words a lane column reads,
+// the mmas' A and B registers, and the power the Horner sums carry.
+int key_first_word(int bits, int dim, int c) { return bits == 2 ? mma::key_first_word(dim, c) : mma::nibble_key_words(dim) * c; }
+int key_words(int bits, int dim) { return bits == 2 ? mma::key_words(dim) : mma::nibble_key_words(dim); }
+int key_channel(int bits, int dim, int j, int c, int half, int i) {
+  return bits == 2 ? mma::key_channel(dim, j, c, half, i) : mma::nibble_key_channel(dim, j, c, half, i);
+}
+int key_scale(int bits, int dim) { return bits == 2 ? mma::key_plane_scale(dim) : mma::kNibbleKeyScale; }
+
 // A key row block's sums as the kernel forms them: the mmas of rows
-// first_row + g and + g + 8 in Horner order (the sums times 4 before each
-// next mma), column g's query parts from query_of_column(g).
+// first_row + g and + g + 8 in Horner order (2 bits: the sums times 4
+// before each next mma; 4 bits: times 16 before the first plane-1 mma),
+// column g's query parts from query_of_column(g).
 template <typename QueryOfColumn>
-LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_row, int dim, QueryOfColumn query_of_column) {
+LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_row, int dim, QueryOfColumn query_of_column,
+                    int bits = 2) {
   LaneC d{};
   for (int j = 0; j < mma::key_mmas(dim); ++j) {
+    const int times = bits == 2 ? 4 : j == mma::nibble_key_horner_mma(dim) ? mma::kNibbleKeyScale : 1;
     for (auto& lane : d) {
-      for (auto& x : lane) x *= 4;
+      for (auto& x : lane) x *= times;
     }
     LaneA a{};
     LaneB b{};
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
-      const uint32_t* words_g = rows[static_cast<size_t>(first_row + g)].data() + mma::key_first_word(dim, c);
-      const uint32_t* words_g8 = rows[static_cast<size_t>(first_row + g + 8)].data() + mma::key_first_word(dim, c);
-      for (int which = 0; which < 4; ++which) a[lane][which] = mma::key_a_register(dim, words_g, words_g8, j, which);
-      for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(dim, query_of_column(g), j, c, half);
+      const uint32_t* words_g = rows[static_cast<size_t>(first_row + g)].data() + key_first_word(bits, dim, c);
+      const uint32_t* words_g8 = rows[static_cast<size_t>(first_row + g + 8)].data() + key_first_word(bits, dim, c);
+      for (int which = 0; which < 4; ++which) {
+        a[lane][which] = bits == 2 ? mma::key_a_register(dim, words_g, words_g8, j, which)
+                                   : mma::nibble_key_a_register(dim, words_g, words_g8, j, which);
+      }
+      for (int half = 0; half < 2; ++half) b[lane][half] = mma::key_b_register(dim, query_of_column(g), j, c, half, bits);
     }
     emulate_m16n8k32(a, b, true, d);
   }
@@ -98,24 +117,26 @@ LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_ro
 }
 
 TEST(Int8MmaFragments, KeyChannelsOfKAreAPermutation) {
-  for (const int dim : {64, 128}) {
-    // Every channel once over the mmas, halves, lanes and bytes, from the
-    // words each lane reads.
-    std::vector<int> seen(static_cast<size_t>(dim), 0);
-    for (int j = 0; j < mma::key_mmas(dim); ++j) {
-      for (int c = 0; c < 4; ++c) {
-        for (int half = 0; half < 2; ++half) {
-          for (int i = 0; i < 4; ++i) {
-            const int channel = mma::key_channel(dim, j, c, half, i);
-            ++seen[static_cast<size_t>(channel)];
-            const int word = channel / 16;
-            EXPECT_GE(word, mma::key_first_word(dim, c));
-            EXPECT_LT(word, mma::key_first_word(dim, c) + mma::key_words(dim));
+  for (const int bits : {2, 4}) {
+    for (const int dim : {64, 128}) {
+      // Every channel once over the mmas, halves, lanes and bytes, from the
+      // words each lane reads.
+      std::vector<int> seen(static_cast<size_t>(dim), 0);
+      for (int j = 0; j < mma::key_mmas(dim); ++j) {
+        for (int c = 0; c < 4; ++c) {
+          for (int half = 0; half < 2; ++half) {
+            for (int i = 0; i < 4; ++i) {
+              const int channel = key_channel(bits, dim, j, c, half, i);
+              ++seen[static_cast<size_t>(channel)];
+              const int word = channel * bits / 32;
+              EXPECT_GE(word, key_first_word(bits, dim, c));
+              EXPECT_LT(word, key_first_word(bits, dim, c) + key_words(bits, dim));
+            }
           }
         }
       }
+      EXPECT_EQ(seen, std::vector<int>(static_cast<size_t>(dim), 1)) << bits << " bits, head_dim " << dim;
     }
-    EXPECT_EQ(seen, std::vector<int>(static_cast<size_t>(dim), 1)) << "head_dim " << dim;
   }
   std::vector<int> rows(16, 0);
   for (int r = 0; r < 16; ++r) ++rows[static_cast<size_t>(mma::value_channel_of_row(r))];
@@ -136,22 +157,24 @@ TEST(Int8MmaFragments, KeyChannelsOfKAreAPermutation) {
 TEST(Int8MmaFragments, KeyOperandsGiveTheDotProductsOfCodesAndQueries) {
   std::mt19937 random(20261201);
   std::uniform_int_distribution<int> part(-127, 127);
-  for (const int dim : {64, 128}) {
-    std::vector<std::vector<int>> codes;
-    const auto rows = random_rows(16, dim, random, codes);
-    std::vector<std::vector<int8_t>> query(8, std::vector<int8_t>(static_cast<size_t>(dim)));
-    for (auto& head : query) {
-      for (auto& x : head) x = static_cast<int8_t>(part(random));
-    }
-    const LaneC d = key_row_block(rows, 0, dim, [&](int g) { return query[static_cast<size_t>(g)].data(); });
-    for (int lane = 0; lane < 32; ++lane) {
-      const int g = lane / 4, c = lane % 4;
-      for (int reg = 0; reg < 4; ++reg) {
-        const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
-        int64_t want = 0;
-        for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
-        ASSERT_EQ(d[lane][reg], mma::key_plane_scale(dim) * want)
-            << "head_dim " << dim << " lane " << lane << " register " << reg;
+  for (const int bits : {2, 4}) {
+    for (const int dim : {64, 128}) {
+      std::vector<std::vector<int>> codes;
+      const auto rows = random_rows(16, dim, random, codes, bits);
+      std::vector<std::vector<int8_t>> query(8, std::vector<int8_t>(static_cast<size_t>(dim)));
+      for (auto& head : query) {
+        for (auto& x : head) x = static_cast<int8_t>(part(random));
+      }
+      const LaneC d = key_row_block(rows, 0, dim, [&](int g) { return query[static_cast<size_t>(g)].data(); }, bits);
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        for (int reg = 0; reg < 4; ++reg) {
+          const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+          int64_t want = 0;
+          for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
+          ASSERT_EQ(d[lane][reg], key_scale(bits, dim) * want)
+              << bits << " bits, head_dim " << dim << " lane " << lane << " register " << reg;
+        }
       }
     }
   }
@@ -254,199 +277,95 @@ TEST(Int8MmaFragments, TransposedTokenOrderIsAPermutationAndItsInverse) {
   for (const int n : seen) EXPECT_EQ(n, 1);
 }
 
-// Every m tile's sums from ldmatrix-loaded registers, one byte permute per
-// gathered word and a mask per A register, against the weighted code sums
-// of the channel each row names (head_dim 128 and 64; 8 heads' weights).
-TEST(Int8MmaFragments, TransposedValueOperandsGiveTheWeightedSumsOfEachChannel) {
-  std::mt19937 random(13);
+// Every m tile's sums from the lanes' A registers a_of(tile, g, c, half,
+// upper) (rows g + 8 upper, k half `half`) and B bytes in the k order
+// token_of_k, against the weighted code sums of the channel each row names
+// (channel_of(tile, row), its sums times 2^shift_of(tile, row)); the rows
+// cover every channel once. 8 heads' random weights.
+template <typename AOf, typename TokenOfK, typename ChannelOf, typename ShiftOf>
+void expect_value_tiles(const std::vector<std::vector<int>>& codes, int dim, std::mt19937& random, AOf a_of,
+                        TokenOfK token_of_k, ChannelOf channel_of, ShiftOf shift_of, const std::string& what) {
   std::uniform_int_distribution<int> byte(0, 255);
-  for (const int dim : {128, 64}) {
-    std::vector<std::vector<int>> codes;
-    const auto rows = random_rows(32, dim, random, codes);
-    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
-    for (auto& head : weights) {
-      for (auto& w : head) w = static_cast<uint8_t>(byte(random));
-    }
-    std::vector<int> channels_seen(static_cast<size_t>(dim), 0);
-    for (int tile = 0; tile < dim / 16; ++tile) {
-      const int mb = tile / 4, beta = (tile / 2) % 2;
-      LaneA a{};
-      LaneB b{};
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t octet = ldmatrix_transposed(rows, 16 * half, mb, g, c);
-          const uint32_t next_octet = ldmatrix_transposed(rows, 16 * half + 8, mb, g, c);
-          const uint32_t gathered = mma::transposed_gather(octet, next_octet, beta);
-          a[lane][2 * half] = mma::transposed_value_a_register(gathered, tile, 0);
-          a[lane][2 * half + 1] = mma::transposed_value_a_register(gathered, tile, 1);
-          uint32_t bytes = 0;  // column g's weights at k = 16 half + 4c + i
-          for (int i = 0; i < 4; ++i) {
-            const int t = mma::transposed_token_of_k(16 * half + 4 * c + i);
-            bytes |= static_cast<uint32_t>(weights[static_cast<size_t>(g)][static_cast<size_t>(t)]) << (8 * i);
-          }
-          b[lane][half] = bytes;
-        }
-      }
-      LaneC d{};
-      emulate_m16n8k32(a, b, false, d);
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        for (int reg = 0; reg < 4; ++reg) {
-          const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
-          const int channel = mma::transposed_value_channel(tile, row);
-          ASSERT_LT(channel, dim);
-          if (c == 0 && reg % 2 == 0) ++channels_seen[static_cast<size_t>(channel)];
-          int64_t want = 0;
-          for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
-          ASSERT_EQ(d[lane][reg], want << (2 * mma::transposed_value_row_log4(tile, row)))
-              << "head_dim " << dim << " m tile " << tile << " lane " << lane << " register " << reg;
-        }
-      }
-    }
-    for (const int n : channels_seen) EXPECT_EQ(n, 1) << "head_dim " << dim;  // the tiles' rows cover every channel once
+  std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
+  for (auto& head : weights) {
+    for (auto& w : head) w = static_cast<uint8_t>(byte(random));
   }
-}
-
-// ---- 4-bit codes
-
-// 4-bit code rows: token t's words, channel d at bits 4 (d % 8) of word d / 8.
-std::vector<std::vector<uint32_t>> random_nibble_rows(int tokens, int dim, std::mt19937& random,
-                                                      std::vector<std::vector<int>>& codes) {
-  std::uniform_int_distribution<int> code(0, 15);
-  std::vector<std::vector<uint32_t>> rows(static_cast<size_t>(tokens), std::vector<uint32_t>(static_cast<size_t>(dim / 8)));
-  codes.assign(static_cast<size_t>(tokens), std::vector<int>(static_cast<size_t>(dim)));
-  for (int t = 0; t < tokens; ++t) {
-    for (int d = 0; d < dim; ++d) {
-      const int x = code(random);
-      codes[t][d] = x;
-      rows[t][d / 8] |= static_cast<uint32_t>(x) << (4 * (d % 8));
-    }
-  }
-  return rows;
-}
-
-TEST(Int8MmaFragments, NibbleKeyChannelsOfKAreAPermutation) {
-  for (const int dim : {64, 128}) {
-    std::vector<int> seen(static_cast<size_t>(dim), 0);
-    for (int j = 0; j < mma::key_mmas(dim); ++j) {
-      for (int c = 0; c < 4; ++c) {
-        for (int half = 0; half < 2; ++half) {
-          for (int i = 0; i < 4; ++i) ++seen[static_cast<size_t>(mma::nibble_key_channel(dim, j, c, half, i))];
+  std::vector<int> channels_seen(static_cast<size_t>(dim), 0);
+  for (int tile = 0; tile < dim / 16; ++tile) {
+    LaneA a{};
+    LaneB b{};
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, c = lane % 4;
+      for (int half = 0; half < 2; ++half) {
+        for (int upper = 0; upper < 2; ++upper) a[lane][2 * half + upper] = a_of(tile, g, c, half, upper);
+        uint32_t bytes = 0;  // column g's weights at k = 16 half + 4c + i
+        for (int i = 0; i < 4; ++i) {
+          const int t = token_of_k(16 * half + 4 * c + i);
+          bytes |= static_cast<uint32_t>(weights[static_cast<size_t>(g)][static_cast<size_t>(t)]) << (8 * i);
         }
+        b[lane][half] = bytes;
       }
-    }
-    for (const int n : seen) EXPECT_EQ(n, 1) << "head_dim " << dim;
-  }
-}
-
-// A 4-bit key row block's sums as the kernel forms them: its mmas in order,
-// the sums times 16 before the first plane-1 mma.
-TEST(Int8MmaFragments, NibbleKeyOperandsGiveTheDotProductsOfCodesAndQueries) {
-  std::mt19937 random(17);
-  std::uniform_int_distribution<int> part(-127, 127);
-  for (const int dim : {64, 128}) {
-    std::vector<std::vector<int>> codes;
-    const auto rows = random_nibble_rows(16, dim, random, codes);
-    std::vector<std::vector<int8_t>> query(8, std::vector<int8_t>(static_cast<size_t>(dim)));
-    for (auto& head : query) {
-      for (auto& x : head) x = static_cast<int8_t>(part(random));
     }
     LaneC d{};
-    for (int j = 0; j < mma::key_mmas(dim); ++j) {
-      if (j == mma::nibble_key_horner_mma(dim)) {
-        for (auto& lane : d) {
-          for (auto& x : lane) x *= mma::kNibbleKeyScale;
-        }
-      }
-      LaneA a{};
-      LaneB b{};
-      for (int lane = 0; lane < 32; ++lane) {
-        const int g = lane / 4, c = lane % 4;
-        const int first = mma::nibble_key_words(dim) * c;
-        const uint32_t* words_g = rows[static_cast<size_t>(g)].data() + first;
-        const uint32_t* words_g8 = rows[static_cast<size_t>(g + 8)].data() + first;
-        for (int which = 0; which < 4; ++which) a[lane][which] = mma::nibble_key_a_register(dim, words_g, words_g8, j, which);
-        for (int half = 0; half < 2; ++half) b[lane][half] = mma::nibble_key_b_register(dim, query[static_cast<size_t>(g)].data(), j, c, half);
-      }
-      emulate_m16n8k32(a, b, true, d);
-    }
+    emulate_m16n8k32(a, b, false, d);
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
       for (int reg = 0; reg < 4; ++reg) {
-        const int token = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+        const int channel = channel_of(tile, row);
+        ASSERT_LT(channel, dim) << what;
+        if (c == 0 && reg % 2 == 0) ++channels_seen[static_cast<size_t>(channel)];
         int64_t want = 0;
-        for (int ch = 0; ch < dim; ++ch) want += static_cast<int64_t>(codes[token][ch]) * query[head][ch];
-        ASSERT_EQ(d[lane][reg], mma::kNibbleKeyScale * want) << "head_dim " << dim << " lane " << lane << " register " << reg;
+        for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
+        ASSERT_EQ(d[lane][reg], want << shift_of(tile, row))
+            << what << ", head_dim " << dim << " m tile " << tile << " lane " << lane << " register " << reg;
       }
     }
   }
+  EXPECT_EQ(channels_seen, std::vector<int>(static_cast<size_t>(dim), 1)) << what << ", head_dim " << dim;
 }
 
-// 4-bit values by ldmatrix and by gathers: every m tile's sums against the
-// weighted code sums of the channel each row names.
-TEST(Int8MmaFragments, NibbleValueOperandsGiveTheWeightedSumsOfEachChannel) {
-  std::mt19937 random(19);
-  std::uniform_int_distribution<int> byte(0, 255);
+// The value A operands by ldmatrix (one byte permute per gathered word, a
+// mask per A register), at 2 and 4 bits, and by gathers at 4 bits (2 bits:
+// ValueOperandsGiveTheWeightedSumsOfEachChannel).
+TEST(Int8MmaFragments, TransposedAndNibbleValueOperandsGiveTheWeightedSumsOfEachChannel) {
+  std::mt19937 random(13);
   for (const int dim : {128, 64}) {
-    std::vector<std::vector<int>> codes;
-    const auto rows = random_nibble_rows(32, dim, random, codes);
-    std::vector<std::vector<uint8_t>> weights(8, std::vector<uint8_t>(32));  // [head][token]
-    for (auto& head : weights) {
-      for (auto& w : head) w = static_cast<uint8_t>(byte(random));
-    }
-    for (const bool transposed : {true, false}) {
-      std::vector<int> channels_seen(static_cast<size_t>(dim), 0);
-      for (int tile = 0; tile < dim / 16; ++tile) {
-        LaneA a{};
-        LaneB b{};
-        for (int lane = 0; lane < 32; ++lane) {
-          const int g = lane / 4, c = lane % 4;
-          for (int half = 0; half < 2; ++half) {
-            if (transposed) {
-              const int mb = tile / 2, beta = tile % 2;
-              const uint32_t gathered = mma::transposed_gather(ldmatrix_transposed(rows, 16 * half, mb, g, c),
-                                                               ldmatrix_transposed(rows, 16 * half + 8, mb, g, c), beta);
-              a[lane][2 * half] = mma::nibble_transposed_value_a_register(gathered, 0);
-              a[lane][2 * half + 1] = mma::nibble_transposed_value_a_register(gathered, 1);
-            } else {
-              for (int upper = 0; upper < 2; ++upper) {
-                int token[4];
-                for (int i = 0; i < 4; ++i) token[i] = mma::value_token_of_k(16 * half + 4 * c + i);
-                const auto word = [&](int t) { return rows[static_cast<size_t>(token[t])][static_cast<size_t>(2 * tile + upper)]; };
-                const uint32_t gathered = mma::gather_byte(word(0), word(1), word(2), word(3), g % 4);
-                a[lane][2 * half + upper] = mma::nibble_value_a_register(gathered, g);
-              }
-            }
-            uint32_t bytes = 0;  // column g's weights at k = 16 half + 4c + i
-            for (int i = 0; i < 4; ++i) {
-              const int k = 16 * half + 4 * c + i;
-              const int t = transposed ? mma::transposed_token_of_k(k) : mma::value_token_of_k(k);
-              bytes |= static_cast<uint32_t>(weights[static_cast<size_t>(g)][static_cast<size_t>(t)]) << (8 * i);
-            }
-            b[lane][half] = bytes;
+    for (const int bits : {2, 4}) {
+      std::vector<std::vector<int>> codes;
+      const auto rows = random_rows(32, dim, random, codes, bits);
+      // ldmatrix: 2 bits, tile 4 mb + 2 beta + q; 4 bits, tile 2 mb + beta.
+      const auto transposed_a = [&](int tile, int g, int c, int half, int upper) {
+        const int mb = bits == 2 ? tile / 4 : tile / 2, beta = bits == 2 ? (tile / 2) % 2 : tile % 2;
+        const uint32_t gathered = mma::transposed_gather(ldmatrix_transposed(rows, 16 * half, mb, g, c),
+                                                         ldmatrix_transposed(rows, 16 * half + 8, mb, g, c), beta);
+        return bits == 2 ? mma::transposed_value_a_register(gathered, tile, upper)
+                         : mma::nibble_transposed_value_a_register(gathered, upper);
+      };
+      expect_value_tiles(
+          codes, dim, random, transposed_a, [](int k) { return mma::transposed_token_of_k(k); },
+          [bits](int tile, int row) {
+            return bits == 2 ? mma::transposed_value_channel(tile, row) : mma::nibble_transposed_value_channel(tile, row);
+          },
+          [bits](int tile, int row) {
+            return bits == 2 ? 2 * mma::transposed_value_row_log4(tile, row) : 4 * mma::nibble_transposed_value_row_log16(row);
+          },
+          "ldmatrix, " + std::to_string(bits) + " bits");
+      if (bits == 4) {
+        // Gathers: word 2T + upper of four tokens' rows, byte g % 4.
+        const auto gathered_a = [&](int tile, int g, int c, int half, int upper) {
+          uint32_t words[4];
+          for (int i = 0; i < 4; ++i) {
+            const int token = mma::value_token_of_k(16 * half + 4 * c + i);
+            words[i] = rows[static_cast<size_t>(token)][static_cast<size_t>(2 * tile + upper)];
           }
-        }
-        LaneC d{};
-        emulate_m16n8k32(a, b, false, d);
-        for (int lane = 0; lane < 32; ++lane) {
-          const int g = lane / 4, c = lane % 4;
-          for (int reg = 0; reg < 4; ++reg) {
-            const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
-            const int channel = transposed ? mma::nibble_transposed_value_channel(tile, row)
-                                           : mma::nibble_value_channel_of_row(tile, row);
-            const int log16 = transposed ? mma::nibble_transposed_value_row_log16(row) : mma::nibble_value_row_log16(row);
-            ASSERT_LT(channel, dim);
-            if (c == 0 && reg % 2 == 0) ++channels_seen[static_cast<size_t>(channel)];
-            int64_t want = 0;
-            for (int t = 0; t < 32; ++t) want += static_cast<int64_t>(codes[t][channel]) * weights[head][t];
-            ASSERT_EQ(d[lane][reg], want << (4 * log16))
-                << (transposed ? "ldmatrix" : "gathered") << " head_dim " << dim << " m tile " << tile << " lane " << lane
-                << " register " << reg;
-          }
-        }
+          return mma::nibble_value_a_register(mma::gather_byte(words[0], words[1], words[2], words[3], g % 4), g);
+        };
+        expect_value_tiles(
+            codes, dim, random, gathered_a, [](int k) { return mma::value_token_of_k(k); },
+            [](int tile, int row) { return mma::nibble_value_channel_of_row(tile, row); },
+            [](int, int row) { return 4 * mma::nibble_value_row_log16(row); }, "gathers, 4 bits");
       }
-      for (const int n : channels_seen) EXPECT_EQ(n, 1) << "head_dim " << dim;
     }
   }
 }
