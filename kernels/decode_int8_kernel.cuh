@@ -318,11 +318,17 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   // keys), which so carries no per-token branch.
   auto build_key_operands = [&](auto per_channel) {
     // Lane (g, c) holds channels key_channel(D, j, c, h, i) (at 4 bits
-    // nibble_key_channel's) of its column's head: D / 4 of them.
-    float x[kSteps][2][4];
+    // nibble_key_channel's) of its column's head: D / 4 of them. Packed,
+    // lanes g and g + 4 (lane ^ 16) are the two parts of one head's column:
+    // each computes half the k steps (g >= 4 the upper half) in both parts
+    // and they swap the parts the other one's column takes.
+    constexpr int kOwnSteps = kPacked ? kSteps / 2 : kSteps;
+    const bool upper_steps = kPacked && g >= int8_mma::kPackedHeads;
+    float x[kOwnSteps][2][4];
     float largest = 0.0f, a_term = 0.0f;
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
+    for (int s = 0; s < kOwnSteps; ++s) {
+      const int step = s + (upper_steps ? kOwnSteps : 0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -337,10 +343,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           } else {
             a_term += q;
           }
-          x[step][half][i] = q;
+          x[s][half][i] = q;
           largest = fmaxf(largest, fabsf(q));
         }
       }
+    }
+    if constexpr (kPacked) {
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 16));
+      a_term += __shfl_xor_sync(0xffffffffu, a_term, 16);
     }
     largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
     largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
@@ -348,24 +358,28 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     a_term += __shfl_xor_sync(0xffffffffu, a_term, 2);
     const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
+    for (int s = 0; s < kOwnSteps; ++s) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // Packed: the column's one part (the high part's for g < 4).
-        uint32_t words[kKeyParts] = {};
+        uint32_t hi = 0, lo = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int8_mma::SignedParts parts = int8_mma::signed_parts(x[step][half][i], inverse);
-          if constexpr (kPacked) {
-            const int8_t part = g < int8_mma::kPackedHeads ? parts.hi : parts.lo;
-            words[0] |= static_cast<uint32_t>(static_cast<uint8_t>(part)) << (8 * i);
-          } else {
-            words[0] |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
-            words[1] |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
-          }
+          const int8_mma::SignedParts parts = int8_mma::signed_parts(x[s][half][i], inverse);
+          hi |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
+          lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
         }
-#pragma unroll
-        for (int part = 0; part < kKeyParts; ++part) key_b[step][half][part] = words[part];
+        if constexpr (kPacked) {
+          // The column's part (high for g < 4) of this lane's steps; the
+          // other part goes to lane ^ 16, whose steps' part comes back.
+          const bool high = g < int8_mma::kPackedHeads;
+          const uint32_t kept = high ? hi : lo;
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? lo : hi, 16);
+          key_b[s][half][0] = upper_steps ? got : kept;
+          key_b[s + kOwnSteps][half][0] = upper_steps ? kept : got;
+        } else {
+          key_b[s][half][0] = hi;
+          key_b[s][half][1] = lo;
+        }
       }
     }
     // The combined sums 128 hi.c + lo.c carry key_plane_scale (a power of 4;
