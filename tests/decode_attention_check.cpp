@@ -100,11 +100,15 @@ kernels::DecodeParams device_params(DeviceArrays& device, const kernels::DecodeP
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
-DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
+DecodeCase decode_case(KernelCase layout) {
   DecodeCase c;
-  static_cast<KernelCase&>(c) = make_kernel_case(std::move(name), method, bits, head_dim, heads);
-  c.tokens_per_split = 256;
+  if (layout.tokens_per_split == KernelCase{}.tokens_per_split) layout.tokens_per_split = 256;
+  static_cast<KernelCase&>(c) = std::move(layout);
   return c;
+}
+
+DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads) {
+  return decode_case(make_kernel_case(std::move(name), method, bits, head_dim, heads));
 }
 
 namespace {

@@ -80,6 +80,10 @@ void PrintTo(const DecodeCase& c, std::ostream* os);
 // token (make_kernel_case's), with splits of 256 tokens.
 DecodeCase make_decode_case(std::string name, QuantMethod method, int bits, int64_t head_dim, int64_t heads);
 
+// A layout of tests/kernel_cases.h as a decode case: its own splits (one
+// split, splits of 32) kept, the CPU tests' default of 16 tokens made 256.
+DecodeCase decode_case(KernelCase layout);
+
 // One layer's configuration fitted by calib on synthetic windows (rotated
 // ones for a rotated case); draws from torch's generator.
 QuantizerConfig fitted_decode_config(const DecodeCase& c, const RotaryEmbedding& rope);

@@ -34,80 +34,38 @@ Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim,
   return testing::make_decode_case(std::move(name), method, bits, head_dim, heads);
 }
 
+// tests/kernel_cases.h's layouts, at other GQA ratios, io types and kernels
+// than the CPU tests' list, and the CUDA kernels' own cases.
 std::vector<Case> cases() {
+  using testing::decode_case;
+  constexpr auto kBf16 = kernels::DecodeKernel::kBf16TensorCores;
+  constexpr auto kInt8 = kernels::DecodeKernel::kInt8TensorCores;
+  // `kernel` (kAuto: the default's choice) and `io` over a layout's case.
+  const auto with = [](Case c, kernels::DecodeKernel kernel, ElementType io = ElementType::kFloat32) {
+    c.kernel = kernel;
+    c.io = io;
+    return c;
+  };
+  const auto kAuto = kernels::DecodeKernel::kAuto;
   std::vector<Case> all;
-  {  // KVQuant: offline pre-RoPE keys with thresholds, all-heads values with top/bottom outliers, sink 1.
-    Case c = make_case("kvquant_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
-    c.fit.outlier_fraction = 0.04;
-    all.push_back(c);
-  }
-  {  // Rotated KVQuant: pair angles on the pre-RoPE keys, a matrix on the values; 4 bits, page 12, one split.
-    Case c = make_case("kvquant_rotated_4bit_d64_gqa1_page12_fp16io", QuantMethod::kKvquant, 4, 64, 2);
-    c.fit.outlier_fraction = 0.04;
-    c.page_size = 12;
-    c.key_rotation = RotationForm::kPairAngles;
-    c.value_rotation = RotationForm::kMatrix;
-    c.tokens_per_split = 0;
-    c.io = ElementType::kFloat16;
-    all.push_back(c);
-  }
-  {  // KVQuant's tau variant: per-head values with token_tau outliers; bf16 elements and io; GQA 8.
-    Case c = make_case("kvquant_tau_2bit_d64_gqa8_bf16", QuantMethod::kKvquant, 2, 64, 16);
-    c.fit.value_outlier_rule = OutlierRule::kTokenTau;
-    c.fit.outlier_fraction = 0.03;
-    c.element = ElementType::kBFloat16;
-    c.io = ElementType::kBFloat16;
+  all.push_back(decode_case(testing::kvquant_layout("kvquant_2bit_d128_gqa4", 2, 128, 8)));
+  all.push_back(with(decode_case(testing::kvquant_rotated_layout("kvquant_rotated_4bit_d64_gqa1_page12_fp16io", 4, 64, 2)),
+                     kAuto, ElementType::kFloat16));
+  {  // GQA 8, bf16 elements and io, splits of 64.
+    Case c = with(decode_case(testing::kvquant_tau_layout("kvquant_tau_2bit_d64_gqa8_bf16", 2, 64, 16)), kAuto,
+                  ElementType::kBFloat16);
     c.tokens_per_split = 64;
     all.push_back(c);
   }
-  {  // KIVI: per-channel key groups of 32 with block flush, per-token values sliding.
-    Case c = make_case("kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
-    c.fit.residual_tokens = 32;
-    c.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_kivi_2bit_d128_gqa4
-    all.push_back(c);
-  }
-  {  // KIVI at 4 bits with a sink, a page (12) dividing no group of 32, sliding keys, splits of 32.
-    Case c = make_case("kivi_sliding_sink_4bit_d64_gqa1_page12", QuantMethod::kKivi, 4, 64, 2);
-    c.fit.residual_tokens = 32;
-    c.fit.sink_tokens = 2;
-    c.fit.key_residual_rule = ResidualRule::kSliding;
-    c.page_size = 12;
-    c.tokens_per_split = 32;
-    all.push_back(c);
-  }
-  {  // KIVI with a page of 64 holding two key groups, fp32 elements, GQA 8.
-    Case c = make_case("kivi_4bit_d128_gqa8_page64_fp32", QuantMethod::kKivi, 4, 128, 16);
-    c.fit.residual_tokens = 64;
-    c.fit.key_group = 32;
-    c.page_size = 64;
-    c.element = ElementType::kFloat32;
-    all.push_back(c);
-  }
-  {  // int2-rot with a matrix (and a centre) on the keys and the values; GQA 8.
-    Case c = make_case("int2rot_rotated_2bit_d128_gqa8", QuantMethod::kInt2Rot, 2, 128, 16);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.key_rotation = RotationForm::kMatrix;
-    c.value_rotation = RotationForm::kMatrix;
-    c.key_centre = true;
-    c.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_int2rot_rotated_2bit_d128_gqa8
-    all.push_back(c);
-  }
-  {  // int2-rot unrotated at 4 bits, page 12, GQA 4.
-    Case c = make_case("int2rot_4bit_d64_gqa4_page12", QuantMethod::kInt2Rot, 4, 64, 8);
-    c.fit.sink_tokens = 4;
-    c.fit.residual_tokens = 16;
-    c.page_size = 12;
-    all.push_back(c);
-  }
-  {  // RTN, no windows; groups of 32 channels with top/bottom outliers per head.
-    Case rtn = make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
-    rtn.kernel = kernels::DecodeKernel::kBf16TensorCores;  // the int8 kernel's version: int8_rtn_2bit_d128_gqa1
-    all.push_back(rtn);
-    Case c = make_case("rtn_groups32_outliers_4bit_d128_gqa8", QuantMethod::kRtn, 4, 128, 16);
-    c.fit.key_group = 32;
-    c.fit.value_group = 32;
-    c.fit.outlier_fraction = 0.05;
+  // The bf16 kernel's versions of cases the int8 kernel takes below (int8_*).
+  all.push_back(with(decode_case(testing::kivi_layout("kivi_2bit_d128_gqa4", 2, 128, 8)), kBf16));
+  all.push_back(decode_case(testing::kivi_sliding_sink_layout("kivi_sliding_sink_4bit_d64_gqa1_page12", 4, 64, 2)));
+  all.push_back(decode_case(testing::kivi_page64_layout("kivi_4bit_d128_gqa8_page64_fp32", 4, 128, 16)));
+  all.push_back(with(decode_case(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa8", 2, 128, 16)), kBf16));
+  all.push_back(decode_case(testing::int2rot_page12_layout("int2rot_4bit_d64_gqa4_page12", 4, 64, 8)));
+  all.push_back(with(make_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2), kBf16));
+  {
+    Case c = decode_case(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_4bit_d128_gqa8", 4, 128, 16));
     c.tokens_per_split = 128;
     all.push_back(c);
   }
@@ -117,48 +75,27 @@ std::vector<Case> cases() {
      // value groups of 32 channels (head_dim 128, and 64 with a sink, sliding
      // keys and page 12), rtn at 4 bits, a 16K context (the default also
      // takes the 4-bit kivi and int2-rot layouts above to it). Per-channel
-     // keys of 32 tokens with
-     // all-heads values (bf16 io) are not the int8 kernel's: the default
-     // takes them to the bf16 tensor cores.
-    Case rtn = make_case("int8_rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
-    rtn.kernel = kernels::DecodeKernel::kInt8TensorCores;
-    all.push_back(rtn);
-    Case outliers = make_case("int8_rtn_outliers_2bit_d64_gqa4_page12", QuantMethod::kRtn, 2, 64, 8);
+     // keys of 32 tokens with all-heads values (bf16 io) are not the int8
+     // kernel's: the default takes them to the bf16 tensor cores.
+    all.push_back(with(make_case("int8_rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2), kInt8));
+    Case outliers = with(make_case("int8_rtn_outliers_2bit_d64_gqa4_page12", QuantMethod::kRtn, 2, 64, 8), kInt8);
     outliers.fit.outlier_fraction = 0.05;
     outliers.page_size = 12;
-    outliers.kernel = kernels::DecodeKernel::kInt8TensorCores;
     all.push_back(outliers);
-    Case rotated = make_case("int8_int2rot_rotated_2bit_d128_gqa8", QuantMethod::kInt2Rot, 2, 128, 16);
-    rotated.fit.sink_tokens = 4;
-    rotated.fit.residual_tokens = 16;
-    rotated.key_rotation = RotationForm::kMatrix;
-    rotated.value_rotation = RotationForm::kMatrix;
-    rotated.key_centre = true;
-    rotated.kernel = kernels::DecodeKernel::kInt8TensorCores;
-    all.push_back(rotated);
-    Case channels = make_case("auto_kivi_keys_all_heads_values_2bit_d128_gqa4_bf16", QuantMethod::kKivi, 2, 128, 8);
-    channels.fit.residual_tokens = 32;
+    all.push_back(with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_2bit_d128_gqa8", 2, 128, 16)), kInt8));
+    Case channels = with(decode_case(testing::kivi_layout("auto_kivi_keys_all_heads_values_2bit_d128_gqa4_bf16", 2, 128, 8)),
+                         kAuto, ElementType::kBFloat16);
     channels.fit.value_grouping = Grouping::kPerTokenAllHeads;
     channels.element = ElementType::kBFloat16;
-    channels.io = ElementType::kBFloat16;
     all.push_back(channels);
-    Case kivi = make_case("int8_kivi_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);  // values in groups of 32
-    kivi.fit.residual_tokens = 32;
-    kivi.kernel = kernels::DecodeKernel::kInt8TensorCores;
-    all.push_back(kivi);
-    Case kivi_small = make_case("int8_kivi_sliding_sink_2bit_d64_gqa1_page12", QuantMethod::kKivi, 2, 64, 2);
-    kivi_small.fit.residual_tokens = 32;
-    kivi_small.fit.sink_tokens = 2;
-    kivi_small.fit.key_residual_rule = ResidualRule::kSliding;
-    kivi_small.page_size = 12;
-    kivi_small.kernel = kernels::DecodeKernel::kInt8TensorCores;
+    all.push_back(with(decode_case(testing::kivi_layout("int8_kivi_2bit_d128_gqa4", 2, 128, 8)), kInt8));
+    Case kivi_small =
+        with(decode_case(testing::kivi_sliding_sink_layout("int8_kivi_sliding_sink_2bit_d64_gqa1_page12", 2, 64, 2)), kInt8);
+    kivi_small.tokens_per_split = 256;
     all.push_back(kivi_small);
-    Case four_bits = make_case("int8_rtn_4bit_d128_gqa4", QuantMethod::kRtn, 4, 128, 8);  // 4-bit codes, 64-byte rows
-    four_bits.kernel = kernels::DecodeKernel::kInt8TensorCores;
-    all.push_back(four_bits);
-    Case long_context = make_case("int8_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8);
+    all.push_back(with(make_case("int8_rtn_4bit_d128_gqa4", QuantMethod::kRtn, 4, 128, 8), kInt8));  // 64-byte rows
+    Case long_context = with(make_case("int8_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), kInt8);
     long_context.lengths = {16411, 33};
-    long_context.kernel = kernels::DecodeKernel::kInt8TensorCores;
     all.push_back(long_context);
   }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
