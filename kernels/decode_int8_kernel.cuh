@@ -219,12 +219,12 @@ __device__ inline void copy_pair_async_to(uint32_t shared, const uint8_t* global
 // registers, about 51 KB of shared memory): the kernel waits on shared
 // memory and its copies, so resident warps are what hides that. The larger
 // stages of 4 bits and of KIVI's value groups leave room for fewer.
-template <int D, int VG, bool kPacked, int kBits>
+template <int VG, int kBits>
 constexpr int int8_blocks_per_multiprocessor() {
   return kBits == 2 ? (VG == 1 ? 4 : 3) : (VG == 1 ? 3 : 2);
 }
 template <int D, int VG, bool kPacked, int kBits>
-__global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multiprocessor<D, VG, kPacked, kBits>()))
+__global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multiprocessor<VG, kBits>()))
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
   constexpr bool kNibbles = kBits == 4;

@@ -46,7 +46,7 @@ std::vector<Case> cases() {
     c.io = io;
     return c;
   };
-  const auto kAuto = kernels::DecodeKernel::kAuto;
+  constexpr auto kAuto = kernels::DecodeKernel::kAuto;
   std::vector<Case> all;
   all.push_back(decode_case(testing::kvquant_layout("kvquant_2bit_d128_gqa4", 2, 128, 8)));
   all.push_back(with(decode_case(testing::kvquant_rotated_layout("kvquant_rotated_4bit_d64_gqa1_page12_fp16io", 4, 64, 2)),
