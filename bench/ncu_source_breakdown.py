@@ -13,6 +13,9 @@ Prints, as markdown tables:
     16 tiles);
   - the CUDA lines with the most executed instructions, with their share of
     the stall samples.
+An instruction inlined from a helper is listed under its line in every
+source file of the call chain (the helper's and the caller's): the opcode
+counts take each address once, the line shares overlap.
 
 Usage: bench/ncu_source_breakdown.py FILE [--units N] [--lines 20] [--opcodes 16]
 """
@@ -30,7 +33,7 @@ def read_rows(path):
 
 def breakdown(rows):
     """(per CUDA line: [instructions, samples, file, line, source]), (per opcode: instructions)."""
-    lines, opcodes, file = [], collections.Counter(), None
+    lines, by_address, file = [], {}, None
     for r in rows:
         if not r:
             continue
@@ -49,7 +52,10 @@ def breakdown(rows):
             text = r[3].strip()
             if text.startswith("@"):  # a predicate
                 text = text.split(None, 1)[1]
-            opcodes[text.split()[0].split(".")[0]] += executed
+            by_address[r[2]] = (text.split()[0].split(".")[0], executed)
+    opcodes = collections.Counter()
+    for opcode, executed in by_address.values():
+        opcodes[opcode] += executed
     return lines, opcodes
 
 
