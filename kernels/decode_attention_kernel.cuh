@@ -233,8 +233,12 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       }
       const uint32_t code = (word >> (c * kBits)) & kMask;
       x[c] = __fmaf_rn(affine.b, levels[code], affine.a);
+      // Each 16-byte quarter as soon as it is done: storing the word's 16
+      // elements at the end kept them all live and cost the kernel a
+      // resident block (96 registers against 80; bench/README.md, ninth
+      // session).
+      if (c % 4 == 3) reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[c - 3], x[c - 2], x[c - 1], x[c]);
     }
-    store_floats(out, x);
   }
 }
 
@@ -434,8 +438,12 @@ __device__ inline void wait_for_prerequisite_grid() {
 #endif
 }
 
+// Residency: 24 warps per multiprocessor (80 registers at 4 and 8 warps a
+// block). Unbounded, ptxas took 96 registers at head_dim 128 (20 warps) and
+// 128 at 64 (16), which cost kvquant 8-10% at batch 8 and 32, where the grid
+// runs many waves; 32 warps (64 registers) spilled at head_dim 64.
 template <int D, int kBits, int kWarps>
-__global__ void __launch_bounds__(kWarps * kWarpSize)
+__global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
   // Launched as the int8 kernel's dependent (the exact ranges), it reads
   // nothing that kernel writes, and waits for it before it exits, so that
