@@ -60,9 +60,7 @@ void allow_shared(Kernel kernel, int64_t shared) {
   KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
 }
 
-int64_t shared_bytes(const TensorAppendArgs& args) {
-  return append_device::shared_layout(args.cache.layout, args.quantization).bytes;
-}
+int64_t shared_bytes(const TensorAppendArgs& args) { return args.shared.bytes; }
 
 template <ScaleGrouping kGrouping, int kBits>
 void launch(const TensorAppendArgs& args, const InlineBatchArrays& arrays, int32_t count, cudaStream_t stream) {
@@ -137,6 +135,8 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
                           params.value_rotation, params.value_outliers};
   check(keys, "keys");
   check(values, "values");
+  keys.shared = append_device::shared_layout(keys.cache.layout, keys.quantization);
+  values.shared = append_device::shared_layout(values.cache.layout, values.quantization);
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;
   if (arrays.count != 0 && arrays.count != count) {

@@ -24,18 +24,6 @@ namespace kvforge::kernels::append_device {
 inline constexpr int kThreads = 256;
 inline constexpr int kWarps = kThreads / 32;
 
-// One tensor kind's view of AppendParams.
-struct TensorAppendArgs {
-  SequenceBatch batch;
-  const int64_t* token_offsets = nullptr;
-  const void* input = nullptr;
-  ElementType input_type = ElementType::kFloat32;
-  PagedTensor cache;
-  Quantization quantization;
-  Rotation rotation;
-  OutlierAllocator outliers;
-};
-
 // ------------------------------------------------------------ shared memory
 
 // A runtime group's grid, built once from its inlier (min, max) and then
@@ -87,6 +75,22 @@ KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l,
   m.bytes = m.masks + static_cast<int64_t>(m.mask_tokens) * m.mask_words * 4;
   return m;
 }
+
+// One tensor kind's view of AppendParams, with its shared-memory layout
+// (shared_layout of its cache layout and quantization, made by the host: in
+// the kernel its 64-bit arithmetic was ~4% of a decoding step's
+// instructions).
+struct TensorAppendArgs {
+  SequenceBatch batch;
+  const int64_t* token_offsets = nullptr;
+  const void* input = nullptr;
+  ElementType input_type = ElementType::kFloat32;
+  PagedTensor cache;
+  Quantization quantization;
+  Rotation rotation;
+  OutlierAllocator outliers;
+  SharedLayout shared;
+};
 
 // ------------------------------------------------------------ elements
 
@@ -220,7 +224,7 @@ class BlockAppender {
       : a_(args),
         l_(args.cache.layout),
         q_(args.quantization),
-        m_(shared_layout(args.cache.layout, args.quantization)),
+        m_(args.shared),
         y_(reinterpret_cast<double*>(shared + m_.y)),
         scratch_(reinterpret_cast<double*>(shared + m_.scratch)),
         sort_keys_(reinterpret_cast<uint64_t*>(shared + m_.sort_keys)),
@@ -294,13 +298,17 @@ class BlockAppender {
   __device__ void prepare_token(int64_t row) {
     const int64_t in_bytes = kvforge::kernels::element_bytes(a_.input_type);
     const auto* input = static_cast<const uint8_t*>(a_.input) + row * width_ * in_bytes;
+    const Rotation& r = a_.rotation;
+    // Without a rotation the token goes straight to y (one pass and one
+    // barrier fewer: a decoding step's append is a chain of latencies).
+    double* rounded = r.kind == RotationKind::kNone ? y_ : scratch_;
     // Unrolled: a thread's loads in flight together, not one after another.
 #pragma unroll 4
     for (int i = threadIdx.x; i < width_; i += kThreads) {
-      scratch_[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
+      rounded[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
     }
     __syncthreads();
-    const Rotation& r = a_.rotation;
+    if (r.kind == RotationKind::kNone) return;
     if (r.kind == RotationKind::kMatrix) {
       // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term.
       for (int j = threadIdx.x; j < width_; j += kThreads) {
@@ -324,8 +332,6 @@ class BlockAppender {
         y_[head * dim_ + j] = round_to_element(element_, fma(a, c, -__dmul_rn(b, s)));
         y_[head * dim_ + j + half] = round_to_element(element_, fma(a, s, __dmul_rn(b, c)));
       }
-    } else {
-      for (int i = threadIdx.x; i < width_; i += kThreads) y_[i] = scratch_[i];
     }
     __syncthreads();
   }
@@ -351,8 +357,9 @@ class BlockAppender {
   // words are assembled with shuffles), lanes past the width with code 0.
   __device__ int padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
 
+  // s < 2^31 (a sequence's tokens): a 32-bit division, not a 64-bit one.
   __device__ uint8_t* page_of_slot(int64_t s) const {
-    return a_.cache.pages + static_cast<int64_t>(page_row_[s / l_.spec.page_size]) * l_.page_bytes;
+    return a_.cache.pages + static_cast<int64_t>(page_row_[static_cast<int32_t>(s) / l_.spec.page_size]) * l_.page_bytes;
   }
 
   __device__ static bool is_marked(const uint32_t* mask, int64_t i) {
@@ -495,36 +502,81 @@ class BlockAppender {
 
   // Per-token groupings and per_channel_offline: token slot s.
   // `page`: page_of_slot(s), read by the caller ahead.
+  // The inlier (min, max) of channels [begin, end) of y by one warp (every
+  // lane gets them), in the reference's order (Extreme); (0, 0) without an
+  // inlier.
+  __device__ void group_range(const uint32_t* mask, int32_t begin, int32_t end, double& min, double& max) const {
+    const int lane = threadIdx.x % 32;
+    Extreme low{0, -1}, high{0, -1};
+    for (int32_t i = begin + lane; i < end; i += 32) {
+      if (is_marked(mask, i)) continue;
+      const Extreme here{y_[i], i};
+      low = lower(low, here);
+      high = higher(high, here);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      low = lower(low, shuffle_down(low, offset));
+      high = higher(high, shuffle_down(high, offset));
+    }
+    min = __shfl_sync(0xffffffffu, low.at < 0 ? 0.0 : low.value, 0);
+    max = __shfl_sync(0xffffffffu, high.at < 0 ? 0.0 : high.value, 0);
+  }
+
+  // A per-token grouping's pair of group g (of `size` channels) into the page.
+  __device__ void store_group_pair(uint8_t* page, int32_t in_page, int32_t g, int32_t size, double min,
+                                   double max) const {
+    const int32_t per_head = dim_ / size;  // kPerToken: groups of one head
+    uint8_t* pair = kGrouping == ScaleGrouping::kPerToken ? page + token_pair_offset(l_, g / per_head, in_page, g % per_head)
+                                                          : page + token_pair_offset(l_, 0, in_page, 0);
+    store_element(element_, min, pair);
+    store_element(element_, max, pair + element_bytes_);
+  }
+
+  // kPerToken with groups of whole warps' widths (the rtn and int2-rot
+  // defaults): each warp takes its groups from range to codes, the codes of
+  // 32 channels per round with no division per channel and no barrier
+  // between the pairs and the codes (a decoding step's append is a chain of
+  // latencies, and the generic path's code is what its instruction fetches
+  // wait for: ncu, bench/README.md).
+  __device__ void quantize_groups_by_warp(uint8_t* page, int32_t in_page, const uint32_t* mask, int32_t size) {
+    constexpr int per_word = 32 / kBits;
+    const int lane = threadIdx.x % 32;
+    for (int32_t g = threadIdx.x / 32; g < m_.groups; g += kWarps) {
+      const int32_t begin = g * size;
+      double min, max;
+      group_range(mask, begin, begin + size, min, max);
+      if (lane == 0) store_group_pair(page, in_page, g, size, min, max);
+      const RuntimeGrid grid = runtime_grid<kBits>(q_, min, max);
+      uint8_t* row = page + code_row_offset(l_, begin / dim_, in_page);
+      const int32_t first_word = (begin % dim_) / per_word;
+      for (int32_t k = 0; k < size; k += 32) {
+        const int32_t i = begin + k + lane;  // begin and k multiples of 32: a word's channels in consecutive lanes
+        const uint32_t bits = code_word<kBits>(runtime_code<kBits>(q_, grid, y_[i]), lane);
+        if (lane % per_word == 0) store_u32(row + 4 * (first_word + (k + lane) / per_word), bits);
+      }
+    }
+  }
+
   __device__ bool quantize_token(int64_t s, uint8_t* page) {
-    const int64_t in_page = s % l_.spec.page_size;
+    const auto in_page = static_cast<int32_t>(s % l_.spec.page_size);
     const bool outliers = q_.outliers != OutlierSelection::kNone;
     uint32_t* mask = outliers ? masks_ : nullptr;
     if (outliers) mark_outliers(y_, mask);
     if constexpr (kGrouping == ScaleGrouping::kPerToken || kGrouping == ScaleGrouping::kPerTokenAllHeads) {
+      const int32_t size = width_ / m_.groups;
+      if (kGrouping == ScaleGrouping::kPerToken && size % 32 == 0) {
+        quantize_groups_by_warp(page, in_page, mask, size);
+        if (!outliers) return true;
+        return write_outlier_rows(page, in_page, y_, mask);
+      }
       // A warp per group: the inlier minimum and maximum, then the pair.
-      const int64_t size = width_ / m_.groups;
       const int lane = threadIdx.x % 32;
       for (int32_t g = threadIdx.x / 32; g < m_.groups; g += kWarps) {
-        Extreme low{0, -1}, high{0, -1};
-        for (int64_t i = g * size + lane; i < (g + 1) * size; i += 32) {
-          if (is_marked(mask, i)) continue;
-          const Extreme here{y_[i], static_cast<int32_t>(i)};
-          low = lower(low, here);
-          high = higher(high, here);
-        }
-        for (int offset = 16; offset > 0; offset /= 2) {
-          low = lower(low, shuffle_down(low, offset));
-          high = higher(high, shuffle_down(high, offset));
-        }
+        double min, max;
+        group_range(mask, g * size, (g + 1) * size, min, max);
         if (lane == 0) {
-          const double min = low.at < 0 ? 0.0 : low.value, max = high.at < 0 ? 0.0 : high.value;
           grids_[g] = runtime_grid<kBits>(q_, min, max);
-          const int64_t per_head = dim_ / size;  // kPerToken: groups of one head
-          uint8_t* pair = kGrouping == ScaleGrouping::kPerToken
-                              ? page + token_pair_offset(l_, g / per_head, in_page, g % per_head)
-                              : page + token_pair_offset(l_, 0, in_page, 0);
-          store_element(element_, min, pair);
-          store_element(element_, max, pair + element_bytes_);
+          store_group_pair(page, in_page, g, size, min, max);
         }
       }
       __syncthreads();
