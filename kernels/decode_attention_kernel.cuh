@@ -242,34 +242,67 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   }
 }
 
-// The outlier entries of the quantized tokens of the tile replace their
-// elements (one warp per token, lanes over the row's entries).
+// The outlier entries of the quantized tokens of a tile replace their
+// elements, for keys and values together, in two rounds of loads: each
+// token's row pointers (warp 0 the keys', warp 1 the values', lane j token
+// j), then every entry of the tile at once (the block's threads over the
+// entries). One warp per token and its entries in turn had made a chain of
+// ~64 dependent loads per tile, most of kvquant's time.
+struct TileOutlierRows {
+  uint32_t begin[2][kTileTokens];  // [keys, values][token]: the token row's first entry
+  uint32_t end[2][kTileTokens];    // the entries of tokens 0..j of the tile (inclusive prefix)
+};
+
+// Round 1 (warps 0 and 1; the caller synchronizes before round 2).
+__device__ inline void read_outlier_rows(const PagedTensor& cache, int which, const int32_t* page_row, int64_t tokens,
+                                         int64_t first, int count, int head, TileOutlierRows& rows) {
+  const TensorPageLayout& l = cache.layout;
+  const int lane = threadIdx.x % kWarpSize;
+  uint32_t begin = 0, entries = 0;
+  if (l.outlier_spans > 0 && lane < count) {
+    const TokenPlace place = place_of(l, tokens, first + lane);
+    if (place.quantized) {
+      const int64_t s = place.slot_index, in_page = s % l.spec.page_size;
+      const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / l.spec.page_size]) * l.page_bytes;
+      const int64_t span = l.outlier_spans == 1 ? 0 : head;
+      const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
+      begin = load_u32(pointer);
+      entries = load_u32(pointer + kRowPointerBytes) - begin;
+    }
+  }
+  uint32_t through = entries;  // inclusive prefix over the lanes
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const uint32_t below = __shfl_up_sync(0xffffffffu, through, offset);
+    if (lane >= offset) through += below;
+  }
+  rows.begin[which][lane] = begin;
+  rows.end[which][lane] = through;
+}
+
+// Round 2: entry f of the tile's `which` rows (every thread of the block).
 template <int D>
-__device__ void put_back_outliers(const PagedTensor& cache, int32_t slot, const int32_t* page_row, int64_t tokens,
-                                  int64_t first, int count, int head, float* tile, int stride) {
+__device__ void put_back_outlier_entries(const PagedTensor& cache, int which, int32_t slot, int head,
+                                         const TileOutlierRows& rows, float* tile, int stride) {
   const TensorPageLayout& l = cache.layout;
   if (l.outlier_spans == 0) return;
-  const TensorLayoutSpec& spec = l.spec;
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
   const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
-  const int64_t entries = spec.outlier_page_entries;
-  for (int j = warp; j < count; j += warps) {
-    const TokenPlace place = place_of(l, tokens, first + j);
-    if (!place.quantized) continue;
-    const int64_t s = place.slot_index, in_page = s % spec.page_size;
-    const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / spec.page_size]) * l.page_bytes;
-    const int64_t span = l.outlier_spans == 1 ? 0 : head;
-    const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
-    const uint32_t begin = load_u32(pointer), end = load_u32(pointer + kRowPointerBytes);
-    for (int64_t e = static_cast<int64_t>(begin) + lane; e < end; e += kWarpSize) {
-      const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[e / entries]) * l.outlier_page_bytes;
-      int64_t index = load_index(outlier_page + outlier_index_offset(l, e % entries), l.outlier_index_bytes);
-      if (l.outlier_spans == 1) {  // all heads: index = head * D + d
-        if (index / D != head) continue;
-        index %= D;
-      }
-      tile[j * stride + index] = load_element(spec.element, outlier_page + outlier_value_offset(l, e % entries));
+  const auto per_page = static_cast<uint32_t>(l.spec.outlier_page_entries);
+  const uint32_t total = rows.end[which][kTileTokens - 1];
+  for (uint32_t f = threadIdx.x; f < total; f += blockDim.x) {
+    // The entry's token: the first j with end[j] > f.
+    int j = 0;
+#pragma unroll
+    for (int step = kTileTokens / 2; step > 0; step /= 2) {
+      if (rows.end[which][j + step - 1] <= f) j += step;
     }
+    const uint32_t e = rows.begin[which][j] + (f - (j > 0 ? rows.end[which][j - 1] : 0u));
+    const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[e / per_page]) * l.outlier_page_bytes;
+    uint32_t index = load_index(outlier_page + outlier_index_offset(l, e % per_page), l.outlier_index_bytes);
+    if (l.outlier_spans == 1) {  // all heads: index = head * D + d
+      if (index / D != static_cast<uint32_t>(head)) continue;
+      index %= D;
+    }
+    tile[j * stride + index] = load_element(l.spec.element, outlier_page + outlier_value_offset(l, e % per_page));
   }
 }
 
@@ -465,6 +498,8 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
   float* raw_query = values;  // before the first tile
   __shared__ float key_levels[kMaxLevels], value_levels[kMaxLevels];
+  __shared__ TileOutlierRows outlier_rows;
+  const bool outliers = p.key_cache.layout.outlier_spans > 0 || p.value_cache.layout.outlier_spans > 0;
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -512,9 +547,15 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
                               kv_head, keys, kKeyStride);
     dequantize_tile<D, kBits>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens, tile_first,
                               count, kv_head, values, D);
+    if (outliers && warp < 2) {
+      read_outlier_rows(warp == 0 ? p.key_cache : p.value_cache, warp, page_row, tokens, tile_first, count, kv_head,
+                        outlier_rows);
+    }
     __syncthreads();
-    put_back_outliers<D>(p.key_cache, slot, page_row, tokens, tile_first, count, kv_head, keys, kKeyStride);
-    put_back_outliers<D>(p.value_cache, slot, page_row, tokens, tile_first, count, kv_head, values, D);
+    if (outliers) {
+      put_back_outlier_entries<D>(p.key_cache, 0, slot, kv_head, outlier_rows, keys, kKeyStride);
+      put_back_outlier_entries<D>(p.value_cache, 1, slot, kv_head, outlier_rows, values, D);
+    }
     if (p.keys_pre_rope) {
       __syncthreads();
       rope_tile<D>(p.rope_inverse_frequencies, tile_first, count, keys, kKeyStride);
