@@ -376,8 +376,23 @@ __device__ inline void rotate_group_queries(const Rotation& rotation, int kv_hea
   }
 }
 
-// RoPE at each token's position, float32 as the reference: angle =
-// float(t) * inv_freq[i], x cos + rotate_half(x) sin.
+// sin and cos of a float32 angle: reduced by multiples of 2 pi (in two
+// float parts, the first product exact in the fma) to [-pi, pi], then the
+// special-function unit's. Within ~1e-6 absolute for |angle| < 2^21 (the
+// reduction's rounding at |r| <= 4 plus the unit's 2^-21.4); sincosf costs
+// ~40 instructions per call up to |angle| = 105615 and takes a slow path
+// beyond it, which 128K-token contexts reach. RoPE's angle t inv_freq is
+// the one argument here.
+__device__ inline void reduced_sin_cos(float angle, float& sin_angle, float& cos_angle) {
+  constexpr float kTwoPiHigh = 6.28318548202514648f;        // float(2 pi)
+  constexpr float kTwoPiLow = -1.74845553146951715e-07f;    // 2 pi - kTwoPiHigh
+  const float turns = rintf(angle * 0.159154943091895336f);  // angle / (2 pi)
+  const float reduced = __fmaf_rn(-turns, kTwoPiLow, __fmaf_rn(-turns, kTwoPiHigh, angle));
+  __sincosf(reduced, &sin_angle, &cos_angle);
+}
+
+// RoPE at each token's position: angle = float(t) * inv_freq[i] (float32,
+// as the reference), x cos + rotate_half(x) sin with reduced_sin_cos.
 template <int D>
 __device__ void rope_tile(const float* inverse_frequencies, int64_t first, int count, float* tile, int stride) {
   constexpr int kHalf = D / 2;
@@ -385,7 +400,7 @@ __device__ void rope_tile(const float* inverse_frequencies, int64_t first, int c
     const int j = unit / kHalf, i = unit % kHalf;
     const float angle = __fmul_rn(static_cast<float>(first + j), inverse_frequencies[i]);
     float sin_angle, cos_angle;
-    sincosf(angle, &sin_angle, &cos_angle);
+    reduced_sin_cos(angle, sin_angle, cos_angle);
     float* row = tile + j * stride;
     const float a = row[i], b = row[i + kHalf];
     row[i] = a * cos_angle + (-b) * sin_angle;
