@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "kernels/angle_reduction.h"
 #include "kernels/decode_params.h"
 #include "kernels/pair_affine.h"
 
@@ -376,19 +377,13 @@ __device__ inline void rotate_group_queries(const Rotation& rotation, int kv_hea
   }
 }
 
-// sin and cos of a float32 angle: reduced by multiples of 2 pi (in two
-// float parts, the first product exact in the fma) to [-pi, pi], then the
-// special-function unit's. Within ~1e-6 absolute for |angle| < 2^21 (the
-// reduction's rounding at |r| <= 4 plus the unit's 2^-21.4); sincosf costs
-// ~40 instructions per call up to |angle| = 105615 and takes a slow path
-// beyond it, which 128K-token contexts reach. RoPE's angle t inv_freq is
-// the one argument here.
+// sin and cos of a float32 angle: reduced_angle (kernels/angle_reduction.h,
+// under 2^-21 for |angle| < 2^21), then the special-function unit's (2^-21.4
+// on [-pi, pi]): within ~1e-6 absolute. sincosf costs ~40 instructions a
+// call up to |angle| = 105615 and takes a slow path beyond it, which
+// 128K-token contexts reach. RoPE's angle t inv_freq is the one argument.
 __device__ inline void reduced_sin_cos(float angle, float& sin_angle, float& cos_angle) {
-  constexpr float kTwoPiHigh = 6.28318548202514648f;        // float(2 pi)
-  constexpr float kTwoPiLow = -1.74845553146951715e-07f;    // 2 pi - kTwoPiHigh
-  const float turns = rintf(angle * 0.159154943091895336f);  // angle / (2 pi)
-  const float reduced = __fmaf_rn(-turns, kTwoPiLow, __fmaf_rn(-turns, kTwoPiHigh, angle));
-  __sincosf(reduced, &sin_angle, &cos_angle);
+  __sincosf(reduced_angle(angle), &sin_angle, &cos_angle);
 }
 
 // RoPE at each token's position: angle = float(t) * inv_freq[i] (float32,
