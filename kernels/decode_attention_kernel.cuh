@@ -178,67 +178,107 @@ __device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens,
 // Head `head` of tokens [first, first + count) into tile[j * stride + d], in
 // the stored basis, without the outliers: every thread of the block takes
 // (token, 32-bit code word) units and stores each unit's elements in 16-byte
-// stores (tile and stride keep every row 16-byte aligned).
-template <int D, int kBits>
+// stores (tile and stride keep every row 16-byte aligned). A thread's units
+// read their page ids, then their words (and all-heads pairs), each round's
+// loads in flight together, before any element is made: one unit after
+// another, each unit's two dependent loads waited in turn (the tile's
+// stores to shared memory kept the next unit's loads behind them).
+template <int D, int kBits, int kThreads>
 __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& dq, const float* levels, int32_t slot,
                                 const int32_t* page_row, int64_t tokens, int64_t first, int count, int head,
                                 float* tile, int stride) {
   constexpr int kPerWord = 32 / kBits;
   constexpr int kWords = D / kPerWord;
+  constexpr int kUnits = (kTileTokens * kWords + kThreads - 1) / kThreads;  // a thread's units at most
   constexpr uint32_t kMask = (1u << kBits) - 1;
   constexpr int kTop = (1 << kBits) - 1;
   const TensorPageLayout& l = cache.layout;
   const TensorLayoutSpec& spec = l.spec;
   const int64_t element = element_bytes(spec.element);
-  for (int unit = threadIdx.x; unit < count * kWords; unit += blockDim.x) {
-    const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
-    const int64_t token = first + j;
-    float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
-    float x[kPerWord];
-    const TokenPlace place = place_of(l, tokens, token);
-    if (!place.quantized) {
-      const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
-      load_elements<kPerWord>(spec.element, in + d0 * element, x);
-      store_floats(out, x);
-      continue;
+  const bool all_heads_pairs = spec.grouping == ScaleGrouping::kPerTokenAllHeads;
+  // Units in batches of two at 2 bits; one at 4 (a batch of two spilled
+  // there, 164 bytes at head_dim 128).
+  constexpr int kBatch = kBits == 2 && kUnits >= 2 ? 2 : 1;
+#pragma unroll 1
+  for (int batch = 0; batch < kUnits; batch += kBatch) {
+    // Round 1: each quantized unit's page id (-1: no unit, or an exact token).
+    int32_t page_id[kBatch];
+    int32_t in_page[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int unit = static_cast<int>(threadIdx.x) + (batch + u) * kThreads;
+      page_id[u] = -1;
+      in_page[u] = 0;
+      if (unit < count * kWords) {
+        const TokenPlace place = place_of(l, tokens, first + unit / kWords);
+        if (place.quantized) {
+          const auto s = static_cast<int32_t>(place.slot_index);  // a sequence's slots: under 2^31
+          in_page[u] = s % spec.page_size;
+          page_id[u] = page_row[s / spec.page_size];
+        }
+      }
     }
-    const int64_t s = place.slot_index, in_page = s % spec.page_size;
-    const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / spec.page_size]) * l.page_bytes;
-    const uint32_t word = load_u32(page + code_row_offset(l, head, in_page) + word_index * 4);
-    Affine affine;
-    if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
-      affine = affine_of_pair(l, dq, page + token_pair_offset(l, 0, in_page, 0), kTop);
+    // Round 2: the words and, all heads sharing one pair per token, the pairs.
+    uint32_t word[kBatch];
+    Affine token_affine[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      word[u] = 0;
+      if (page_id[u] >= 0) {
+        const int word_index = (static_cast<int>(threadIdx.x) + (batch + u) * kThreads) % kWords;
+        const uint8_t* page = cache.pages + static_cast<int64_t>(page_id[u]) * l.page_bytes;
+        word[u] = load_u32(page + code_row_offset(l, head, in_page[u]) + word_index * 4);
+        if (all_heads_pairs) token_affine[u] = affine_of_pair(l, dq, page + token_pair_offset(l, 0, in_page[u], 0), kTop);
+      }
     }
 #pragma unroll
-    for (int c = 0; c < kPerWord; ++c) {
-      const int d = d0 + c;
-      switch (spec.grouping) {
-        case ScaleGrouping::kPerToken:
-          if (c == 0 || d % spec.group == 0) {
-            affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page, d / spec.group), kTop);
-          }
-          break;
-        case ScaleGrouping::kPerChannelTokens: {
-          const int64_t sigma = channel_pair_stream_index(l, s / spec.group, static_cast<int64_t>(head) * D + d);
-          const int64_t per_page = pairs_per_page(l);
-          const uint8_t* params =
-              cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
-          affine = affine_of_pair(l, dq, params + (sigma % per_page) * l.pair_bytes, kTop);
-          break;
-        }
-        case ScaleGrouping::kPerChannelOffline:
-          affine = {dq.channel_offset[head * D + d], dq.channel_scale[head * D + d]};
-          break;
-        case ScaleGrouping::kPerTokenAllHeads:
-          break;
+    for (int u = 0; u < kBatch; ++u) {
+      const int unit = static_cast<int>(threadIdx.x) + (batch + u) * kThreads;
+      if (unit >= count * kWords) break;
+      const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
+      float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
+      float x[kPerWord];
+      if (page_id[u] < 0) {  // an exact token
+        const TokenPlace place = place_of(l, tokens, first + j);
+        const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
+        load_elements<kPerWord>(spec.element, in + d0 * element, x);
+        store_floats(out, x);
+        continue;
       }
-      const uint32_t code = (word >> (c * kBits)) & kMask;
-      x[c] = __fmaf_rn(affine.b, levels[code], affine.a);
-      // Each 16-byte quarter as soon as it is done: storing the word's 16
-      // elements at the end kept them all live and cost the kernel a
-      // resident block (96 registers against 80; bench/README.md, ninth
-      // session).
-      if (c % 4 == 3) reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[c - 3], x[c - 2], x[c - 1], x[c]);
+      const uint8_t* page = cache.pages + static_cast<int64_t>(page_id[u]) * l.page_bytes;
+      Affine affine = all_heads_pairs ? token_affine[u] : Affine{};
+#pragma unroll
+      for (int c = 0; c < kPerWord; ++c) {
+        const int d = d0 + c;
+        switch (spec.grouping) {
+          case ScaleGrouping::kPerToken:
+            if (c == 0 || d % spec.group == 0) {
+              affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page[u], d / spec.group), kTop);
+            }
+            break;
+          case ScaleGrouping::kPerChannelTokens: {
+            const int64_t s = place_of(l, tokens, first + j).slot_index;
+            const int64_t sigma = channel_pair_stream_index(l, s / spec.group, static_cast<int64_t>(head) * D + d);
+            const int64_t per_page = pairs_per_page(l);
+            const uint8_t* params =
+                cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
+            affine = affine_of_pair(l, dq, params + (sigma % per_page) * l.pair_bytes, kTop);
+            break;
+          }
+          case ScaleGrouping::kPerChannelOffline:
+            affine = {dq.channel_offset[head * D + d], dq.channel_scale[head * D + d]};
+            break;
+          case ScaleGrouping::kPerTokenAllHeads:
+            break;
+        }
+        const uint32_t code = (word[u] >> (c * kBits)) & kMask;
+        x[c] = __fmaf_rn(affine.b, levels[code], affine.a);
+        // Each 16-byte quarter as soon as it is done: storing the word's 16
+        // elements at the end kept them all live and cost the kernel a
+        // resident block (96 registers against 80; bench/README.md, ninth
+        // session).
+        if (c % 4 == 3) reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[c - 3], x[c - 2], x[c - 1], x[c]);
+      }
     }
   }
 }
@@ -553,9 +593,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   for (int64_t tile_first = first; tile_first < last; tile_first += kTileTokens) {
     const int count = static_cast<int>(last - tile_first < kTileTokens ? last - tile_first : kTileTokens);
     __syncthreads();  // the previous tile is consumed (and the queries written)
-    dequantize_tile<D, kBits>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens, tile_first, count,
+    dequantize_tile<D, kBits, kWarps * kWarpSize>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens, tile_first, count,
                               kv_head, keys, kKeyStride);
-    dequantize_tile<D, kBits>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens, tile_first,
+    dequantize_tile<D, kBits, kWarps * kWarpSize>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens, tile_first,
                               count, kv_head, values, D);
     if (outliers && warp < 2) {
       read_outlier_rows(warp == 0 ? p.key_cache : p.value_cache, warp, page_row, tokens, tile_first, count, kv_head,
