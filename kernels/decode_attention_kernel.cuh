@@ -30,6 +30,7 @@
 #include "kernels/angle_reduction.h"
 #include "kernels/decode_params.h"
 #include "kernels/pair_affine.h"
+#include "kernels/tile_entries.h"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -330,13 +331,8 @@ __device__ void put_back_outlier_entries(const PagedTensor& cache, int which, in
   const auto per_page = static_cast<uint32_t>(l.spec.outlier_page_entries);
   const uint32_t total = rows.end[which][kTileTokens - 1];
   for (uint32_t f = threadIdx.x; f < total; f += blockDim.x) {
-    // The entry's token: the first j with end[j] > f.
-    int j = 0;
-#pragma unroll
-    for (int step = kTileTokens / 2; step > 0; step /= 2) {
-      if (rows.end[which][j + step - 1] <= f) j += step;
-    }
-    const uint32_t e = rows.begin[which][j] + (f - (j > 0 ? rows.end[which][j - 1] : 0u));
+    const int j = tile_entries::row_of<kTileTokens>(rows.end[which], f);  // the entry's token
+    const uint32_t e = tile_entries::entry_of(rows.begin[which], rows.end[which], j, f);
     const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[e / per_page]) * l.outlier_page_bytes;
     uint32_t index = load_index(outlier_page + outlier_index_offset(l, e % per_page), l.outlier_index_bytes);
     if (l.outlier_spans == 1) {  // all heads: index = head * D + d
