@@ -417,6 +417,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(plan.int8, kernels::int8_decode_supported(on_device)) << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8) << c.name;
+    if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
     // plans the same launch; the one-call launcher runs first, the planner's
     // second launch (from its cache) writes the output checked below.

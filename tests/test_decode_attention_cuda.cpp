@@ -98,6 +98,22 @@ std::vector<Case> cases() {
     long_context.lengths = {16411, 33};
     all.push_back(long_context);
   }
+  {  // The general kernel forced (DecodeKernel::kGeneral) on layouts the
+     // tensor-core kernels take by default, so that its quantized tokens'
+     // every grouping runs on the GPU (by default it takes only kvquant's and
+     // the tensor-core kernels' exact ranges): KIVI's per-channel keys in
+     // groups of 32 tokens with per-token values, rtn's groups of 32 channels
+     // with outliers, at 2 bits (the batched loads of a tile's units).
+    constexpr auto kGeneral = kernels::DecodeKernel::kGeneral;
+    Case kivi = with(decode_case(testing::kivi_layout("general_kivi_2bit_d128_gqa4", 2, 128, 8)), kGeneral);
+    kivi.tokens_per_split = 128;
+    all.push_back(kivi);
+    Case rtn = with(decode_case(testing::rtn_groups32_outliers_layout("general_rtn_groups32_outliers_2bit_d128_gqa4", 2,
+                                                                      128, 8)),
+                    kGeneral);
+    rtn.tokens_per_split = 96;
+    all.push_back(rtn);
+  }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
     Case c = make_case("kvquant_32k_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
     c.fit.outlier_fraction = 0.02;
@@ -136,7 +152,8 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
     const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
                           c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
                           c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
-                          c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12";
+                          c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12" ||
+                          c.name == "general_kivi_2bit_d128_gqa4";
     EXPECT_EQ(reads, expected) << c.name;
   }
   EXPECT_EQ(int8_cases, 7);
