@@ -589,10 +589,11 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   for (int64_t tile_first = first; tile_first < last; tile_first += kTileTokens) {
     const int count = static_cast<int>(last - tile_first < kTileTokens ? last - tile_first : kTileTokens);
     __syncthreads();  // the previous tile is consumed (and the queries written)
-    dequantize_tile<D, kBits, kWarps * kWarpSize>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens, tile_first, count,
-                              kv_head, keys, kKeyStride);
-    dequantize_tile<D, kBits, kWarps * kWarpSize>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens, tile_first,
-                              count, kv_head, values, D);
+    constexpr int kThreads = kWarps * kWarpSize;
+    dequantize_tile<D, kBits, kThreads>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens,
+                                        tile_first, count, kv_head, keys, kKeyStride);
+    dequantize_tile<D, kBits, kThreads>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens,
+                                        tile_first, count, kv_head, values, D);
     if (outliers && warp < 2) {
       read_outlier_rows(warp == 0 ? p.key_cache : p.value_cache, warp, page_row, tokens, tile_first, count, kv_head,
                         outlier_rows);
