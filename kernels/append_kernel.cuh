@@ -500,8 +500,6 @@ class BlockAppender {
     return true;
   }
 
-  // Per-token groupings and per_channel_offline: token slot s.
-  // `page`: page_of_slot(s), read by the caller ahead.
   // The inlier (min, max) of channels [begin, end) of y by one warp (every
   // lane gets them), in the reference's order (Extreme); (0, 0) without an
   // inlier.
@@ -557,6 +555,8 @@ class BlockAppender {
     }
   }
 
+  // Per-token groupings and per_channel_offline: token slot s.
+  // `page`: page_of_slot(s), read by the caller ahead.
   __device__ bool quantize_token(int64_t s, uint8_t* page) {
     const auto in_page = static_cast<int32_t>(s % l_.spec.page_size);
     const bool outliers = q_.outliers != OutlierSelection::kNone;
