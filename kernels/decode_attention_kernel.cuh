@@ -304,7 +304,8 @@ __device__ inline void read_outlier_rows(const PagedTensor& cache, int which, co
   if (l.outlier_spans > 0 && lane < count) {
     const TokenPlace place = place_of(l, tokens, first + lane);
     if (place.quantized) {
-      const int64_t s = place.slot_index, in_page = s % l.spec.page_size;
+      const auto s = static_cast<int32_t>(place.slot_index);  // a sequence's slots: under 2^31
+      const int32_t in_page = s % l.spec.page_size;
       const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / l.spec.page_size]) * l.page_bytes;
       const int64_t span = l.outlier_spans == 1 ? 0 : head;
       const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
