@@ -176,14 +176,110 @@ __device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens,
   return p;
 }
 
+// Where the tokens of a sequence with `tokens` cached are read from: its
+// quantized range [begin, end) (rule 1 of docs/artifact.md) and the page
+// arithmetic of its slots, worked out once per tile instead of per unit.
+struct TileReading {
+  int32_t begin = 0, end = 0;  // a sequence's tokens: under 2^31
+  int32_t page_size = 0;
+  int32_t page_shift = -1;  // log2(page_size) for a power of two (16 by default), else -1
+};
+
+__device__ inline TileReading tile_reading(const TensorLayoutSpec& spec, int64_t tokens) {
+  TileReading r;
+  r.begin = static_cast<int32_t>(quantized_begin(spec, tokens));
+  r.end = static_cast<int32_t>(quantized_end(spec, tokens));
+  r.page_size = spec.page_size;
+  r.page_shift = (spec.page_size & (spec.page_size - 1)) == 0 ? __ffs(spec.page_size) - 1 : -1;
+  return r;
+}
+
+// Slot s's page-table entry and its row in that page (s < 2^31: a
+// sequence's slots), by a shift and a mask where the page size allows.
+__device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entry, int32_t& in_page) {
+  if (r.page_shift >= 0) {
+    entry = s >> r.page_shift;
+    in_page = s & (r.page_size - 1);
+  } else {
+    entry = s / r.page_size;
+    in_page = s % r.page_size;
+  }
+}
+
+// A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
+// `out` (16-byte aligned) in 16-byte stores.
+template <int kBits>
+__device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out) {
+  constexpr int kPerWord = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+#pragma unroll
+  for (int c = 0; c < kPerWord; c += 4) {
+    float x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = __fmaf_rn(affine.b, levels[(word >> ((c + k) * kBits)) & kMask], affine.a);
+    reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
+// The same with channel c's offline (offset, scale) (kPerChannelOffline):
+// offset and scale point at the word's first channel, 16-byte aligned, and
+// are read four channels per load (read-only, from L1).
+template <int kBits>
+__device__ inline void store_word_by_channel(uint32_t word, const float* levels, const float* offset,
+                                             const float* scale, float* out) {
+  constexpr int kPerWord = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+#pragma unroll
+  for (int c = 0; c < kPerWord; c += 4) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(offset + c));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(scale + c));
+    const float x0 = __fmaf_rn(b.x, levels[word >> (c * kBits) & kMask], a.x);
+    const float x1 = __fmaf_rn(b.y, levels[word >> ((c + 1) * kBits) & kMask], a.y);
+    const float x2 = __fmaf_rn(b.z, levels[word >> ((c + 2) * kBits) & kMask], a.z);
+    const float x3 = __fmaf_rn(b.w, levels[word >> ((c + 3) * kBits) & kMask], a.w);
+    reinterpret_cast<float4*>(out)[c / 4] = make_float4(x0, x1, x2, x3);
+  }
+}
+
+// How a tile's quantized units find their affines; one choice per tensor,
+// made once per tile (the grouping is the layout's), not per element.
+enum class UnitAffine : int32_t {
+  kTokenPair = 0,      // one stored pair per unit: all heads', or a per-token group holding the whole word
+  kChannelOffline = 1, // the channels' offline (offset, scale)
+  kPerElement = 2,     // groups narrower than a word, per-channel token groups (or unaligned offline tables)
+};
+
+__device__ inline UnitAffine unit_affine(const TensorLayoutSpec& spec, const Dequantization& dq, int per_word) {
+  switch (spec.grouping) {
+    case ScaleGrouping::kPerTokenAllHeads:
+      return UnitAffine::kTokenPair;
+    case ScaleGrouping::kPerToken:
+      return spec.group % per_word == 0 ? UnitAffine::kTokenPair : UnitAffine::kPerElement;
+    case ScaleGrouping::kPerChannelOffline:  // the tables in 16-byte loads where they allow them
+      return ((reinterpret_cast<uintptr_t>(dq.channel_offset) | reinterpret_cast<uintptr_t>(dq.channel_scale)) & 15u) == 0
+                 ? UnitAffine::kChannelOffline
+                 : UnitAffine::kPerElement;
+    case ScaleGrouping::kPerChannelTokens:
+      break;
+  }
+  return UnitAffine::kPerElement;
+}
+
+// The pair offset of the unit's per-token group (kTokenPair).
+__device__ inline int64_t unit_pair_offset(const TensorPageLayout& l, int head, int32_t in_page, int d0) {
+  return l.spec.grouping == ScaleGrouping::kPerTokenAllHeads ? token_pair_offset(l, 0, in_page, 0)
+                                                             : token_pair_offset(l, head, in_page, d0 / l.spec.group);
+}
+
 // Head `head` of tokens [first, first + count) into tile[j * stride + d], in
 // the stored basis, without the outliers: every thread of the block takes
 // (token, 32-bit code word) units and stores each unit's elements in 16-byte
 // stores (tile and stride keep every row 16-byte aligned). A thread's units
-// read their page ids, then their words (and all-heads pairs), each round's
-// loads in flight together, before any element is made: one unit after
-// another, each unit's two dependent loads waited in turn (the tile's
-// stores to shared memory kept the next unit's loads behind them).
+// read their page ids, then their words and pairs, each round's loads in
+// flight together, before any element is made. The affine is found once per
+// unit where the grouping allows (UnitAffine): kvquant's per-channel keys
+// and per-token values had spent a third of their instructions on a switch
+// over the grouping and its loads for every element.
 template <int D, int kBits, int kThreads>
 __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& dq, const float* levels, int32_t slot,
                                 const int32_t* page_row, int64_t tokens, int64_t first, int count, int head,
@@ -196,7 +292,8 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   const TensorPageLayout& l = cache.layout;
   const TensorLayoutSpec& spec = l.spec;
   const int64_t element = element_bytes(spec.element);
-  const bool all_heads_pairs = spec.grouping == ScaleGrouping::kPerTokenAllHeads;
+  const TileReading reading = tile_reading(spec, tokens);
+  const UnitAffine affine_kind = unit_affine(spec, dq, kPerWord);
   // Units in batches of two at 2 bits; one at 4 (a batch of two spilled
   // there, 164 bytes at head_dim 128).
   constexpr int kBatch = kBits == 2 && kUnits >= 2 ? 2 : 1;
@@ -210,16 +307,14 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       const int unit = static_cast<int>(threadIdx.x) + (batch + u) * kThreads;
       page_id[u] = -1;
       in_page[u] = 0;
-      if (unit < count * kWords) {
-        const TokenPlace place = place_of(l, tokens, first + unit / kWords);
-        if (place.quantized) {
-          const auto s = static_cast<int32_t>(place.slot_index);  // a sequence's slots: under 2^31
-          in_page[u] = s % spec.page_size;
-          page_id[u] = page_row[s / spec.page_size];
-        }
+      const int32_t token = static_cast<int32_t>(first) + unit / kWords;
+      if (unit < count * kWords && token >= reading.begin && token < reading.end) {
+        int32_t entry;
+        page_place(reading, token - spec.sink_tokens, entry, in_page[u]);
+        page_id[u] = page_row[entry];
       }
     }
-    // Round 2: the words and, all heads sharing one pair per token, the pairs.
+    // Round 2: the words and, one pair per unit, the pairs.
     uint32_t word[kBatch];
     Affine token_affine[kBatch];
 #pragma unroll
@@ -229,7 +324,9 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         const int word_index = (static_cast<int>(threadIdx.x) + (batch + u) * kThreads) % kWords;
         const uint8_t* page = cache.pages + static_cast<int64_t>(page_id[u]) * l.page_bytes;
         word[u] = load_u32(page + code_row_offset(l, head, in_page[u]) + word_index * 4);
-        if (all_heads_pairs) token_affine[u] = affine_of_pair(l, dq, page + token_pair_offset(l, 0, in_page[u], 0), kTop);
+        if (affine_kind == UnitAffine::kTokenPair) {
+          token_affine[u] = affine_of_pair(l, dq, page + unit_pair_offset(l, head, in_page[u], word_index * kPerWord), kTop);
+        }
       }
     }
 #pragma unroll
@@ -238,39 +335,43 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       if (unit >= count * kWords) break;
       const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
       float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
-      float x[kPerWord];
       if (page_id[u] < 0) {  // an exact token
         const TokenPlace place = place_of(l, tokens, first + j);
         const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
+        float x[kPerWord];
         load_elements<kPerWord>(spec.element, in + d0 * element, x);
         store_floats(out, x);
         continue;
       }
+      if (affine_kind == UnitAffine::kTokenPair) {
+        store_word<kBits>(word[u], levels, token_affine[u], out);
+        continue;
+      }
+      if (affine_kind == UnitAffine::kChannelOffline) {
+        const int64_t channel = static_cast<int64_t>(head) * D + d0;
+        store_word_by_channel<kBits>(word[u], levels, dq.channel_offset + channel, dq.channel_scale + channel, out);
+        continue;
+      }
+      // kPerElement.
       const uint8_t* page = cache.pages + static_cast<int64_t>(page_id[u]) * l.page_bytes;
-      Affine affine = all_heads_pairs ? token_affine[u] : Affine{};
+      float x[kPerWord];
+      Affine affine;
 #pragma unroll
       for (int c = 0; c < kPerWord; ++c) {
         const int d = d0 + c;
-        switch (spec.grouping) {
-          case ScaleGrouping::kPerToken:
-            if (c == 0 || d % spec.group == 0) {
-              affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page[u], d / spec.group), kTop);
-            }
-            break;
-          case ScaleGrouping::kPerChannelTokens: {
-            const int64_t s = place_of(l, tokens, first + j).slot_index;
-            const int64_t sigma = channel_pair_stream_index(l, s / spec.group, static_cast<int64_t>(head) * D + d);
-            const int64_t per_page = pairs_per_page(l);
-            const uint8_t* params =
-                cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
-            affine = affine_of_pair(l, dq, params + (sigma % per_page) * l.pair_bytes, kTop);
-            break;
+        if (spec.grouping == ScaleGrouping::kPerToken) {
+          if (c == 0 || d % spec.group == 0) {
+            affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page[u], d / spec.group), kTop);
           }
-          case ScaleGrouping::kPerChannelOffline:
-            affine = {dq.channel_offset[head * D + d], dq.channel_scale[head * D + d]};
-            break;
-          case ScaleGrouping::kPerTokenAllHeads:
-            break;
+        } else if (spec.grouping == ScaleGrouping::kPerChannelOffline) {
+          affine = {dq.channel_offset[head * D + d], dq.channel_scale[head * D + d]};
+        } else {  // kPerChannelTokens
+          const int64_t s = first + j - spec.sink_tokens;
+          const int64_t sigma = channel_pair_stream_index(l, s / spec.group, static_cast<int64_t>(head) * D + d);
+          const int64_t per_page = pairs_per_page(l);
+          const uint8_t* params =
+              cache.pages + static_cast<int64_t>(page_row[sigma / per_page]) * l.page_bytes + l.params_offset;
+          affine = affine_of_pair(l, dq, params + (sigma % per_page) * l.pair_bytes, kTop);
         }
         const uint32_t code = (word[u] >> (c * kBits)) & kMask;
         x[c] = __fmaf_rn(affine.b, levels[code], affine.a);
@@ -302,11 +403,12 @@ __device__ inline void read_outlier_rows(const PagedTensor& cache, int which, co
   const int lane = threadIdx.x % kWarpSize;
   uint32_t begin = 0, entries = 0;
   if (l.outlier_spans > 0 && lane < count) {
-    const TokenPlace place = place_of(l, tokens, first + lane);
-    if (place.quantized) {
-      const auto s = static_cast<int32_t>(place.slot_index);  // a sequence's slots: under 2^31
-      const int32_t in_page = s % l.spec.page_size;
-      const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[s / l.spec.page_size]) * l.page_bytes;
+    const TileReading reading = tile_reading(l.spec, tokens);
+    const int32_t token = static_cast<int32_t>(first) + lane;
+    if (token >= reading.begin && token < reading.end) {
+      int32_t entry, in_page;
+      page_place(reading, token - l.spec.sink_tokens, entry, in_page);
+      const uint8_t* page = cache.pages + static_cast<int64_t>(page_row[entry]) * l.page_bytes;
       const int64_t span = l.outlier_spans == 1 ? 0 : head;
       const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
       begin = load_u32(pointer);
@@ -330,17 +432,22 @@ __device__ void put_back_outlier_entries(const PagedTensor& cache, int which, in
   if (l.outlier_spans == 0) return;
   const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
   const auto per_page = static_cast<uint32_t>(l.spec.outlier_page_entries);
+  // Entry e's page and slot by a shift and a mask where the page size allows
+  // (256 entries by default), not a division per entry.
+  const int shift = (per_page & (per_page - 1)) == 0 ? __ffs(static_cast<int>(per_page)) - 1 : -1;
   const uint32_t total = rows.end[which][kTileTokens - 1];
   for (uint32_t f = threadIdx.x; f < total; f += blockDim.x) {
     const int j = tile_entries::row_of<kTileTokens>(rows.end[which], f);  // the entry's token
     const uint32_t e = tile_entries::entry_of(rows.begin[which], rows.end[which], j, f);
-    const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[e / per_page]) * l.outlier_page_bytes;
-    uint32_t index = load_index(outlier_page + outlier_index_offset(l, e % per_page), l.outlier_index_bytes);
+    const uint32_t page_entry = shift >= 0 ? e >> shift : e / per_page;
+    const uint32_t in_page = shift >= 0 ? e & (per_page - 1) : e % per_page;
+    const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[page_entry]) * l.outlier_page_bytes;
+    uint32_t index = load_index(outlier_page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
     if (l.outlier_spans == 1) {  // all heads: index = head * D + d
       if (index / D != static_cast<uint32_t>(head)) continue;
       index %= D;
     }
-    tile[j * stride + index] = load_element(l.spec.element, outlier_page + outlier_value_offset(l, e % per_page));
+    tile[j * stride + index] = load_element(l.spec.element, outlier_page + outlier_value_offset(l, in_page));
   }
 }
 
@@ -423,20 +530,37 @@ __device__ inline void reduced_sin_cos(float angle, float& sin_angle, float& cos
   __sincosf(reduced_angle(angle), &sin_angle, &cos_angle);
 }
 
-// RoPE at each token's position: angle = float(t) * inv_freq[i] (float32,
-// as the reference), x cos + rotate_half(x) sin with reduced_sin_cos.
+// One RoPE pair (a, b) = (x_i, x_{i + D/2}) at `position`: angle =
+// float(t) * inv_freq[i] (float32, as the reference), then x cos +
+// rotate_half(x) sin with reduced_sin_cos.
+__device__ inline void rope_pair(float position, float inverse_frequency, float& a, float& b) {
+  const float angle = __fmul_rn(position, inverse_frequency);
+  float sin_angle, cos_angle;
+  reduced_sin_cos(angle, sin_angle, cos_angle);
+  const float x = a, y = b;
+  a = x * cos_angle + (-y) * sin_angle;
+  b = y * cos_angle + x * sin_angle;
+}
+
+// RoPE at each token's position over a tile of keys. A thread takes four
+// pairs of a token (16-byte loads and stores of both halves; the
+// frequencies in shared memory, 16-byte aligned): one pair per thread had
+// spent as much on its indices, loads and stores as on the rotation.
 template <int D>
 __device__ void rope_tile(const float* inverse_frequencies, int64_t first, int count, float* tile, int stride) {
-  constexpr int kHalf = D / 2;
-  for (int unit = threadIdx.x; unit < count * kHalf; unit += blockDim.x) {
-    const int j = unit / kHalf, i = unit % kHalf;
-    const float angle = __fmul_rn(static_cast<float>(first + j), inverse_frequencies[i]);
-    float sin_angle, cos_angle;
-    reduced_sin_cos(angle, sin_angle, cos_angle);
+  constexpr int kHalf = D / 2, kQuads = kHalf / 4;
+  for (int unit = threadIdx.x; unit < count * kQuads; unit += blockDim.x) {
+    const int j = unit / kQuads, i = unit % kQuads * 4;
+    const float position = static_cast<float>(first + j);
     float* row = tile + j * stride;
-    const float a = row[i], b = row[i + kHalf];
-    row[i] = a * cos_angle + (-b) * sin_angle;
-    row[i + kHalf] = b * cos_angle + a * sin_angle;
+    const float4 f = *reinterpret_cast<const float4*>(inverse_frequencies + i);
+    float4 a = *reinterpret_cast<const float4*>(row + i), b = *reinterpret_cast<const float4*>(row + i + kHalf);
+    rope_pair(position, f.x, a.x, b.x);
+    rope_pair(position, f.y, a.y, b.y);
+    rope_pair(position, f.z, a.z, b.z);
+    rope_pair(position, f.w, a.w, b.w);
+    *reinterpret_cast<float4*>(row + i) = a;
+    *reinterpret_cast<float4*>(row + i + kHalf) = b;
   }
 }
 
@@ -545,6 +669,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
   float* raw_query = values;  // before the first tile
   __shared__ float key_levels[kMaxLevels], value_levels[kMaxLevels];
+  __shared__ __align__(16) float rope_frequencies[D / 2];  // pre-RoPE keys: the model's inv_freq
   __shared__ TileOutlierRows outlier_rows;
   const bool outliers = p.key_cache.layout.outlier_spans > 0 || p.value_cache.layout.outlier_spans > 0;
 
@@ -572,6 +697,9 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   if (threadIdx.x < (1 << kBits)) {
     key_levels[threadIdx.x] = p.key_dequantization.levels[threadIdx.x];
     value_levels[threadIdx.x] = p.value_dequantization.levels[threadIdx.x];
+  }
+  if (p.keys_pre_rope) {
+    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_frequencies[i] = p.rope_inverse_frequencies[i];
   }
   for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
     const int g = i / D, d = i % D;
@@ -606,7 +734,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     }
     if (p.keys_pre_rope) {
       __syncthreads();
-      rope_tile<D>(p.rope_inverse_frequencies, tile_first, count, keys, kKeyStride);
+      rope_tile<D>(rope_frequencies, tile_first, count, keys, kKeyStride);
     }
     __syncthreads();
     if (!scoring) continue;
