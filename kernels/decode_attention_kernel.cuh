@@ -20,7 +20,7 @@
 //
 // Every page of a split is read once for all query heads of its KV head.
 // Inside a split the order of the sums differs from the CPU reference's
-// (tile-wise rescaling, four partial dot products per lane); the splits, the
+// (tile-wise rescaling, sequential dot products per lane); the splits, the
 // merge and the dequantization arithmetic are the reference's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -740,22 +740,17 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     if (!scoring) continue;
     float score = -INFINITY;
     if (lane < count) {
-      // Four elements of the query and the key row per load, into four
-      // partial sums (channels d mod 4) added at the end: four independent
-      // fma chains, where one chain of D fmas made each lane wait out every
-      // fma's latency.
+      // One fma chain in d order, four elements of the query and the key
+      // row per load.
       const float4* k = reinterpret_cast<const float4*>(keys + lane * kKeyStride);
       const float4* q4 = reinterpret_cast<const float4*>(q);
-      float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float dot = 0.0f;
 #pragma unroll 8
       for (int d4 = 0; d4 < D / 4; ++d4) {
         const float4 x = q4[d4], y = k[d4];
-        dot[0] = __fmaf_rn(x.x, y.x, dot[0]);
-        dot[1] = __fmaf_rn(x.y, y.y, dot[1]);
-        dot[2] = __fmaf_rn(x.z, y.z, dot[2]);
-        dot[3] = __fmaf_rn(x.w, y.w, dot[3]);
+        dot = __fmaf_rn(x.w, y.w, __fmaf_rn(x.z, y.z, __fmaf_rn(x.y, y.y, __fmaf_rn(x.x, y.x, dot))));
       }
-      score = __fmul_rn(__fadd_rn(__fadd_rn(dot[0], dot[1]), __fadd_rn(dot[2], dot[3])), p.softmax_scale);
+      score = __fmul_rn(dot, p.softmax_scale);
     }
     const float tile_max = warp_max(score);
     const float new_max = fmaxf(running_max, tile_max);
@@ -764,7 +759,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     running_sum = running_sum * rescale + warp_sum(weight);
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) acc[k] *= rescale;
-    const auto accumulate = [&](int j) {
+    for (int j = 0; j < count; ++j) {
       const float w = __shfl_sync(0xffffffffu, weight, j);
       const float* v = values + j * D + kPerLane * lane;
       if constexpr (kPerLane == 4) {
@@ -778,14 +773,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
         acc[0] = __fmaf_rn(w, x.x, acc[0]);
         acc[1] = __fmaf_rn(w, x.y, acc[1]);
       }
-    };
-    // A whole tile unrolled: the shuffles and loads of several tokens in
-    // flight together, not one token's loop turn at a time.
-    if (count == kTileTokens) {
-#pragma unroll 4
-      for (int j = 0; j < kTileTokens; ++j) accumulate(j);
-    } else {
-      for (int j = 0; j < count; ++j) accumulate(j);
     }
     running_max = new_max;
   }
