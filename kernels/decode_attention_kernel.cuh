@@ -396,9 +396,35 @@ struct TileOutlierRows {
   uint32_t end[2][kTileTokens];    // the entries of tokens 0..j of the tile (inclusive prefix)
 };
 
-// Round 1 (warps 0 and 1; the caller synchronizes before round 2).
-__device__ inline void read_outlier_rows(const PagedTensor& cache, int which, const int32_t* page_row, int64_t tokens,
-                                         int64_t first, int count, int head, TileOutlierRows& rows) {
+// Entry e's place in a sequence's outlier pages: its page (through the
+// sequence's outlier page table) and slot, by a shift and a mask where the
+// entries per page allow (256 by default), not a division per entry.
+struct OutlierPages {
+  const int32_t* table = nullptr;
+  uint32_t per_page = 0;
+  int shift = -1;
+
+  __device__ OutlierPages(const PagedTensor& cache, int32_t slot)
+      : table(cache.outlier_page_table + slot * cache.outlier_table_stride),
+        per_page(static_cast<uint32_t>(cache.layout.spec.outlier_page_entries)) {
+    shift = (per_page & (per_page - 1)) == 0 ? __ffs(static_cast<int>(per_page)) - 1 : -1;
+  }
+  __device__ const uint8_t* page(const PagedTensor& cache, uint32_t e) const {
+    const uint32_t entry = shift >= 0 ? e >> shift : e / per_page;
+    return cache.outlier_pages + static_cast<int64_t>(table[entry]) * cache.layout.outlier_page_bytes;
+  }
+  __device__ uint32_t slot_in_page(uint32_t e) const { return shift >= 0 ? e & (per_page - 1) : e % per_page; }
+  __device__ uint32_t index(const PagedTensor& cache, uint32_t e) const {
+    return load_index(page(cache, e) + outlier_index_offset(cache.layout, slot_in_page(e)),
+                      cache.layout.outlier_index_bytes);
+  }
+};
+
+// Round 1 (warps 0 and 1; the caller synchronizes before round 2). An
+// all-heads row (one span per token) is narrowed to the block's head.
+template <int D>
+__device__ inline void read_outlier_rows(const PagedTensor& cache, int which, int32_t slot, const int32_t* page_row,
+                                         int64_t tokens, int64_t first, int count, int head, TileOutlierRows& rows) {
   const TensorPageLayout& l = cache.layout;
   const int lane = threadIdx.x % kWarpSize;
   uint32_t begin = 0, entries = 0;
@@ -413,6 +439,12 @@ __device__ inline void read_outlier_rows(const PagedTensor& cache, int which, co
       const uint8_t* pointer = page + row_pointer_offset(l, in_page * l.outlier_spans + span);
       begin = load_u32(pointer);
       entries = load_u32(pointer + kRowPointerBytes) - begin;
+      if (l.outlier_spans == 1 && entries > 0) {
+        const OutlierPages pages(cache, slot);
+        const auto lo = static_cast<uint32_t>(head) * D;
+        tile_entries::narrow_to_span<8>(begin, entries, lo, lo + D,
+                                        [&](uint32_t e) { return pages.index(cache, e); });
+      }
     }
   }
   uint32_t through = entries;  // inclusive prefix over the lanes
@@ -430,20 +462,15 @@ __device__ void put_back_outlier_entries(const PagedTensor& cache, int which, in
                                          const TileOutlierRows& rows, float* tile, int stride) {
   const TensorPageLayout& l = cache.layout;
   if (l.outlier_spans == 0) return;
-  const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
-  const auto per_page = static_cast<uint32_t>(l.spec.outlier_page_entries);
-  // Entry e's page and slot by a shift and a mask where the page size allows
-  // (256 entries by default), not a division per entry.
-  const int shift = (per_page & (per_page - 1)) == 0 ? __ffs(static_cast<int>(per_page)) - 1 : -1;
+  const OutlierPages pages(cache, slot);
   const uint32_t total = rows.end[which][kTileTokens - 1];
   for (uint32_t f = threadIdx.x; f < total; f += blockDim.x) {
     const int j = tile_entries::row_of<kTileTokens>(rows.end[which], f);  // the entry's token
     const uint32_t e = tile_entries::entry_of(rows.begin[which], rows.end[which], j, f);
-    const uint32_t page_entry = shift >= 0 ? e >> shift : e / per_page;
-    const uint32_t in_page = shift >= 0 ? e & (per_page - 1) : e % per_page;
-    const uint8_t* outlier_page = cache.outlier_pages + static_cast<int64_t>(table[page_entry]) * l.outlier_page_bytes;
+    const uint8_t* outlier_page = pages.page(cache, e);
+    const uint32_t in_page = pages.slot_in_page(e);
     uint32_t index = load_index(outlier_page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
-    if (l.outlier_spans == 1) {  // all heads: index = head * D + d
+    if (l.outlier_spans == 1) {  // all heads: index = head * D + d (read_outlier_rows kept the head's)
       if (index / D != static_cast<uint32_t>(head)) continue;
       index %= D;
     }
@@ -724,8 +751,8 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     dequantize_tile<D, kBits, kThreads>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens,
                                         tile_first, count, kv_head, values, D);
     if (outliers && warp < 2) {
-      read_outlier_rows(warp == 0 ? p.key_cache : p.value_cache, warp, page_row, tokens, tile_first, count, kv_head,
-                        outlier_rows);
+      read_outlier_rows<D>(warp == 0 ? p.key_cache : p.value_cache, warp, slot, page_row, tokens, tile_first, count,
+                           kv_head, outlier_rows);
     }
     __syncthreads();
     if (outliers) {

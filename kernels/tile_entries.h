@@ -31,4 +31,31 @@ KVFORGE_HOST_DEVICE inline uint32_t entry_of(const uint32_t* begins, const uint3
   return begins[row] + (f - (row > 0 ? ends[row - 1] : 0u));
 }
 
+// An all-heads row's entries [begin, begin + count) narrowed to one head's:
+// those whose index lies in [lo, hi) (= [head D, (head + 1) D)). A row's
+// indices ascend (docs/runtime-layout.md), so the head's entries follow the
+// `below` entries under lo. index_of(e) reads entry e's index; the indices
+// are read kBatch at a time (in the kernel, their loads in flight together)
+// until one reaches hi. Without it every block of a KV head read every
+// head's entries of its tokens and dropped all but 1 / kv_heads of them.
+template <int kBatch, typename IndexOf>
+KVFORGE_HOST_DEVICE inline void narrow_to_span(uint32_t& begin, uint32_t& count, uint32_t lo, uint32_t hi,
+                                               IndexOf index_of) {
+  uint32_t below = 0, within = 0;
+  const uint32_t end = begin + count;
+  for (uint32_t first = begin; first < end; first += kBatch) {
+    uint32_t index[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) index[k] = first + k < end ? index_of(first + k) : hi;  // past the row: >= hi
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      below += index[k] < lo ? 1u : 0u;
+      within += index[k] >= lo && index[k] < hi ? 1u : 0u;
+    }
+    if (index[kBatch - 1] >= hi) break;  // ascending: the rest lie beyond the span
+  }
+  begin += below;
+  count = within;
+}
+
 }  // namespace kvforge::kernels::tile_entries
