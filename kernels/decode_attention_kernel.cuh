@@ -265,10 +265,34 @@ __device__ inline UnitAffine unit_affine(const TensorLayoutSpec& spec, const Deq
   return UnitAffine::kPerElement;
 }
 
-// The pair offset of the unit's per-token group (kTokenPair).
-__device__ inline int64_t unit_pair_offset(const TensorPageLayout& l, int head, int32_t in_page, int d0) {
-  return l.spec.grouping == ScaleGrouping::kPerTokenAllHeads ? token_pair_offset(l, 0, in_page, 0)
-                                                             : token_pair_offset(l, head, in_page, d0 / l.spec.group);
+// Byte offsets inside a page of one head's code rows and per-token pairs,
+// in 32 bits (a page is under 2 GiB) from constants worked out once per
+// tile: runtime_layout.h's code_row_offset and token_pair_offset are int64
+// and divide by the heads (a 64-bit division call per unit, which with the
+// pair's address had cost kvquant's values ~7% of the general kernel's
+// instructions).
+struct HeadPageOffsets {
+  int32_t code_row0 = 0, row_bytes = 0;  // row r of the head: code_row0 + r * row_bytes
+  // kTokenPair: the pair of row r and channel group g: pair0 + r * pair_row + g * pair_bytes
+  int32_t pair0 = 0, pair_row = 0, pair_bytes = 0;
+};
+
+template <int D>
+__device__ inline HeadPageOffsets head_page_offsets(const TensorPageLayout& l, int head) {
+  const TensorLayoutSpec& spec = l.spec;
+  HeadPageOffsets o;
+  o.row_bytes = static_cast<int32_t>(l.row_bytes);
+  o.code_row0 = head * spec.page_size * o.row_bytes;
+  o.pair_bytes = static_cast<int32_t>(l.pair_bytes);
+  o.pair0 = static_cast<int32_t>(l.params_offset);
+  if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
+    o.pair_row = o.pair_bytes;
+  } else if (spec.grouping == ScaleGrouping::kPerToken) {
+    const int32_t per_head = D / spec.group;  // the head's groups per token
+    o.pair_row = per_head * o.pair_bytes;
+    o.pair0 += head * spec.page_size * o.pair_row;
+  }
+  return o;
 }
 
 // Head `head` of tokens [first, first + count) into tile[j * stride + d], in
@@ -294,6 +318,7 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   const int64_t element = element_bytes(spec.element);
   const TileReading reading = tile_reading(spec, tokens);
   const UnitAffine affine_kind = unit_affine(spec, dq, kPerWord);
+  const HeadPageOffsets offsets = head_page_offsets<D>(l, head);
   // Units in batches of two at 2 bits; one at 4 (a batch of two spilled
   // there, 164 bytes at head_dim 128).
   constexpr int kBatch = kBits == 2 && kUnits >= 2 ? 2 : 1;
@@ -323,9 +348,12 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       if (page_id[u] >= 0) {
         const int word_index = (static_cast<int>(threadIdx.x) + (batch + u) * kThreads) % kWords;
         const uint8_t* page = cache.pages + static_cast<int64_t>(page_id[u]) * l.page_bytes;
-        word[u] = load_u32(page + code_row_offset(l, head, in_page[u]) + word_index * 4);
+        word[u] = load_u32(page + offsets.code_row0 + in_page[u] * offsets.row_bytes + word_index * 4);
         if (affine_kind == UnitAffine::kTokenPair) {
-          token_affine[u] = affine_of_pair(l, dq, page + unit_pair_offset(l, head, in_page[u], word_index * kPerWord), kTop);
+          // The word's group (all heads: group 0); kTokenPair's groups hold whole words.
+          const int32_t group = spec.grouping == ScaleGrouping::kPerToken ? word_index * kPerWord / spec.group : 0;
+          const int32_t at = offsets.pair0 + in_page[u] * offsets.pair_row + group * offsets.pair_bytes;
+          token_affine[u] = affine_of_pair(l, dq, page + at, kTop);
         }
       }
     }
