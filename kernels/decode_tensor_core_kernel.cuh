@@ -245,16 +245,17 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
   const int64_t span = l.outlier_spans == 1 ? 0 : head;
   const uint8_t* pointer = at.page + row_pointer_offset(l, at.in_page * l.outlier_spans + span);
   const uint32_t begin = load_u32(pointer), end = load_u32(pointer + kRowPointerBytes);
-  const int32_t* table = cache.outlier_page_table + slot * cache.outlier_table_stride;
-  const int64_t entries = l.spec.outlier_page_entries;
+  const OutlierPages pages(cache, slot);  // by shifts, not a 64-bit division per entry
   for (uint32_t e = begin; e < end; ++e) {
-    const uint8_t* page = cache.outlier_pages + static_cast<int64_t>(table[e / entries]) * l.outlier_page_bytes;
-    int64_t index = load_index(page + outlier_index_offset(l, e % entries), l.outlier_index_bytes);
-    if (l.outlier_spans == 1) {
-      if (index / D != head) continue;
-      index %= D;
+    const uint8_t* page = pages.page(cache, e);
+    const uint32_t in_page = pages.slot_in_page(e);
+    uint32_t index = load_index(page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
+    if (l.outlier_spans == 1) {  // all heads: index = head * D + d, in 32 bits
+      const auto dim = static_cast<uint32_t>(D);
+      if (index / dim != static_cast<uint32_t>(head)) continue;
+      index %= dim;
     }
-    f(static_cast<int>(index), load_element(l.spec.element, page + outlier_value_offset(l, e % entries)));
+    f(static_cast<int>(index), load_element(l.spec.element, page + outlier_value_offset(l, in_page)));
   }
 }
 
