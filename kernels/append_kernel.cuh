@@ -558,7 +558,7 @@ class BlockAppender {
   // Per-token groupings and per_channel_offline: token slot s.
   // `page`: page_of_slot(s), read by the caller ahead.
   __device__ bool quantize_token(int64_t s, uint8_t* page) {
-    const auto in_page = static_cast<int32_t>(s % l_.spec.page_size);
+    const auto in_page = static_cast<int32_t>(s) % l_.spec.page_size;  // s < 2^31: 32 bits, not a 64-bit remainder call
     const bool outliers = q_.outliers != OutlierSelection::kNone;
     uint32_t* mask = outliers ? masks_ : nullptr;
     if (outliers) mark_outliers(y_, mask);

@@ -152,7 +152,10 @@ KVFORGE_HOST_DEVICE inline int64_t code_row_offset(const TensorPageLayout& l, in
 // kPerToken: group g of head `head`; kPerTokenAllHeads: head and g are 0.
 KVFORGE_HOST_DEVICE inline int64_t token_pair_offset(const TensorPageLayout& l, int64_t head, int64_t in_page,
                                                      int64_t group) {
-  const int64_t per_head = l.group_pairs_per_token / (l.spec.grouping == ScaleGrouping::kPerToken ? l.spec.kv_heads : 1);
+  // The head's pairs per token: D / G' (32-bit; group_pairs_per_token / kv_heads
+  // was a 64-bit division, a subroutine call per pair in the kernels).
+  const int64_t per_head =
+      l.spec.grouping == ScaleGrouping::kPerToken ? l.spec.head_dim / l.spec.group : l.group_pairs_per_token;
   return l.params_offset + ((head * l.spec.page_size + in_page) * per_head + group) * l.pair_bytes;
 }
 // kPerChannelTokens: the pair of channel `channel` (= head * D + d) of token
