@@ -176,34 +176,38 @@ __device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens,
   return p;
 }
 
+// x / d and x % d for a divisor fixed per launch (tokens per page, entries
+// per outlier page): a shift and a mask where d is a power of two (the
+// defaults, 16 and 256), else the division.
+struct FixedDivisor {
+  uint32_t divisor = 1;
+  int shift = 0;
+
+  __device__ explicit FixedDivisor(uint32_t d) : divisor(d) {
+    shift = (d & (d - 1)) == 0 ? __ffs(static_cast<int>(d)) - 1 : -1;
+  }
+  __device__ uint32_t quotient(uint32_t x) const { return shift >= 0 ? x >> shift : x / divisor; }
+  __device__ uint32_t remainder(uint32_t x) const { return shift >= 0 ? x & (divisor - 1) : x % divisor; }
+};
+
 // Where the tokens of a sequence with `tokens` cached are read from: its
 // quantized range [begin, end) (rule 1 of docs/artifact.md) and the page
 // arithmetic of its slots, worked out once per tile instead of per unit.
 struct TileReading {
   int32_t begin = 0, end = 0;  // a sequence's tokens: under 2^31
-  int32_t page_size = 0;
-  int32_t page_shift = -1;  // log2(page_size) for a power of two (16 by default), else -1
+  FixedDivisor page_size;
+
+  __device__ TileReading(const TensorLayoutSpec& spec, int64_t tokens)
+      : begin(static_cast<int32_t>(quantized_begin(spec, tokens))),
+        end(static_cast<int32_t>(quantized_end(spec, tokens))),
+        page_size(static_cast<uint32_t>(spec.page_size)) {}
 };
 
-__device__ inline TileReading tile_reading(const TensorLayoutSpec& spec, int64_t tokens) {
-  TileReading r;
-  r.begin = static_cast<int32_t>(quantized_begin(spec, tokens));
-  r.end = static_cast<int32_t>(quantized_end(spec, tokens));
-  r.page_size = spec.page_size;
-  r.page_shift = (spec.page_size & (spec.page_size - 1)) == 0 ? __ffs(spec.page_size) - 1 : -1;
-  return r;
-}
-
 // Slot s's page-table entry and its row in that page (s < 2^31: a
-// sequence's slots), by a shift and a mask where the page size allows.
+// sequence's slots).
 __device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entry, int32_t& in_page) {
-  if (r.page_shift >= 0) {
-    entry = s >> r.page_shift;
-    in_page = s & (r.page_size - 1);
-  } else {
-    entry = s / r.page_size;
-    in_page = s % r.page_size;
-  }
+  entry = static_cast<int32_t>(r.page_size.quotient(static_cast<uint32_t>(s)));
+  in_page = static_cast<int32_t>(r.page_size.remainder(static_cast<uint32_t>(s)));
 }
 
 // A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
@@ -316,7 +320,7 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   const TensorPageLayout& l = cache.layout;
   const TensorLayoutSpec& spec = l.spec;
   const int64_t element = element_bytes(spec.element);
-  const TileReading reading = tile_reading(spec, tokens);
+  const TileReading reading(spec, tokens);
   const UnitAffine affine_kind = unit_affine(spec, dq, kPerWord);
   const HeadPageOffsets offsets = head_page_offsets<D>(l, head);
   // Units in batches of two at 2 bits; one at 4 (a batch of two spilled
@@ -425,23 +429,19 @@ struct TileOutlierRows {
 };
 
 // Entry e's place in a sequence's outlier pages: its page (through the
-// sequence's outlier page table) and slot, by a shift and a mask where the
-// entries per page allow (256 by default), not a division per entry.
+// sequence's outlier page table) and slot (FixedDivisor: not a 64-bit
+// division per entry).
 struct OutlierPages {
   const int32_t* table = nullptr;
-  uint32_t per_page = 0;
-  int shift = -1;
+  FixedDivisor per_page;
 
   __device__ OutlierPages(const PagedTensor& cache, int32_t slot)
       : table(cache.outlier_page_table + slot * cache.outlier_table_stride),
-        per_page(static_cast<uint32_t>(cache.layout.spec.outlier_page_entries)) {
-    shift = (per_page & (per_page - 1)) == 0 ? __ffs(static_cast<int>(per_page)) - 1 : -1;
-  }
+        per_page(static_cast<uint32_t>(cache.layout.spec.outlier_page_entries)) {}
   __device__ const uint8_t* page(const PagedTensor& cache, uint32_t e) const {
-    const uint32_t entry = shift >= 0 ? e >> shift : e / per_page;
-    return cache.outlier_pages + static_cast<int64_t>(table[entry]) * cache.layout.outlier_page_bytes;
+    return cache.outlier_pages + static_cast<int64_t>(table[per_page.quotient(e)]) * cache.layout.outlier_page_bytes;
   }
-  __device__ uint32_t slot_in_page(uint32_t e) const { return shift >= 0 ? e & (per_page - 1) : e % per_page; }
+  __device__ uint32_t slot_in_page(uint32_t e) const { return per_page.remainder(e); }
   __device__ uint32_t index(const PagedTensor& cache, uint32_t e) const {
     return load_index(page(cache, e) + outlier_index_offset(cache.layout, slot_in_page(e)),
                       cache.layout.outlier_index_bytes);
@@ -457,7 +457,7 @@ __device__ inline void read_outlier_rows(const PagedTensor& cache, int which, in
   const int lane = threadIdx.x % kWarpSize;
   uint32_t begin = 0, entries = 0;
   if (l.outlier_spans > 0 && lane < count) {
-    const TileReading reading = tile_reading(l.spec, tokens);
+    const TileReading reading(l.spec, tokens);
     const int32_t token = static_cast<int32_t>(first) + lane;
     if (token >= reading.begin && token < reading.end) {
       int32_t entry, in_page;
@@ -498,10 +498,7 @@ __device__ void put_back_outlier_entries(const PagedTensor& cache, int which, in
     const uint8_t* outlier_page = pages.page(cache, e);
     const uint32_t in_page = pages.slot_in_page(e);
     uint32_t index = load_index(outlier_page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
-    if (l.outlier_spans == 1) {  // all heads: index = head * D + d (read_outlier_rows kept the head's)
-      if (index / D != static_cast<uint32_t>(head)) continue;
-      index %= D;
-    }
+    if (l.outlier_spans == 1) index %= D;  // all heads: head * D + d, only the head's (read_outlier_rows)
     tile[j * stride + index] = load_element(l.spec.element, outlier_page + outlier_value_offset(l, in_page));
   }
 }
