@@ -29,6 +29,7 @@
 
 #include "kernels/angle_reduction.h"
 #include "kernels/decode_params.h"
+#include "kernels/fixed_divisor.h"
 #include "kernels/pair_affine.h"
 #include "kernels/tile_entries.h"
 
@@ -175,20 +176,6 @@ __device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens,
   }
   return p;
 }
-
-// x / d and x % d for a divisor fixed per launch (tokens per page, entries
-// per outlier page): a shift and a mask where d is a power of two (the
-// defaults, 16 and 256), else the division.
-struct FixedDivisor {
-  uint32_t divisor = 1;
-  int shift = 0;
-
-  __device__ explicit FixedDivisor(uint32_t d) : divisor(d) {
-    shift = (d & (d - 1)) == 0 ? __ffs(static_cast<int>(d)) - 1 : -1;
-  }
-  __device__ uint32_t quotient(uint32_t x) const { return shift >= 0 ? x >> shift : x / divisor; }
-  __device__ uint32_t remainder(uint32_t x) const { return shift >= 0 ? x & (divisor - 1) : x % divisor; }
-};
 
 // Where the tokens of a sequence with `tokens` cached are read from: its
 // quantized range [begin, end) (rule 1 of docs/artifact.md) and the page
