@@ -155,28 +155,6 @@ __device__ inline Affine affine_of_pair(const TensorPageLayout& l, const Dequant
   return pair_affine(min, max, dq.clip_ratio, dq.non_uniform, top);
 }
 
-// Where token t of a sequence with `tokens` cached is read from.
-struct TokenPlace {
-  bool quantized = false;
-  int64_t exact_row = 0;  // exact store row (not quantized)
-  int64_t slot_index = 0;  // s = t - sink (quantized)
-};
-
-__device__ inline TokenPlace place_of(const TensorPageLayout& l, int64_t tokens, int64_t token) {
-  const TensorLayoutSpec& spec = l.spec;
-  const int64_t begin = quantized_begin(spec, tokens), end = quantized_end(spec, tokens);
-  TokenPlace p;
-  if (token < begin) {
-    p.exact_row = token;
-  } else if (token >= end) {
-    p.exact_row = spec.sink_tokens + (token - spec.sink_tokens) % l.ring_capacity;
-  } else {
-    p.quantized = true;
-    p.slot_index = token - spec.sink_tokens;
-  }
-  return p;
-}
-
 // Where the tokens of a sequence with `tokens` cached are read from: its
 // quantized range [begin, end) (rule 1 of docs/artifact.md) and the page
 // arithmetic of its slots, worked out once per tile instead of per unit.
@@ -189,6 +167,14 @@ struct TileReading {
         end(static_cast<int32_t>(quantized_end(spec, tokens))),
         page_size(static_cast<uint32_t>(spec.page_size)) {}
 };
+
+// The exact store row of a token outside the quantized range: a sink
+// token's own row, a window token's row in the ring (32 bits: a
+// sequence's tokens are under 2^31).
+__device__ inline int64_t exact_row_of(const TensorPageLayout& l, const TileReading& r, int64_t token) {
+  if (token < r.begin) return token;
+  return l.spec.sink_tokens + static_cast<int32_t>(token - l.spec.sink_tokens) % l.ring_capacity;
+}
 
 // Slot s's page-table entry and its row in that page (s < 2^31: a
 // sequence's slots).
@@ -355,8 +341,8 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
       float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
       if (page_id[u] < 0) {  // an exact token
-        const TokenPlace place = place_of(l, tokens, first + j);
-        const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, place.exact_row);
+        const uint8_t* in =
+            cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, exact_row_of(l, reading, first + j));
         float x[kPerWord];
         load_elements<kPerWord>(spec.element, in + d0 * element, x);
         store_floats(out, x);
