@@ -252,7 +252,9 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
     uint32_t index = load_index(page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
     if (l.outlier_spans == 1) {  // all heads: index = head * D + d, in 32 bits
       const auto dim = static_cast<uint32_t>(D);
-      if (index / dim != static_cast<uint32_t>(head)) continue;
+      const uint32_t entry_head = index / dim;
+      if (entry_head < static_cast<uint32_t>(head)) continue;
+      if (entry_head > static_cast<uint32_t>(head)) break;  // a row's indices ascend: the head's are behind
       index %= dim;
     }
     f(static_cast<int>(index), load_element(l.spec.element, page + outlier_value_offset(l, in_page)));
