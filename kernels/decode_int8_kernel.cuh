@@ -22,10 +22,13 @@
 //     bytes of four tokens reach a lane by ldmatrix.trans with one value
 //     group per row (int8_mma_fragments.h, "values by ldmatrix"), else by
 //     three byte permutes of four rows' words;
-//   - GQA groups of at most 4 heads (kPacked) put the two parts in the
-//     mma's columns 0-3 and 4-7 (int8_mma_fragments.h, "packed parts"): one
-//     key and one value mma per tile instead of two, and each lane scores
-//     and weighs 2 tokens of 2 heads instead of 4 tokens;
+//   - GQA groups of at most 4 heads (kPacked) put the two parts of head h
+//     in the mma's columns 2h and 2h + 1 (int8_mma_fragments.h, "packed
+//     parts"): one key and one value mma per tile instead of two, and lane
+//     (g, c) holds both parts of head c, so it scores, weighs and
+//     accumulates 4 tokens of that one head (its softmax reductions run over
+//     8 lanes, once, and its accumulators hold 2 rows per m tile with both
+//     parts added in), where the unpacked kernel takes 4 tokens of 2 heads;
 //   - outlier entries correct the scores and outputs by q'_d (x - deq) and
 //     p (x - deq) (float32, as the bf16 kernel); the sink, the windows and
 //     every token not quantized for both keys and values are the general
@@ -239,7 +242,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   // Key mmas per k step and row block (packed: one for both parts), and the
   // token rows a lane scores (for 2 heads each).
   constexpr int kKeyParts = kPacked ? 1 : 2;
-  constexpr int kItemRows = kPacked ? 2 : 4;
+  constexpr int kItemRows = 4;
+  // The heads a lane scores and accumulates (packed: head c; else 2c, 2c + 1)
+  // and its output registers per m tile (packed: rows g and g + 8 of head c;
+  // else the C fragment).
+  constexpr int kHeads = kPacked ? 1 : 2;
+  constexpr int kAccRegisters = kPacked ? 2 : 4;
   constexpr int kRowWords = Stage::kRowWords;
   constexpr int kKeyWords = kNibbles ? int8_mma::nibble_key_words(D) : int8_mma::key_words(D);
   static_assert(int8_mma::key_mmas(D) == D / 32, "one key mma per 32 channels");
@@ -253,12 +261,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
-  // The lane's item j's token row in the step and its heads h = 0, 1 (the
-  // columns of its C registers; packed: after the keys' exchange).
-  auto item_row = [g, c](int j) { return kPacked ? 16 * (c / 2) + g + 8 * j : 16 * (j / 2) + g + 8 * (j % 2); };
-  auto lane_head = [c](int h) { return kPacked ? 2 * (c % 2) + h : 2 * c + h; };
-  // Lanes that write a head's per-lane state (packed: lanes c ^ 2 hold the same heads).
-  const bool head_writer = g == 0 && (!kPacked || c < 2);
+  // The lane's item j's token row in the step (row block j / 2, C row
+  // g + 8 (j % 2)) and its heads h < kHeads (packed: c, the head of its C
+  // columns' two parts; else the columns 2c, 2c + 1).
+  auto item_row = [g](int j) { return 16 * (j / 2) + g + 8 * (j % 2); };
+  auto lane_head = [c](int h) { return kPacked ? c : 2 * c + h; };
+  // Lanes that write a head's per-lane state.
+  const bool head_writer = g == 0;
   // The exact ranges' kernel, launched behind this one as its dependent,
   // may start as soon as every block of this one runs; launched behind it
   // (DecodePlan::exact_first), this one waits for it before it exits, so
@@ -297,8 +306,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
   const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
   const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
-  // B column g's head (zeros past the group); packed: part g / 4 of head g % 4.
-  const int column_head = kPacked ? g % int8_mma::kPackedHeads : g;
+  // B column g's head (zeros past the group); packed: part
+  // packed_part(g) of head packed_head(g).
+  const int column_head = kPacked ? int8_mma::packed_head(g) : g;
   const float* my_query = shared.query[column_head];
 
   // Scores in base 2: the softmax scale times log2(e), folded into the keys'
@@ -309,9 +319,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   // the a-term sum(q') (per-token keys) or q'.a (per-channel), over the 4
   // lanes of column g.
   uint32_t key_b[kSteps][2][kKeyParts];
-  // The lane's heads lane_head(0, 1) (columns of its score fragments):
-  // their scale and a-term times log2e_scale, from the lanes that built them.
-  float scale_h[2] = {0.0f, 0.0f}, a_term_h[2] = {0.0f, 0.0f};
+  // The lane's heads lane_head(h): their scale and a-term times
+  // log2e_scale, from the lanes that built them.
+  float scale_h[kHeads], a_term_h[kHeads];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) scale_h[h] = a_term_h[h] = 0.0f;
   // From the query and (per-channel keys) the channel affines in
   // shared.channel[warp], which every lane reads. `per_channel`:
   // per_channel_keys, as std::true_type in the step loop's rebuild (KIVI's
@@ -319,11 +331,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   auto build_key_operands = [&](auto per_channel) {
     // Lane (g, c) holds channels key_channel(D, j, c, h, i) (at 4 bits
     // nibble_key_channel's) of its column's head: D / 4 of them. Packed,
-    // lanes g and g + 4 (lane ^ 16) are the two parts of one head's column:
-    // each computes half the k steps (g >= 4 the upper half) in both parts
-    // and they swap the parts the other one's column takes.
+    // lanes g and g ^ 1 (lane ^ kPartPartnerLaneMask) are the two parts of
+    // one head: each computes half the k steps (the low part's lane the
+    // upper half) in both parts and they swap the parts the other one's
+    // column takes.
     constexpr int kOwnSteps = kPacked ? kSteps / 2 : kSteps;
-    const bool upper_steps = kPacked && g >= int8_mma::kPackedHeads;
+    [[maybe_unused]] constexpr int kPartner = int8_mma::kPartPartnerLaneMask;
+    const bool upper_steps = kPacked && int8_mma::packed_part(g) == 1;
     float x[kOwnSteps][2][4];
     float largest = 0.0f, a_term = 0.0f;
 #pragma unroll
@@ -349,8 +363,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       }
     }
     if constexpr (kPacked) {
-      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 16));
-      a_term += __shfl_xor_sync(0xffffffffu, a_term, 16);
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, kPartner));
+      a_term += __shfl_xor_sync(0xffffffffu, a_term, kPartner);
     }
     largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
     largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
@@ -369,11 +383,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
         }
         if constexpr (kPacked) {
-          // The column's part (high for g < 4) of this lane's steps; the
-          // other part goes to lane ^ 16, whose steps' part comes back.
-          const bool high = g < int8_mma::kPackedHeads;
+          // The column's part of this lane's steps; the other part goes to
+          // the partner lane, whose steps' part comes back.
+          const bool high = int8_mma::packed_part(g) == 0;
           const uint32_t kept = high ? hi : lo;
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? lo : hi, 16);
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? lo : hi, kPartner);
           key_b[s][half][0] = upper_steps ? got : kept;
           key_b[s + kOwnSteps][half][0] = upper_steps ? kept : got;
         } else {
@@ -387,9 +401,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     constexpr int kPlaneScale = kNibbles ? int8_mma::kNibbleKeyScale : int8_mma::key_plane_scale(D);
     const float key_scale = largest / (127.0f * 128.0f * static_cast<float>(kPlaneScale));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, 4 * lane_head(h)) * log2e_scale;
-      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, 4 * lane_head(h)) * log2e_scale;
+    for (int h = 0; h < kHeads; ++h) {
+      // A lane of the head's (high part's) column: g = that column, c = 0.
+      const int source = 4 * (kPacked ? int8_mma::packed_column(lane_head(h), 0) : lane_head(h));
+      scale_h[h] = __shfl_sync(0xffffffffu, key_scale, source) * log2e_scale;
+      a_term_h[h] = __shfl_sync(0xffffffffu, a_term, source) * log2e_scale;
     }
   };
   if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
@@ -402,17 +418,27 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
 
   // The lane's heads: the maxima (every lane of the heads alike) and the
   // sums of this lane's own weights (over the heads' lanes at the end).
-  float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
-  // values: m tile, C fragment (channel rows g, g + 8 x columns 2c, 2c + 1;
-  // packed: part c / 2 of heads lane_head(0, 1), scaled by its part's
-  // scale), rows times 4^value_row_log4 (codes masked, not shifted; divided
-  // out once at the end, exactly)
-  float acc[kMTiles][4];
+  float running_max[kHeads], running_sum[kHeads];
 #pragma unroll
-  for (int t = 0; t < kMTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
-  float value_a_term[VG][2];  // [group][lane_head], this lane's tokens (summed over the lanes at the end)
+  for (int h = 0; h < kHeads; ++h) running_max[h] = -INFINITY, running_sum[h] = 0.0f;
+  // values: m tile, channel rows g, g + 8 (acc_row) of head acc_head (the C
+  // fragment's columns; packed: both parts of head c combined), rows times
+  // 4^value_row_log4 (codes masked, not shifted; divided out once at the
+  // end, exactly)
+  float acc[kMTiles][kAccRegisters];
 #pragma unroll
-  for (int vg = 0; vg < VG; ++vg) value_a_term[vg][0] = value_a_term[vg][1] = 0.0f;
+  for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < kAccRegisters; ++i) acc[t][i] = 0.0f;
+  }
+  auto acc_row = [g](int i) { return kPacked ? g + 8 * i : g + 8 * (i / 2); };
+  auto acc_head = [&lane_head](int i) { return kPacked ? lane_head(0) : lane_head(i % 2); };
+  float value_a_term[VG][kHeads];  // [group][lane_head], this lane's tokens (summed over the lanes at the end)
+#pragma unroll
+  for (int vg = 0; vg < VG; ++vg) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) value_a_term[vg][h] = 0.0f;
+  }
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
   const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
@@ -576,7 +602,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       build_key_operands(std::true_type{});
     }
     // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
-    float score[kItemRows][2];  // [item][head]: token item_row(j), head lane_head(h)
+    float score[kItemRows][kHeads];  // [item][head]: token item_row(j), head lane_head(h)
     {
       int dots[2][kKeyParts][4];  // [rb][part][C register]: token 16 rb + g + 8 (i / 2), column 2c + i % 2
 #pragma unroll
@@ -621,16 +647,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           }
         }
       }
-      int combined[kItemRows][2];  // 128 hi + lo
+      int combined[kItemRows][kHeads];  // 128 hi + lo
       if constexpr (kPacked) {
-        // Lanes c < 2 keep row block 0, lanes c >= 2 row block 1; each
-        // passes its part of the other block to lane c ^ 2.
+        // Both parts of head c, rows g (registers 0, 1) and g + 8 (2, 3).
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int sent = int8_mma::packed_sent(c, dots[0][0][i], dots[1][0][i]);
-          const int received = __shfl_xor_sync(0xffffffffu, sent, 2);
-          const int8_mma::PartSums parts = int8_mma::packed_kept(c, dots[0][0][i], dots[1][0][i], received);
-          combined[i / 2][i % 2] = 128 * parts.hi + parts.lo;
+        for (int rb = 0; rb < 2; ++rb) {
+          combined[2 * rb][0] = int8_mma::packed_sum(dots[rb][0], 0, 128);
+          combined[2 * rb + 1][0] = int8_mma::packed_sum(dots[rb][0], 2, 128);
         }
       } else {
 #pragma unroll
@@ -642,7 +665,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < kHeads; ++h) {
           const float dot = static_cast<float>(combined[j][h]) * scale_h[h];
           if (per_channel_keys) {
             score[j][h] = dot + a_term_h[h];
@@ -660,39 +683,57 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         if (row >= tokens) continue;
         const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
                              stage.in_page[row]};
-        float correction[2] = {0.0f, 0.0f};
+        float correction[kHeads];
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) correction[h] = 0.0f;
         for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
           const int code = code_at<kBits>(kl, at, kv_head, d);
           const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
           const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-          correction[0] = __fmaf_rn(shared.query[lane_head(0)][d], delta, correction[0]);
-          correction[1] = __fmaf_rn(shared.query[lane_head(1)][d], delta, correction[1]);
+#pragma unroll
+          for (int h = 0; h < kHeads; ++h) correction[h] = __fmaf_rn(shared.query[lane_head(h)][d], delta, correction[h]);
         });
-        score[j][0] = __fmaf_rn(correction[0], log2e_scale, score[j][0]);
-        score[j][1] = __fmaf_rn(correction[1], log2e_scale, score[j][1]);
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) score[j][h] = __fmaf_rn(correction[h], log2e_scale, score[j][h]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kItemRows; ++j) {
       if (tokens < kInt8StepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
-        score[j][0] = score[j][1] = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) score[j][h] = -INFINITY;
       }
     }
 
     // ---- online softmax per head, over the step's 32 rows (the lanes of
-    // each head: the 8 g, and packed both row blocks' lanes c, c ^ 2)
-    float alpha[2], weight[kItemRows][2];
+    // each head: its 8 g). Once the maxima settle (most steps of a long
+    // context) no score passes them: one vote instead of the reductions,
+    // and every alpha is exactly 1, so nothing is rescaled. A step whose
+    // score passes a running maximum takes the reductions for every head,
+    // and then alpha = 1 exactly wherever that head's maximum held.
+    float alpha[kHeads], weight[kItemRows][kHeads];
+    float step_max[kHeads];
+    bool passes = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = score[0][h];
+    for (int h = 0; h < kHeads; ++h) {
+      step_max[h] = score[0][h];
 #pragma unroll
-      for (int j = 1; j < kItemRows; ++j) m = fmaxf(m, score[j][h]);
-      if (kPacked) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-      const float new_max = fmaxf(running_max[h], m);
-      alpha[h] = fast_exp2(running_max[h] - new_max);  // 0 on the first step, 1 while the max holds
+      for (int j = 1; j < kItemRows; ++j) step_max[h] = fmaxf(step_max[h], score[j][h]);
+      passes = passes || step_max[h] > running_max[h];
+    }
+    const bool rescale = __any_sync(0xffffffffu, passes);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      float new_max = running_max[h];
+      alpha[h] = 1.0f;
+      if (rescale) {
+        float m = step_max[h];
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        new_max = fmaxf(running_max[h], m);
+        alpha[h] = fast_exp2(running_max[h] - new_max);  // 0 on the first step, 1 where the max holds
+      }
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
@@ -702,49 +743,54 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       running_sum[h] = __fmaf_rn(running_sum[h], alpha[h], sum);
       running_max[h] = new_max;
     }
-    // Once the maxima settle (most steps of a long context) every alpha is
-    // exactly 1: one vote instead of rescaling every accumulator.
-    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
-    if (rescale) rescale_columns(acc, alpha);
+    if (rescale) {
+#pragma unroll
+      for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+        for (int i = 0; i < kAccRegisters; ++i) acc[t][i] *= alpha[kPacked ? 0 : i % 2];
+      }
+    }
     // W = p * b per token, head and value group, the a-terms, and the
     // step's largest W per head over the head's lanes and its groups: one
     // unit U_h for every group (the error bound is in the head's largest
     // |v'| either way, and groups of 32 channels so share one reduction);
     // the two 8-bit parts into shared memory as the values' B operand reads
     // them.
-    float largest[2] = {0.0f, 0.0f};
-    float kept_w[kItemRows][2];  // one value group: W kept for its parts (more groups recompute it)
+    float largest[kHeads];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) largest[h] = 0.0f;
+    float kept_w[kItemRows][kHeads];  // one value group: W kept for its parts (more groups recompute it)
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
       if (rescale) {
-        value_a_term[vg][0] *= alpha[0];
-        value_a_term[vg][1] *= alpha[1];
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) value_a_term[vg][h] *= alpha[h];
       }
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
         const Affine affine = shared.value_affine[warp][item_row(j)][vg];  // {0, 0} past the range
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < kHeads; ++h) {
           value_a_term[vg][h] = __fmaf_rn(weight[j][h], affine.a, value_a_term[vg][h]);
           kept_w[j][h] = weight[j][h] * affine.b;
           largest[h] = fmaxf(largest[h], kept_w[j][h]);
         }
       }
     }
-    float part_scale[2];  // the int32 sums' scale (packed: of this lane's part; else of 256 hi + lo)
+    float part_scale[kHeads];  // the scale of the int32 sums 256 hi + lo (packed: of the low part's)
+    // Any inverse near 65535 / largest will do (the parts' bound holds for
+    // the unit above; weight_parts clamps at 65535).
+    float inverse[kHeads];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (kPacked) largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
+    for (int h = 0; h < kHeads; ++h) {
       largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 4));
       largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 8));
       largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 16));
-      const bool high_part = kPacked && c < 2;
-      part_scale[h] = largest[h] * (high_part ? 256.0f / int8_mma::kWeightSteps : 1.0f / int8_mma::kWeightSteps);
+      part_scale[h] = largest[h] * (1.0f / int8_mma::kWeightSteps);
+      inverse[h] = largest[h] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[h]) : 0.0f;
     }
-    // Any inverse near 65535 / largest will do (the parts' bound holds for
-    // the unit above; weight_parts clamps at 65535).
-    const float inverse[2] = {largest[0] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[0]) : 0.0f,
-                              largest[1] > 0.0f ? int8_mma::kWeightSteps * fast_reciprocal(largest[1]) : 0.0f};
+    // Packed: the high part's sums' scale (exact: times a power of 2).
+    const float high_scale = part_scale[0] * 256.0f;
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) {
 #pragma unroll
@@ -753,7 +799,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         const int k = VG == 1 ? int8_mma::transposed_k_of_token(item_row(j)) : int8_mma::value_token_of_k(item_row(j));
         const float b = VG == 1 ? 0.0f : shared.value_affine[warp][item_row(j)][vg].b;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < kHeads; ++h) {
           const float w = VG == 1 ? kept_w[j][h] : weight[j][h] * b;
           const int8_mma::WeightParts parts = int8_mma::weight_parts(w, inverse[h]);
           shared.weight_parts[warp][vg][0][lane_head(h)][k] = parts.hi;
@@ -764,13 +810,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     if (value_outliers) {
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
-        shared.weights[warp][item_row(j)][lane_head(0)] = weight[j][0];
-        shared.weights[warp][item_row(j)][lane_head(1)] = weight[j][1];
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) shared.weights[warp][item_row(j)][lane_head(h)] = weight[j][h];
       }
     }
     if (head_writer) {
-      shared.alpha[warp][lane_head(0)] = alpha[0];
-      shared.alpha[warp][lane_head(1)] = alpha[1];
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) shared.alpha[warp][lane_head(h)] = alpha[h];
     }
     __syncwarp();
 
@@ -778,21 +824,26 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     // with the weights of T's value group
     auto accumulate_tile = [&](int tile, const uint32_t (&a)[4]) {
       const int vg = tile / kTilesPerGroup;
-      // B column g: packed, part g / 4 of head g % 4; else head g's high
-      // and low parts in two mmas.
+      // B column g: packed, part packed_part(g) of head packed_head(g);
+      // else head g's high and low parts in two mmas.
       auto b_register = [&](int part, int head, int half) {
         return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
       };
       if constexpr (kPacked) {
-        // The sums start from kIntegerBiasBits: at most 32 tokens x 192
-        // (a code times its plane) x 255 < 2^22, they convert to float in
-        // one float add, not on the conversion pipe.
+        // Both parts of head c, rows g (registers 0, 1) and g + 8 (2, 3).
+        // The sums start from kIntegerBiasBits: at most 32 tokens x 192 (a
+        // code times its plane) x 255 < 2^22, they convert to float in one
+        // float add each, not on the conversion pipe (an eighth of the
+        // rate, shared with ex2), and the high part's weight 256 rides in
+        // its scale.
         int sum[4] = {int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits,
                       int8_mma::kIntegerBiasBits};
-        mma_u8u8(sum, a, b_register(g / 4, column_head, 0), b_register(g / 4, column_head, 1));
+        mma_u8u8(sum, a, b_register(int8_mma::packed_part(g), column_head, 0),
+                 b_register(int8_mma::packed_part(g), column_head, 1));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[tile][i] = __fmaf_rn(int8_mma::unbiased_float(sum[i]), part_scale[i % 2], acc[tile][i]);
+        for (int r = 0; r < 2; ++r) {
+          const float low = __fmaf_rn(int8_mma::unbiased_float(sum[2 * r + 1]), part_scale[0], acc[tile][r]);
+          acc[tile][r] = __fmaf_rn(int8_mma::unbiased_float(sum[2 * r]), high_scale, low);
         }
       } else {
         int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
@@ -901,44 +952,36 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
 
   // ---- this warp's state into shared memory (the sums and a-terms over the lanes of each head)
   auto sum_over_head_lanes = [](float x) {
-    if (kPacked) x += __shfl_xor_sync(0xffffffffu, x, 2);
     x += __shfl_xor_sync(0xffffffffu, x, 4);
     x += __shfl_xor_sync(0xffffffffu, x, 8);
     return x + __shfl_xor_sync(0xffffffffu, x, 16);
   };
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < kHeads; ++h) {
     running_sum[h] = sum_over_head_lanes(running_sum[h]);
 #pragma unroll
     for (int vg = 0; vg < VG; ++vg) value_a_term[vg][h] = sum_over_head_lanes(value_a_term[vg][h]);
   }
   if (head_writer) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHeads; ++h) {
       shared.state_max[warp][lane_head(h)] = running_max[h];
       shared.state_sum[warp][lane_head(h)] = running_sum[h];
 #pragma unroll
       for (int vg = 0; vg < VG; ++vg) shared.value_a_term[warp][vg][lane_head(h)] = value_a_term[vg][h];
     }
   }
-  if constexpr (kPacked) {  // the high part's lanes c < 2 add the low part's, from lanes c ^ 2
-#pragma unroll
-    for (int t = 0; t < kMTiles; ++t) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][i] += __shfl_xor_sync(0xffffffffu, acc[t][i], 2);
-    }
-  }
   // Without value outliers the rows go over the stages: every warp's copies
-  // and reads of them end first. The acc fragments (packed: of lanes c < 2)
-  // cover every row once.
+  // and reads of them end first. The lanes' acc registers cover every row
+  // of every head once.
   copy_async_wait<0>();
   if (!value_outliers) __syncthreads();
-  if (!kPacked || c < 2) {
+  {
 #pragma unroll
     for (int t = 0; t < kMTiles; ++t) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = i < 2 ? g : g + 8;
+      for (int i = 0; i < kAccRegisters; ++i) {
+        const int row = acc_row(i);
         // The row's channel and the power of 2 its codes carried.
         int channel, shift;
         if constexpr (kNibbles) {
@@ -949,7 +992,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           shift = 2 * (VG == 1 ? int8_mma::transposed_value_row_log4(t, row) : int8_mma::value_row_log4(row));
         }
         const float value = acc[t][i] * (1.0f / static_cast<float>(1 << shift));
-        float& o = out[warp][lane_head(i % 2)][channel];
+        float& o = out[warp][acc_head(i)][channel];
         o = value_outliers ? o + value : value;
       }
     }

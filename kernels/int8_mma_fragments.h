@@ -33,13 +33,13 @@
 //   once, at the end.
 //
 // GQA groups of at most 4 heads leave columns 4-7 of N idle, so there the
-// columns carry the other operand's two parts ("packed parts"): column n
-// holds part n / 4 (0 the high, 1 the low) of head n % 4, and one mma gives
-// both parts' sums, in the C registers of lanes c < 2 (high) and c >= 2
-// (low) of the same heads 2 (c % 2), 2 (c % 2) + 1. For the keys' two row
-// blocks each lane then passes one half to lane c ^ 2 (packed_sent), so that
-// lanes c < 2 keep row block 0's high and low sums and lanes c >= 2 row
-// block 1's (packed_kept): each lane scores 2 tokens of 2 heads, not 4.
+// columns carry the other operand's two parts ("packed parts"), interleaved:
+// column n holds part n % 2 (0 the high, 1 the low) of head n / 2
+// (packed_column). One mma gives both parts' sums, and lane (g, c) holds
+// both of head c's (C columns 2c and 2c + 1) for rows g and g + 8, so it
+// combines them in its own registers (128 hi + lo for the keys, 256 hi + lo
+// for the values): no exchange between lanes, and every lane scores,
+// weighs and accumulates one head, c, the same for keys and values.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -343,21 +343,20 @@ KVFORGE_HOST_DEVICE inline WeightParts weight_parts(float w, float inverse_unit)
 
 inline constexpr int kPackedHeads = 4;  // the largest GQA group the packed parts serve
 
-// High and low sums of one C register's head and token.
-struct PartSums {
-  int hi = 0, lo = 0;
-};
+// B (and C) column of part `part` (0 the high, 1 the low) of head `head`,
+// and back.
+KVFORGE_HOST_DEVICE constexpr int packed_column(int head, int part) { return 2 * head + part; }
+KVFORGE_HOST_DEVICE constexpr int packed_head(int column) { return column / 2; }
+KVFORGE_HOST_DEVICE constexpr int packed_part(int column) { return column % 2; }
 
-// What lane column c passes to lane c ^ 2, from its C registers of row
-// blocks 0 and 1 (the same register index): the part the other lane keeps.
-KVFORGE_HOST_DEVICE inline int packed_sent(int c, int row_block0, int row_block1) {
-  return c < 2 ? row_block1 : row_block0;
-}
+// The lane whose B column is the other part of lane l's head: l ^ 4 (g ^ 1).
+inline constexpr int kPartPartnerLaneMask = 4;
 
-// The parts lane column c keeps (row block c / 2), given what lane c ^ 2
-// sent it.
-KVFORGE_HOST_DEVICE inline PartSums packed_kept(int c, int row_block0, int row_block1, int received) {
-  return c < 2 ? PartSums{row_block0, received} : PartSums{received, row_block1};
+// Lane (g, c)'s sums of head c from its C registers: row g (first = 0) or
+// g + 8 (first = 2), the high part's sum times `high_weight` (128 for the
+// keys' signed parts, 256 for the values' unsigned ones) plus the low's.
+KVFORGE_HOST_DEVICE constexpr int packed_sum(const int (&d)[4], int first, int high_weight) {
+  return high_weight * d[first] + d[first + 1];
 }
 
 }  // namespace kvforge::kernels::int8_mma

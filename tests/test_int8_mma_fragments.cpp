@@ -370,11 +370,21 @@ TEST(Int8MmaFragments, TransposedAndNibbleValueOperandsGiveTheWeightedSumsOfEach
   }
 }
 
-// Packed parts (groups of at most 4 heads), keys: B column n is part n / 4
-// of head n % 4's query; after the exchange lane (g, c) holds the high and
-// low sums of tokens 16 (c / 2) + g + 8 r and heads 2 (c % 2) + j, whose
-// 128 hi + lo is the dot product of the codes with 128 hi + lo of the query.
-TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
+// Packed parts (groups of at most 4 heads), keys: B column n is part
+// packed_part(n) of head packed_head(n)'s query, so lane (g, c) holds both
+// parts of head c for tokens 16 rb + g and 16 rb + g + 8, and its
+// packed_sum(128) is the dot product of the codes with 128 hi + lo of the
+// query (times the Horner sums' power of 4).
+TEST(Int8MmaFragments, PackedKeyPartsGiveEachLaneBothPartsOfItsHead) {
+  for (int head = 0; head < mma::kPackedHeads; ++head) {
+    for (int part = 0; part < 2; ++part) {
+      const int n = mma::packed_column(head, part);
+      ASSERT_EQ(mma::packed_head(n), head);
+      ASSERT_EQ(mma::packed_part(n), part);
+      // The lane of column n and that of the head's other part.
+      ASSERT_EQ(mma::packed_column(head, 1 - part), (4 * n ^ mma::kPartPartnerLaneMask) / 4);
+    }
+  }
   std::mt19937 random(3);
   std::uniform_int_distribution<int> part(-127, 127);
   for (const int dim : {64, 128}) {
@@ -388,36 +398,33 @@ TEST(Int8MmaFragments, PackedKeyPartsGiveBothPartsOfEachScoreAfterTheExchange) {
         for (auto& x : head) x = static_cast<int8_t>(part(random));
       }
     }
-    LaneC d[2];  // per row block
     for (int rb = 0; rb < 2; ++rb) {
-      d[rb] = key_row_block(rows, 16 * rb, dim, [&](int g) {
-        return query[static_cast<size_t>(g / 4)][static_cast<size_t>(g % 4)].data();
+      const LaneC d = key_row_block(rows, 16 * rb, dim, [&](int g) {
+        return query[static_cast<size_t>(mma::packed_part(g))][static_cast<size_t>(mma::packed_head(g))].data();
       });
-    }
-    for (int lane = 0; lane < 32; ++lane) {
-      const int g = lane / 4, c = lane % 4;
-      for (int reg = 0; reg < 4; ++reg) {
-        const int received = static_cast<int>(
-            mma::packed_sent(c ^ 2, static_cast<int>(d[0][lane ^ 2][reg]), static_cast<int>(d[1][lane ^ 2][reg])));
-        const mma::PartSums kept =
-            mma::packed_kept(c, static_cast<int>(d[0][lane][reg]), static_cast<int>(d[1][lane][reg]), received);
-        const int token = 16 * (c / 2) + g + 8 * (reg / 2), head = 2 * (c % 2) + reg % 2;
-        int64_t hi = 0, lo = 0;
-        for (int ch = 0; ch < dim; ++ch) {
-          hi += static_cast<int64_t>(codes[token][ch]) * query[0][head][ch];
-          lo += static_cast<int64_t>(codes[token][ch]) * query[1][head][ch];
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4;
+        const int registers[4] = {static_cast<int>(d[lane][0]), static_cast<int>(d[lane][1]), static_cast<int>(d[lane][2]),
+                                  static_cast<int>(d[lane][3])};
+        for (int r = 0; r < 2; ++r) {
+          const int token = 16 * rb + g + 8 * r, head = c;
+          int64_t want = 0;
+          for (int ch = 0; ch < dim; ++ch) {
+            want += static_cast<int64_t>(codes[token][ch]) * (128 * query[0][head][ch] + query[1][head][ch]);
+          }
+          ASSERT_EQ(mma::packed_sum(registers, 2 * r, 128), mma::key_plane_scale(dim) * want)
+              << "head_dim " << dim << " row block " << rb << " lane " << lane << " row " << r;
         }
-        ASSERT_EQ(kept.hi, mma::key_plane_scale(dim) * hi) << "head_dim " << dim << " lane " << lane << " register " << reg;
-        ASSERT_EQ(kept.lo, mma::key_plane_scale(dim) * lo) << "head_dim " << dim << " lane " << lane << " register " << reg;
       }
     }
   }
 }
 
-// Packed parts, values: B column n is part n / 4 of head n % 4's weights;
-// lanes c < 2 get the high sums of heads 2c, 2c + 1 and lanes c ^ 2 the low
-// sums of the same heads, so 256 hi + lo is the weighted sum of the codes.
-TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
+// Packed parts, values: B column n is part packed_part(n) of head
+// packed_head(n)'s weights; lane (g, c) gets both parts of head c for its
+// rows g and g + 8, so 256 hi + lo (the kernel adds the parts' sums as
+// floats, the high one's scale times 256) is the weighted sum of the codes.
+TEST(Int8MmaFragments, PackedValuePartsGiveEachLaneTheWeightedSumsOfItsHead) {
   std::mt19937 random(5);
   std::vector<std::vector<int>> codes;
   const auto rows = random_rows(32, 128, random, codes);
@@ -432,20 +439,21 @@ TEST(Int8MmaFragments, PackedValuePartsGiveBothPartsOfEachWeightedSum) {
   }
   for (int tile = 0; tile < 8; ++tile) {
     const LaneC d = value_tile(rows, tile, [&](int g) -> const std::vector<uint8_t>& {
-      return parts[static_cast<size_t>(g / 4)][static_cast<size_t>(g % 4)];
+      return parts[static_cast<size_t>(mma::packed_part(g))][static_cast<size_t>(mma::packed_head(g))];
     });
     for (int lane = 0; lane < 32; ++lane) {
       const int g = lane / 4, c = lane % 4;
-      if (c >= 2) continue;  // checked with its partner
-      for (int reg = 0; reg < 4; ++reg) {
-        const int row = g + 8 * (reg / 2), head = 2 * c + reg % 2;
+      const int registers[4] = {static_cast<int>(d[lane][0]), static_cast<int>(d[lane][1]), static_cast<int>(d[lane][2]),
+                                static_cast<int>(d[lane][3])};
+      for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r, head = c;
         const int channel = 16 * tile + mma::value_channel_of_row(row);
         int64_t want = 0;
         for (int t = 0; t < 32; ++t) {
           want += static_cast<int64_t>(codes[t][channel]) * (256 * parts[0][head][t] + parts[1][head][t]);
         }
-        ASSERT_EQ(256 * d[lane][reg] + d[lane ^ 2][reg], want << (2 * mma::value_row_log4(row)))
-            << "m tile " << tile << " lane " << lane << " register " << reg;
+        ASSERT_EQ(mma::packed_sum(registers, 2 * r, 256), want << (2 * mma::value_row_log4(row)))
+            << "m tile " << tile << " lane " << lane << " row " << r;
       }
     }
   }
