@@ -183,18 +183,33 @@ __device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entr
   in_page = static_cast<int32_t>(r.page_size.remainder(static_cast<uint32_t>(s)));
 }
 
-// A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
-// `out` (16-byte aligned) in 16-byte stores.
+// The 16-byte quarters of a word's elements in the order a thread stores
+// them: quarter (i + rotation) % quarters in store i. The tile's threads
+// hold consecutive words of a row, 64 bytes apart at 2 bits (32 at 4), so
+// in the order 0, 1, 2, 3 the 8 threads of a 16-byte store phase would hit
+// 2 (4 bits: 4) of the 8 bank groups: a 4-way (2-way) conflict, 3 of every
+// 4 wavefronts replays (ncu, kvquant 2026-12-02). Rotated by the word index
+// over 8 / quarters, the 8 threads' quarters fall in 8 different groups.
 template <int kBits>
-__device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out) {
-  constexpr int kPerWord = 32 / kBits;
+__device__ inline int word_store_rotation(int word_index) {
+  constexpr int kQuarters = 32 / kBits / 4;
+  return (word_index / (8 / kQuarters)) & (kQuarters - 1);
+}
+
+// A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
+// `out` (16-byte aligned) in 16-byte stores, quarters in the rotated order.
+template <int kBits>
+__device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out, int rotation) {
+  constexpr int kQuarters = 32 / kBits / 4;
   constexpr uint32_t kMask = (1u << kBits) - 1;
 #pragma unroll
-  for (int c = 0; c < kPerWord; c += 4) {
+  for (int i = 0; i < kQuarters; ++i) {
+    const int q = (i + rotation) & (kQuarters - 1);
+    const uint32_t bits = word >> (q * 4 * kBits);
     float x[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) x[k] = __fmaf_rn(affine.b, levels[(word >> ((c + k) * kBits)) & kMask], affine.a);
-    reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[0], x[1], x[2], x[3]);
+    for (int k = 0; k < 4; ++k) x[k] = __fmaf_rn(affine.b, levels[(bits >> (k * kBits)) & kMask], affine.a);
+    reinterpret_cast<float4*>(out)[q] = make_float4(x[0], x[1], x[2], x[3]);
   }
 }
 
@@ -203,18 +218,20 @@ __device__ inline void store_word(uint32_t word, const float* levels, Affine aff
 // are read four channels per load (read-only, from L1).
 template <int kBits>
 __device__ inline void store_word_by_channel(uint32_t word, const float* levels, const float* offset,
-                                             const float* scale, float* out) {
-  constexpr int kPerWord = 32 / kBits;
+                                             const float* scale, float* out, int rotation) {
+  constexpr int kQuarters = 32 / kBits / 4;
   constexpr uint32_t kMask = (1u << kBits) - 1;
 #pragma unroll
-  for (int c = 0; c < kPerWord; c += 4) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(offset + c));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(scale + c));
-    const float x0 = __fmaf_rn(b.x, levels[word >> (c * kBits) & kMask], a.x);
-    const float x1 = __fmaf_rn(b.y, levels[word >> ((c + 1) * kBits) & kMask], a.y);
-    const float x2 = __fmaf_rn(b.z, levels[word >> ((c + 2) * kBits) & kMask], a.z);
-    const float x3 = __fmaf_rn(b.w, levels[word >> ((c + 3) * kBits) & kMask], a.w);
-    reinterpret_cast<float4*>(out)[c / 4] = make_float4(x0, x1, x2, x3);
+  for (int i = 0; i < kQuarters; ++i) {
+    const int q = (i + rotation) & (kQuarters - 1);
+    const uint32_t bits = word >> (q * 4 * kBits);
+    const float4 a = __ldg(reinterpret_cast<const float4*>(offset) + q);
+    const float4 b = __ldg(reinterpret_cast<const float4*>(scale) + q);
+    const float x0 = __fmaf_rn(b.x, levels[bits & kMask], a.x);
+    const float x1 = __fmaf_rn(b.y, levels[(bits >> kBits) & kMask], a.y);
+    const float x2 = __fmaf_rn(b.z, levels[(bits >> (2 * kBits)) & kMask], a.z);
+    const float x3 = __fmaf_rn(b.w, levels[(bits >> (3 * kBits)) & kMask], a.w);
+    reinterpret_cast<float4*>(out)[q] = make_float4(x0, x1, x2, x3);
   }
 }
 
@@ -349,12 +366,13 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         continue;
       }
       if (affine_kind == UnitAffine::kTokenPair) {
-        store_word<kBits>(word[u], levels, token_affine[u], out);
+        store_word<kBits>(word[u], levels, token_affine[u], out, word_store_rotation<kBits>(word_index));
         continue;
       }
       if (affine_kind == UnitAffine::kChannelOffline) {
         const int64_t channel = static_cast<int64_t>(head) * D + d0;
-        store_word_by_channel<kBits>(word[u], levels, dq.channel_offset + channel, dq.channel_scale + channel, out);
+        store_word_by_channel<kBits>(word[u], levels, dq.channel_offset + channel, dq.channel_scale + channel, out,
+                                     word_store_rotation<kBits>(word_index));
         continue;
       }
       // kPerElement.
