@@ -12,12 +12,15 @@ Prints, as markdown tables:
     --units N is given (the tensor-core decode: batch x tokens x KV heads /
     16 tiles);
   - the CUDA lines with the most executed instructions, with their share of
-    the stall samples.
+    the stall samples;
+  - with --shared, the CUDA lines with the most shared-memory wavefronts
+    ("L1 Wavefronts Shared", and of them "... Excessive": bank-conflict
+    replays), per unit.
 An instruction inlined from a helper is listed under its line in every
 source file of the call chain (the helper's and the caller's): the opcode
 counts take each address once, the line shares overlap.
 
-Usage: bench/ncu_source_breakdown.py FILE [--units N] [--lines 20] [--opcodes 16]
+Usage: bench/ncu_source_breakdown.py FILE [--units N] [--lines 20] [--opcodes 16] [--shared]
 """
 import argparse
 import collections
@@ -59,6 +62,30 @@ def breakdown(rows):
     return lines, opcodes
 
 
+def shared_wavefronts(rows):
+    """Per CUDA line: [wavefronts, excessive, file, line, source], from the columns the header names."""
+    lines, file, column = [], None, {}
+    for r in rows:
+        if not r:
+            continue
+        if r[0] == "File Path":
+            file = r[1].split("/")[-1]
+            continue
+        if r[0] == "Line No":
+            column = {name: i for i, name in enumerate(r)}
+            continue
+        if r[0] in ("", "Function Name") or len(r) < 8 or r[2] != "-" or "L1 Wavefronts Shared" not in column:
+            continue
+        def number(name):
+            text = r[column[name]] if column[name] < len(r) else ""
+            try:
+                return float(text)
+            except ValueError:
+                return 0.0
+        lines.append([number("L1 Wavefronts Shared"), number("L1 Wavefronts Shared Excessive"), file, r[0], r[1].strip()])
+    return lines
+
+
 def cell(text):
     return text.replace("|", "\\|")
 
@@ -69,8 +96,10 @@ def main():
     parser.add_argument("--units", type=float, default=0, help="divide instruction counts by this (e.g. tiles)")
     parser.add_argument("--lines", type=int, default=20)
     parser.add_argument("--opcodes", type=int, default=16)
+    parser.add_argument("--shared", action="store_true", help="also the lines' shared-memory wavefronts")
     args = parser.parse_args()
-    lines, opcodes = breakdown(read_rows(args.csv))
+    rows = read_rows(args.csv)
+    lines, opcodes = breakdown(rows)
     total = sum(opcodes.values())
     line_total = sum(l[0] for l in lines) or 1
     samples = sum(l[1] for l in lines) or 1
@@ -86,6 +115,16 @@ def main():
     for executed, sampled, file, line, source in sorted(lines, reverse=True)[: args.lines]:
         print(f"| {100 * executed / line_total:.1f}% | {100 * sampled / samples:.1f}% | "
               f"`{file}:{line}`: `{cell(source[:110])}` |")
+    if args.shared:
+        per = args.units or 1
+        waves = shared_wavefronts(rows)
+        print(f"\nshared wavefronts: {sum(w[0] for w in waves) / per:.1f}"
+              f"{' per unit' if args.units else ''}, excessive {sum(w[1] for w in waves) / per:.1f}")
+        print("\n| wavefronts | excessive | line |")
+        print("|---|---|---|")
+        for total_waves, excessive, file, line, source in sorted(waves, reverse=True)[: args.lines]:
+            if total_waves > 0:
+                print(f"| {total_waves / per:.1f} | {excessive / per:.1f} | `{file}:{line}`: `{cell(source[:110])}` |")
 
 
 if __name__ == "__main__":
