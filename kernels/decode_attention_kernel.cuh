@@ -32,6 +32,7 @@
 #include "kernels/fixed_divisor.h"
 #include "kernels/pair_affine.h"
 #include "kernels/tile_entries.h"
+#include "kernels/word_store_order.h"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -183,28 +184,16 @@ __device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entr
   in_page = static_cast<int32_t>(r.page_size.remainder(static_cast<uint32_t>(s)));
 }
 
-// The 16-byte quarters of a word's elements in the order a thread stores
-// them: quarter (i + rotation) % quarters in store i. The tile's threads
-// hold consecutive words of a row, 64 bytes apart at 2 bits (32 at 4), so
-// in the order 0, 1, 2, 3 the 8 threads of a 16-byte store phase would hit
-// 2 (4 bits: 4) of the 8 bank groups: a 4-way (2-way) conflict, 3 of every
-// 4 wavefronts replays (ncu, kvquant 2026-12-02). Rotated by the word index
-// over 8 / quarters, the 8 threads' quarters fall in 8 different groups.
-template <int kBits>
-__device__ inline int word_store_rotation(int word_index) {
-  constexpr int kQuarters = 32 / kBits / 4;
-  return (word_index / (8 / kQuarters)) & (kQuarters - 1);
-}
-
 // A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
-// `out` (16-byte aligned) in 16-byte stores, quarters in the rotated order.
+// `out` (16-byte aligned) in 16-byte stores, quarters in the rotated order
+// (kernels/word_store_order.h).
 template <int kBits>
-__device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out, int rotation) {
-  constexpr int kQuarters = 32 / kBits / 4;
+__device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out, int word_index) {
+  constexpr int kQuarters = word_quarters(kBits);
   constexpr uint32_t kMask = (1u << kBits) - 1;
 #pragma unroll
   for (int i = 0; i < kQuarters; ++i) {
-    const int q = (i + rotation) & (kQuarters - 1);
+    const int q = word_store_quarter<kBits>(word_index, i);
     const uint32_t bits = word >> (q * 4 * kBits);
     float x[4];
 #pragma unroll
@@ -218,12 +207,12 @@ __device__ inline void store_word(uint32_t word, const float* levels, Affine aff
 // are read four channels per load (read-only, from L1).
 template <int kBits>
 __device__ inline void store_word_by_channel(uint32_t word, const float* levels, const float* offset,
-                                             const float* scale, float* out, int rotation) {
-  constexpr int kQuarters = 32 / kBits / 4;
+                                             const float* scale, float* out, int word_index) {
+  constexpr int kQuarters = word_quarters(kBits);
   constexpr uint32_t kMask = (1u << kBits) - 1;
 #pragma unroll
   for (int i = 0; i < kQuarters; ++i) {
-    const int q = (i + rotation) & (kQuarters - 1);
+    const int q = word_store_quarter<kBits>(word_index, i);
     const uint32_t bits = word >> (q * 4 * kBits);
     const float4 a = __ldg(reinterpret_cast<const float4*>(offset) + q);
     const float4 b = __ldg(reinterpret_cast<const float4*>(scale) + q);
@@ -366,13 +355,13 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         continue;
       }
       if (affine_kind == UnitAffine::kTokenPair) {
-        store_word<kBits>(word[u], levels, token_affine[u], out, word_store_rotation<kBits>(word_index));
+        store_word<kBits>(word[u], levels, token_affine[u], out, word_index);
         continue;
       }
       if (affine_kind == UnitAffine::kChannelOffline) {
         const int64_t channel = static_cast<int64_t>(head) * D + d0;
         store_word_by_channel<kBits>(word[u], levels, dq.channel_offset + channel, dq.channel_scale + channel, out,
-                                     word_store_rotation<kBits>(word_index));
+                                     word_index);
         continue;
       }
       // kPerElement.
