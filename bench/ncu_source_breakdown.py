@@ -34,17 +34,24 @@ def read_rows(path):
     return list(csv.reader(io.StringIO(raw.decode("utf-8", "replace"))))
 
 
-def breakdown(rows):
-    """(per CUDA line: [instructions, samples, file, line, source]), (per opcode: instructions)."""
-    lines, by_address, file = [], {}, None
+def source_rows(rows):
+    """(file, column index by header name, row) for each data row of the source page, in order."""
+    file, column = None, {}
     for r in rows:
         if not r:
             continue
         if r[0] == "File Path":
             file = r[1].split("/")[-1]
-            continue
-        if r[0] in ("Function Name", "Line No") or len(r) < 8:
-            continue
+        elif r[0] == "Line No":
+            column = {name: i for i, name in enumerate(r)}
+        elif r[0] != "Function Name" and len(r) >= 8:
+            yield file, column, r
+
+
+def breakdown(rows):
+    """(per CUDA line: [instructions, samples, file, line, source]), (per opcode: instructions)."""
+    lines, by_address = [], {}
+    for file, _, r in source_rows(rows):
         try:
             executed = int(r[7])
         except ValueError:
@@ -64,26 +71,14 @@ def breakdown(rows):
 
 def shared_wavefronts(rows):
     """Per CUDA line: [wavefronts, excessive, file, line, source], from the columns the header names."""
-    lines, file, column = [], None, {}
-    for r in rows:
-        if not r:
-            continue
-        if r[0] == "File Path":
-            file = r[1].split("/")[-1]
-            continue
-        if r[0] == "Line No":
-            column = {name: i for i, name in enumerate(r)}
-            continue
-        if r[0] in ("", "Function Name") or len(r) < 8 or r[2] != "-" or "L1 Wavefronts Shared" not in column:
-            continue
-        def number(name):
-            text = r[column[name]] if column[name] < len(r) else ""
-            try:
-                return float(text)
-            except ValueError:
-                return 0.0
-        lines.append([number("L1 Wavefronts Shared"), number("L1 Wavefronts Shared Excessive"), file, r[0], r[1].strip()])
-    return lines
+    def number(r, column, name):
+        try:
+            return float(r[column[name]])
+        except (KeyError, IndexError, ValueError):
+            return 0.0
+    return [[number(r, column, "L1 Wavefronts Shared"), number(r, column, "L1 Wavefronts Shared Excessive"), file, r[0],
+             r[1].strip()]
+            for file, column, r in source_rows(rows) if r[0] != "" and r[2] == "-"]
 
 
 def cell(text):
