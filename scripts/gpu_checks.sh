@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 # binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
 # SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, SKIP_PROFILE,
-# PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_APPEND and
+# PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
+# PROFILE_LAUNCHES, PROFILE_APPEND and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -279,16 +280,21 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # alone (--clock-control none), as the device notes ask.
   if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
     for method in ${PROFILE_METHODS:-rtn}; do
-      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch 8, 2 bits)"
+      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch ${PROFILE_BATCH:-8}, 2 bits)"
       # PROFILE_KERNEL (a regex; default the int8 tensor-core kernel, the default) and
       # PROFILE_BENCH_FLAGS (e.g. --bf16-tensor-cores with PROFILE_KERNEL=decode_tensor_core)
-      # profile another kernel of the same run.
-      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip 1 --launch-count 1 \
+      # profile another kernel of the same run; PROFILE_BATCH another batch
+      # (1: where launches and latency, not the step loop, set the time) and
+      # PROFILE_LAUNCHES more launches in a row (e.g. PROFILE_KERNEL=decode
+      # PROFILE_LAUNCHES=3: the exact ranges', the int8 and the merge kernel
+      # of one decode call, each with its duration).
+      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip 1 \
+        --launch-count "${PROFILE_LAUNCHES:-1}" \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         --import-source yes -f -o "$LOGS/ncu_$method" \
-        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches 8 --methods "$method" --bits 2 \
+        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches "${PROFILE_BATCH:-8}" --methods "$method" --bits 2 \
         --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
       ncu -i "$LOGS/ncu_$method.ncu-rep" --print-summary none > "$LOGS/ncu_$method.log" 2>&1
       # Per SASS instruction (with its CUDA line): executions and stall
