@@ -184,22 +184,29 @@ __device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entr
   in_page = static_cast<int32_t>(r.page_size.remainder(static_cast<uint32_t>(s)));
 }
 
+// Calls f(q, bits) for each 16-byte quarter q of a code word, in the
+// rotated store order (kernels/word_store_order.h), bits = the word shifted
+// to the quarter's first code.
+template <int kBits, class F>
+__device__ inline void for_each_word_quarter(uint32_t word, int word_index, F&& f) {
+#pragma unroll
+  for (int i = 0; i < word_quarters(kBits); ++i) {
+    const int q = word_store_quarter<kBits>(word_index, i);
+    f(q, word >> (q * 4 * kBits));
+  }
+}
+
 // A word's kPerWord codes as x = fma(b, L[code], a) with one affine, into
-// `out` (16-byte aligned) in 16-byte stores, quarters in the rotated order
-// (kernels/word_store_order.h).
+// `out` (16-byte aligned) in 16-byte stores.
 template <int kBits>
 __device__ inline void store_word(uint32_t word, const float* levels, Affine affine, float* out, int word_index) {
-  constexpr int kQuarters = word_quarters(kBits);
   constexpr uint32_t kMask = (1u << kBits) - 1;
-#pragma unroll
-  for (int i = 0; i < kQuarters; ++i) {
-    const int q = word_store_quarter<kBits>(word_index, i);
-    const uint32_t bits = word >> (q * 4 * kBits);
+  for_each_word_quarter<kBits>(word, word_index, [&](int q, uint32_t bits) {
     float x[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) x[k] = __fmaf_rn(affine.b, levels[(bits >> (k * kBits)) & kMask], affine.a);
     reinterpret_cast<float4*>(out)[q] = make_float4(x[0], x[1], x[2], x[3]);
-  }
+  });
 }
 
 // The same with channel c's offline (offset, scale) (kPerChannelOffline):
@@ -208,12 +215,8 @@ __device__ inline void store_word(uint32_t word, const float* levels, Affine aff
 template <int kBits>
 __device__ inline void store_word_by_channel(uint32_t word, const float* levels, const float* offset,
                                              const float* scale, float* out, int word_index) {
-  constexpr int kQuarters = word_quarters(kBits);
   constexpr uint32_t kMask = (1u << kBits) - 1;
-#pragma unroll
-  for (int i = 0; i < kQuarters; ++i) {
-    const int q = word_store_quarter<kBits>(word_index, i);
-    const uint32_t bits = word >> (q * 4 * kBits);
+  for_each_word_quarter<kBits>(word, word_index, [&](int q, uint32_t bits) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(offset) + q);
     const float4 b = __ldg(reinterpret_cast<const float4*>(scale) + q);
     const float x0 = __fmaf_rn(b.x, levels[bits & kMask], a.x);
@@ -221,7 +224,7 @@ __device__ inline void store_word_by_channel(uint32_t word, const float* levels,
     const float x2 = __fmaf_rn(b.z, levels[(bits >> (2 * kBits)) & kMask], a.z);
     const float x3 = __fmaf_rn(b.w, levels[(bits >> (3 * kBits)) & kMask], a.w);
     reinterpret_cast<float4*>(out)[q] = make_float4(x0, x1, x2, x3);
-  }
+  });
 }
 
 // How a tile's quantized units find their affines; one choice per tensor,
