@@ -251,6 +251,20 @@ __device__ inline UnitAffine unit_affine(const TensorLayoutSpec& spec, const Deq
   return UnitAffine::kPerElement;
 }
 
+// Where a token's group pairs lie in its page: base + in_page * token_stride
+// + group * group_stride (token_pair_offset's arithmetic in 32 bits, hoisted out of the
+// int8 walk and the general tiles). Written out rather than taken as token_pair_offset's differences:
+// those 64-bit products cost the kernel 28 more bytes of spills (ptxas).
+struct PairPlace {
+  int32_t base = 0, token_stride = 0, group_stride = 0;
+};
+__device__ inline PairPlace pair_place(const TensorPageLayout& l, int head, int pairs_per_head) {
+  const auto pair_bytes = static_cast<int32_t>(l.pair_bytes);
+  const auto params = static_cast<int32_t>(l.params_offset);
+  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) return {params, pair_bytes, 0};
+  return {params + head * l.spec.page_size * pairs_per_head * pair_bytes, pairs_per_head * pair_bytes, pair_bytes};
+}
+
 // Byte offsets inside a page of one head's code rows and per-token pairs,
 // in 32 bits (a page is under 2 GiB) from constants worked out once per
 // tile: runtime_layout.h's code_row_offset and token_pair_offset are int64
@@ -259,25 +273,15 @@ __device__ inline UnitAffine unit_affine(const TensorLayoutSpec& spec, const Deq
 // instructions).
 struct HeadPageOffsets {
   int32_t code_row0 = 0, row_bytes = 0;  // row r of the head: code_row0 + r * row_bytes
-  // kTokenPair: the pair of row r and channel group g: pair0 + r * pair_row + g * pair_bytes
-  int32_t pair0 = 0, pair_row = 0, pair_bytes = 0;
+  PairPlace pairs;                        // per-token groupings: the pair of row r and channel group g
 };
 
 template <int D>
 __device__ inline HeadPageOffsets head_page_offsets(const TensorPageLayout& l, int head) {
-  const TensorLayoutSpec& spec = l.spec;
   HeadPageOffsets o;
   o.row_bytes = static_cast<int32_t>(l.row_bytes);
-  o.code_row0 = head * spec.page_size * o.row_bytes;
-  o.pair_bytes = static_cast<int32_t>(l.pair_bytes);
-  o.pair0 = static_cast<int32_t>(l.params_offset);
-  if (spec.grouping == ScaleGrouping::kPerTokenAllHeads) {
-    o.pair_row = o.pair_bytes;
-  } else if (spec.grouping == ScaleGrouping::kPerToken) {
-    const int32_t per_head = D / spec.group;  // the head's groups per token
-    o.pair_row = per_head * o.pair_bytes;
-    o.pair0 += head * spec.page_size * o.pair_row;
-  }
+  o.code_row0 = head * l.spec.page_size * o.row_bytes;
+  o.pairs = pair_place(l, head, l.spec.grouping == ScaleGrouping::kPerToken ? D / l.spec.group : 1);
   return o;
 }
 
@@ -338,7 +342,7 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         if (affine_kind == UnitAffine::kTokenPair) {
           // The word's group (all heads: group 0); kTokenPair's groups hold whole words.
           const int32_t group = spec.grouping == ScaleGrouping::kPerToken ? word_index * kPerWord / spec.group : 0;
-          const int32_t at = offsets.pair0 + in_page[u] * offsets.pair_row + group * offsets.pair_bytes;
+          const int32_t at = offsets.pairs.base + in_page[u] * offsets.pairs.token_stride + group * offsets.pairs.group_stride;
           token_affine[u] = affine_of_pair(l, dq, page + at, kTop);
         }
       }
@@ -376,6 +380,8 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         const int d = d0 + c;
         if (spec.grouping == ScaleGrouping::kPerToken) {
           if (c == 0 || d % spec.group == 0) {
+            // token_pair_offset, not offsets.pairs: kept live through this
+            // path, they spill 24 more bytes at 4 bits (ptxas).
             affine = affine_of_pair(l, dq, page + token_pair_offset(l, head, in_page[u], d / spec.group), kTop);
           }
         } else if (spec.grouping == ScaleGrouping::kPerChannelOffline) {

@@ -140,20 +140,6 @@ constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_by
          (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
 }
 
-// Where a token's group pairs lie in its page: base + in_page * token_stride
-// + group * group_stride (token_pair_index's arithmetic, hoisted out of the
-// walk). Written out rather than taken as token_pair_offset's differences:
-// those 64-bit products cost the kernel 28 more bytes of spills (ptxas).
-struct PairPlace {
-  int32_t base = 0, token_stride = 0, group_stride = 0;
-};
-__device__ inline PairPlace pair_place(const TensorPageLayout& l, int head, int pairs_per_head) {
-  const auto pair_bytes = static_cast<int32_t>(l.pair_bytes);
-  const auto params = static_cast<int32_t>(l.params_offset);
-  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) return {params, pair_bytes, 0};
-  return {params + head * l.spec.page_size * pairs_per_head * pair_bytes, pairs_per_head * pair_bytes, pair_bytes};
-}
-
 // 2^x on the special-function unit (relative error about 2^-22; 0 at -inf):
 // exp2f's handling of denormal results costs four more instructions per
 // weight.
