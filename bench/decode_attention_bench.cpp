@@ -17,6 +17,9 @@
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
 // append_time_us, append_over_decode_rate and the FlashInfer times, and the
 // append step's host and device sides (append_host_us, append_device_us),
+// the same four of the block-per-sequence append kernel as the baseline
+// (append_per_sequence_time_us, _latency_us, _host_us, _device_us; equal to
+// the first where the layout has no token-parallel kernel),
 // and the decode launch's host side with and without a DecodePlanner's
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
@@ -246,7 +249,7 @@ int run(int argc, char** argv) {
         const QuantizerConfig config = bench_config(method, b);
         kernels::CacheOptions options;
         options.max_sequences = batch;
-        options.max_context = contexts.back() + 512;  // the append measurements add tokens
+        options.max_context = contexts.back() + 1024;  // the append measurements add tokens
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
@@ -340,24 +343,32 @@ int run(int argc, char** argv) {
             cache.append(0, step);
           };
           const int append_repeats = std::max(3, repeats / 4);
-          const double append_latency_us = median_wall_us(
-              [&] {
-                one_step();
-                cache.synchronize();
-              },
-              append_repeats);
-          const double append_us = median_wall_us(
-                                       [&] {
-                                         for (int i = 0; i < kAppendRun; ++i) one_step();
-                                         cache.synchronize();
-                                       },
-                                       append_repeats) /
-                                   kAppendRun;
-          // Where a step's throughput goes: its host side (the enqueue's wall
-          // clock) and its device side (events around kAppendRun steps queued
-          // behind a busy kernel, so that they run back to back).
-          std::vector<double> host_us, device_us;
-          {
+          // The append kernel's measurements (the same as the step's kernel
+          // choice's: the token-parallel kernel where the layout allows it,
+          // then the block-per-sequence kernel as the baseline of the same run).
+          struct AppendTimes {
+            double latency_us = 0, time_us = 0, host_us = 0, device_us = 0;
+          };
+          const auto measure_append = [&](kernels::AppendKernel kernel) {
+            cache.set_append_kernel(kernel);
+            AppendTimes t;
+            t.latency_us = median_wall_us(
+                [&] {
+                  one_step();
+                  cache.synchronize();
+                },
+                append_repeats);
+            t.time_us = median_wall_us(
+                            [&] {
+                              for (int i = 0; i < kAppendRun; ++i) one_step();
+                              cache.synchronize();
+                            },
+                            append_repeats) /
+                        kAppendRun;
+            // Where a step's throughput goes: its host side (the enqueue's
+            // wall clock) and its device side (events around kAppendRun steps
+            // queued behind a busy kernel, so that they run back to back).
+            std::vector<double> host_us, device_us;
             cudaEvent_t start, stop;
             KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
             KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
@@ -376,7 +387,14 @@ int run(int argc, char** argv) {
             }
             cudaEventDestroy(start);
             cudaEventDestroy(stop);
-          }
+            t.host_us = median(host_us);
+            t.device_us = median(device_us);
+            cache.set_append_kernel(kernels::AppendKernel::kAuto);
+            return t;
+          };
+          const AppendTimes appended = measure_append(kernels::AppendKernel::kAuto);
+          const AppendTimes per_sequence = measure_append(kernels::AppendKernel::kPerSequence);
+          const double append_us = appended.time_us;
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
                                 {"batch", batch},
@@ -393,10 +411,14 @@ int run(int argc, char** argv) {
                                 {"decode_host_us", median(planned_host_us)},
                                 {"decode_host_us_replanning", median(replanning_host_us)},
                                 {"append_time_us", append_us},
-                                {"append_latency_us", append_latency_us},
-                                {"append_host_us", median(host_us)},
-                                {"append_device_us", median(device_us)},
-                                {"append_over_decode_rate", time_us / append_us}};
+                                {"append_latency_us", appended.latency_us},
+                                {"append_host_us", appended.host_us},
+                                {"append_device_us", appended.device_us},
+                                {"append_over_decode_rate", time_us / append_us},
+                                {"append_per_sequence_time_us", per_sequence.time_us},
+                                {"append_per_sequence_latency_us", per_sequence.latency_us},
+                                {"append_per_sequence_host_us", per_sequence.host_us},
+                                {"append_per_sequence_device_us", per_sequence.device_us}};
           if (bf16_tensor_cores && plan.int8) {
             kernels::DecodeParams bf16_params = params;
             bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;

@@ -1,12 +1,15 @@
 // The append launcher: host checks of the params, the dispatch on grouping
 // and bits, the shared-memory size, and one launch for keys and values (the
-// methods' grouping pairs; the kinds share no memory) or one per kind.
+// methods' grouping pairs; the kinds share no memory) or one per kind; the
+// token-parallel kernel (append_token_kernel.cuh) where both kinds' tokens
+// are quantized on their own.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/append_kernel.cuh"
 #include "kernels/append_launch.h"
+#include "kernels/append_token_kernel.cuh"
 #include "kernels/cuda_runtime_check.h"
 
 namespace kvforge::kernels {
@@ -123,7 +126,71 @@ void launch_tensor(const TensorAppendArgs& args, const InlineBatchArrays& arrays
   }
 }
 
+// Whether the token-parallel kernel takes this kind: per-token groups of
+// whole lanes' channels, no outliers, no rotation or a matrix one, head_dim
+// 64, 128 or 256 (two, four or eight channels a lane).
+bool token_parallel(const PagedTensor& cache, const Quantization& q, const Rotation& r) {
+  const TensorLayoutSpec& s = cache.layout.spec;
+  const int32_t per_lane = s.head_dim / 32;
+  return s.grouping == ScaleGrouping::kPerToken && cache.layout.outlier_spans == 0 &&
+         q.outliers == OutlierSelection::kNone && (r.kind == RotationKind::kNone || r.kind == RotationKind::kMatrix) &&
+         (s.head_dim == 64 || s.head_dim == 128 || s.head_dim == 256) && s.group % per_lane == 0;
+}
+
+append_device::TokenTensorArgs token_args(const TensorAppendArgs& args) {
+  return {args.cache, args.quantization, args.rotation, args.input};
+}
+
+template <int kE, int kBits>
+void launch_token(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
+                  int32_t kv_heads, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(rows),
+                  static_cast<unsigned>((kv_heads + append_device::kTokenWarps - 1) / append_device::kTokenWarps), 2);
+  append_device::append_token_kernel<kE, kBits><<<grid, 32 * append_device::kTokenWarps, 0, stream>>>(args, arrays);
+  KVFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int kE>
+void launch_token_bits(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
+                       int32_t kv_heads, int32_t bits, cudaStream_t stream) {
+  if (bits == 2) {
+    launch_token<kE, 2>(args, arrays, rows, kv_heads, stream);
+  } else {
+    launch_token<kE, 4>(args, arrays, rows, kv_heads, stream);
+  }
+}
+
+// Keys and values by the token-parallel kernel when both qualify (same
+// bits); false otherwise.
+bool launch_token_parallel(const TensorAppendArgs& keys, const TensorAppendArgs& values, const AppendParams& params,
+                           cudaStream_t stream) {
+  if (!takes_token_parallel(params)) return false;
+  const TensorLayoutSpec& k = keys.cache.layout.spec;
+  append_device::TokenAppendArgs args;
+  args.kinds[0] = token_args(keys);
+  args.kinds[1] = token_args(values);
+  args.input_type = params.input;
+  args.batch = params.batch;
+  args.token_offsets = params.token_offsets;
+  const InlineBatchArrays& arrays = params.inline_arrays;
+  switch (k.head_dim) {
+    case 64: launch_token_bits<2>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
+    case 128: launch_token_bits<4>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
+    default: launch_token_bits<8>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
+  }
+  return true;
+}
+
 }  // namespace
+
+bool takes_token_parallel(const AppendParams& params) {
+  const TensorLayoutSpec& k = params.key_cache.layout.spec;
+  const TensorLayoutSpec& v = params.value_cache.layout.spec;
+  return params.kernel == AppendKernel::kAuto && params.rows > 0 && params.rows <= 0x7fffffff &&
+         token_parallel(params.key_cache, params.key_quantization, params.key_rotation) &&
+         token_parallel(params.value_cache, params.value_quantization, params.value_rotation) && k.bits == v.bits &&
+         k.head_dim == v.head_dim && k.kv_heads == v.kv_heads;
+}
 
 void launch_append(const AppendParams& params, cudaStream_t stream) {
   if (params.batch.count <= 0) return;
@@ -135,14 +202,15 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
                           params.value_rotation, params.value_outliers};
   check(keys, "keys");
   check(values, "values");
-  keys.shared = append_device::shared_layout(keys.cache.layout, keys.quantization);
-  values.shared = append_device::shared_layout(values.cache.layout, values.quantization);
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;
   if (arrays.count != 0 && arrays.count != count) {
     throw std::invalid_argument("append (CUDA): inline batch arrays of " + std::to_string(arrays.count) +
                                 " entries for a batch of " + std::to_string(count) + ": expected 0 or the batch's");
   }
+  if (launch_token_parallel(keys, values, params, stream)) return;
+  keys.shared = append_device::shared_layout(keys.cache.layout, keys.quantization);
+  values.shared = append_device::shared_layout(values.cache.layout, values.quantization);
   const bool paired = keys.cache.layout.spec.bits == values.cache.layout.spec.bits &&
                       (keys.cache.layout.spec.bits == 2 ? launch_pair_bits<2>(keys, values, arrays, count, stream)
                                                         : launch_pair_bits<4>(keys, values, arrays, count, stream));

@@ -103,9 +103,20 @@ struct InlineBatchArrays {
   int64_t token_offsets[kInlineBatchEntries + 1] = {};
 };
 
+// Which CUDA append kernel takes a call (the CPU reference ignores it):
+// kAuto the token-parallel kernel where the layout allows it (both kinds
+// per-token groups without outliers, kernels/append_token_kernel.cuh), else
+// the block-per-sequence kernel; kPerSequence always the latter, to compare.
+enum class AppendKernel : int32_t { kAuto = 0, kPerSequence = 1 };
+
 struct AppendParams {
   SequenceBatch batch;
   const int64_t* token_offsets = nullptr;  // [count + 1]: entry i's new tokens are rows [offsets[i], offsets[i + 1])
+  // The rows of keys and values (offsets[count]) when the caller knows them
+  // (a launcher sizes a token-parallel grid by it without reading the
+  // offsets back); 0: unknown.
+  int64_t rows = 0;
+  AppendKernel kernel = AppendKernel::kAuto;
   InlineBatchArrays inline_arrays;         // or these (count > 0)
   const void* keys = nullptr;              // [rows][kv_heads][D]; pre-RoPE keys when the configuration says so
   const void* values = nullptr;

@@ -773,6 +773,8 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
 
   AppendParams params;
   params.batch.count = static_cast<int32_t>(count);
+  params.rows = rows;
+  params.kernel = options_.append_kernel;
   params.batch.page_table = device_page_table_->as<int32_t>();
   params.batch.page_table_stride = page_table_stride_;
   if (inline_arrays) {

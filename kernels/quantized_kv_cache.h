@@ -56,6 +56,9 @@ struct CacheOptions {
   // kernel at 2 bits, docs/runtime-layout.md 6.5); kBf16TensorCores or
   // kGeneral to compare. The CPU reference ignores it.
   DecodeKernel decode_kernel = DecodeKernel::kAuto;
+  // Which CUDA append kernel (AppendParams::kernel): kAuto the token-parallel
+  // one where the layout allows it; kPerSequence to compare.
+  AppendKernel append_kernel = AppendKernel::kAuto;
 };
 
 enum class TensorKind { kKeys, kValues };
@@ -160,6 +163,10 @@ class QuantizedKVCache {
   // outlier pool is then reported by the next decode_attention,
   // synchronize() or remove_sequence).
   void append(int64_t layer, const AppendBatch& batch);
+  // The CUDA append kernel of later appends (CacheOptions::append_kernel):
+  // both kernels store the same bytes, so a cache may switch between them
+  // (a benchmark's baseline in the same run).
+  void set_append_kernel(AppendKernel kernel) { options_.append_kernel = kernel; }
   // Waits for every queued copy and kernel, then reports an outlier pool
   // exhausted by an asynchronous append (std::length_error).
   void synchronize();

@@ -232,14 +232,17 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
     # Small cases of both kernels: decode on three layouts (outliers and
-    # pre-RoPE keys, sliding window and sink, plain); append on five (the
+    # pre-RoPE keys, sliding window and sink, plain); append on seven (the
     # same three, int2-rot's rotations, the exhausted outlier pool, the
-    # pipelined asynchronous appends); and the
+    # pipelined asynchronous appends, rtn and int2-rot through the
+    # block-per-sequence kernel as well as the token-parallel one); and the
     # matrix's batches of 8 mixed lengths (1 to 8192 tokens) on both decode
     # kernels. SANITIZER_TOOLS narrows the tools (default memcheck racecheck).
     decode_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4'
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
+    # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.
+    append_filter="$append_filter:*AppendCuda.*/rtn_2bit_d128_gqa1_per_sequence:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4_per_sequence"
     matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
     for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
       for t in ${SANITIZER_TESTS:-test_decode_attention_cuda_matrix test_decode_attention_cuda test_append_cuda}; do

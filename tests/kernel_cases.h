@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "calib/quantizer_fit.h"
+#include "kernels/decode_params.h"
 #include "kernels/runtime_layout.h"
 #include "tests/kernel_activations.h"
 
@@ -26,6 +27,8 @@ struct KernelCase {
   bool key_centre = false;
   int64_t tokens_per_split = 16;  // decode's context split (the CPU tests' attention); append ignores it
   bool long_context = false;      // thousands of tokens in chunks of 1000 instead of the short schedule
+  // The CUDA append kernel the case asks for (CacheOptions::append_kernel).
+  kernels::AppendKernel append_kernel = kernels::AppendKernel::kAuto;
 };
 
 // gtest's name for a case in failure messages.

@@ -30,6 +30,7 @@
 
 #include "calib/kv_rotation.h"
 #include "calib/quantizer_fit.h"
+#include "kernels/append_launch.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/quantized_kv_cache.h"
@@ -133,6 +134,7 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
   options.max_context = c.long_context ? 4096 : 256;
   options.element = c.element;
   options.outlier_page_entries = 64;
+  options.append_kernel = c.append_kernel;
   kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
   kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
 
@@ -226,7 +228,88 @@ std::vector<Case> cases() {
     k.long_context = true;
     all.push_back(k);
   }
+  // The token-parallel kernel's layouts again through the block-per-sequence
+  // kernel, which keeps serving them on request (and every other layout).
+  for (const char* name : {"rtn_2bit_d128_gqa1", "int2rot_rotated_2bit_d128_gqa4", "int2rot_4bit_d64_gqa1_page12",
+                           "int2rot_rotated_long_4bit_d128_gqa4"}) {
+    const auto layout = std::find_if(all.begin(), all.end(), [&](const Case& c) { return c.name == name; });
+    if (layout == all.end()) continue;  // EveryTokenParallelLayoutIsNamed fails
+    Case c = *layout;
+    c.name += "_per_sequence";
+    c.append_kernel = kernels::AppendKernel::kPerSequence;
+    all.push_back(c);
+  }
   return all;
+}
+
+// The layouts the token-parallel append kernel takes: per-token groups for
+// keys and values, no outliers, no rotation or a matrix one.
+const std::vector<std::string>& token_parallel_layouts() {
+  static const std::vector<std::string> names = {"int2rot_rotated_2bit_d128_gqa4", "int2rot_4bit_d64_gqa1_page12",
+                                                 "rtn_2bit_d128_gqa1", "rtn_4bit_d64_gqa4_split64",
+                                                 "int2rot_rotated_long_4bit_d128_gqa4"};
+  return names;
+}
+
+// The CPU reference, remembering whether the CUDA launcher would have taken
+// each append with the token-parallel kernel.
+class LauncherChoiceBackend final : public kernels::KernelBackend {
+ public:
+  void* allocate(int64_t bytes) override { return cpu_.allocate(bytes); }
+  void release(void* memory) noexcept override { cpu_.release(memory); }
+  void copy_in(void* to, const void* from, int64_t bytes) override { cpu_.copy_in(to, from, bytes); }
+  void copy_out(void* to, const void* from, int64_t bytes) override { cpu_.copy_out(to, from, bytes); }
+  bool host_addressable() const override { return true; }
+  void append(const kernels::AppendParams& params) override {
+    (kernels::takes_token_parallel(params) ? token_parallel : per_sequence) += 1;
+    cpu_.append(params);
+  }
+  void decode_attention(const kernels::DecodeParams& params) override { cpu_.decode_attention(params); }
+  void synchronize() override {}
+  int token_parallel = 0, per_sequence = 0;
+
+ private:
+  kernels::CpuReferenceBackend cpu_;
+};
+
+// Runs without a GPU: the launcher takes exactly the named layouts with the
+// token-parallel kernel, prefill chunks and decoding tokens alike, and no
+// layout asked for the block-per-sequence kernel.
+TEST(AppendCudaCases, TokenParallelKernelTakesThePerTokenLayoutsWithoutOutliers) {
+  const std::vector<std::string>& named = token_parallel_layouts();
+  int taken = 0;
+  for (const Case& c : cases()) {
+    const RopeConfig rope_config;
+    const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+    const QuantizerConfig config = fitted_config(c, rope);
+    kernels::CacheOptions options;
+    options.page_size = c.page_size;
+    options.max_sequences = 2;
+    options.max_context = 64;
+    options.element = c.element;
+    options.append_kernel = c.append_kernel;
+    auto backend = std::make_unique<LauncherChoiceBackend>();
+    LauncherChoiceBackend& choice = *backend;
+    kernels::QuantizedKVCache cache(config, dimensions(c, rope_config), options, std::move(backend));
+    const int32_t a = cache.add_sequence(), b = cache.add_sequence();
+    std::vector<float> rows(static_cast<size_t>(6 * kKvHeads * c.head_dim), 0.25f);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>((i * 37) % 11) - 5.0f;
+    kernels::AppendBatch prefill;
+    prefill.sequences = {a, b};
+    prefill.positions = {0, 0};
+    prefill.tokens = {4, 1};
+    prefill.keys = prefill.values = rows.data();
+    cache.append(0, prefill);
+    kernels::AppendBatch step = prefill;
+    step.positions = {4, 1};
+    step.tokens = {1, 0};
+    cache.append(0, step);
+    const bool expected = std::find(named.begin(), named.end(), c.name) != named.end();
+    EXPECT_EQ(choice.token_parallel, expected ? 2 : 0) << c.name;
+    EXPECT_EQ(choice.per_sequence, expected ? 0 : 2) << c.name;
+    taken += expected ? 1 : 0;
+  }
+  EXPECT_EQ(taken, static_cast<int>(named.size())) << "every named layout is a case";
 }
 
 // Runs without a GPU: every case is a configuration the runtime serves (so

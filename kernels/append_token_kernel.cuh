@@ -1,0 +1,187 @@
+#pragma once
+// Device code of the token-parallel append (docs/runtime-layout.md, section
+// 6.1): for layouts whose keys and values are both grouped per token
+// (kPerToken) with no outliers (rtn and int2-rot, plain or with a matrix
+// rotation, a sink and a window), every token is quantized on its own: no
+// outlier entries to number in token order and no group that reads earlier
+// tokens back. So one warp takes one (token, KV head, kind) from input to
+// codes, with no block barrier: a decoding step's append is a chain of
+// latencies, and the block-per-sequence kernel (append_kernel.cuh) spends
+// its ~1,500 instructions per warp on generic paths and their instruction
+// fetches (bench/results/ncu-append-h200-2026-12-01.md).
+//
+// The arithmetic is the CPU reference's (kernels/cpu_reference.cpp) in
+// float64, in the same order, so codes, pairs and exact rows are bit for bit
+// the reference's; append_kernel.cuh's grid and code functions are shared.
+// The file is compiled without FMA contraction (--fmad=false).
+#include <cstdint>
+
+#include "kernels/append_kernel.cuh"
+
+namespace kvforge::kernels::append_device {
+
+inline constexpr int kTokenWarps = 4;  // warps (KV heads) per block
+
+// One tensor kind's view: its pools, quantizers, rotation and input rows.
+struct TokenTensorArgs {
+  PagedTensor cache;
+  Quantization quantization;
+  Rotation rotation;
+  const void* input = nullptr;  // [rows][kv_heads][D] of input_type
+};
+
+// Keys (kinds[0]) and values (kinds[1]) of one append.
+struct TokenAppendArgs {
+  TokenTensorArgs kinds[2];
+  ElementType input_type = ElementType::kFloat32;
+  SequenceBatch batch;                     // slots and lengths used when the inline arrays are empty
+  const int64_t* token_offsets = nullptr;  // likewise
+};
+
+// The batch entry whose new rows hold `row`: offsets ascending, offsets[0]
+// = 0, offsets[count] = the rows.
+__device__ inline int32_t entry_of_row(const int64_t* offsets, int32_t count, int64_t row) {
+  int32_t low = 0, high = count - 1;  // offsets[low] <= row < offsets[high + 1]
+  while (low < high) {
+    const int32_t middle = (low + high + 1) / 2;
+    if (offsets[middle] <= row) {
+      low = middle;
+    } else {
+      high = middle - 1;
+    }
+  }
+  return low;
+}
+
+// Lanes l and l ^ offset combine (lower, higher): symmetric, so every lane of
+// a group ends with the group's extremes.
+__device__ inline Extreme shuffle_xor(Extreme e, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, e.value, offset), __shfl_xor_sync(0xffffffffu, e.at, offset)};
+}
+
+// One warp: token `token` of a sequence (input row `row`), KV head `head`,
+// one kind. Lane l holds channels [l kE, (l + 1) kE) of the head. `stage`:
+// the warp's D doubles of shared memory (the matrix rotation's input).
+// `to_ring`: the token is among the last ring_capacity of its append, so its
+// ring row is written by no later token of the same call.
+template <int kE, int kBits>
+__device__ void append_token_head(const TokenTensorArgs& t, ElementType input_type, const int32_t* page_row,
+                                  int32_t slot, int64_t row, int64_t token, bool to_ring, int32_t head,
+                                  double* stage) {
+  constexpr int kDim = 32 * kE;
+  constexpr int per_word = 32 / kBits;
+  constexpr int lanes_per_word = per_word / kE;
+  const int lane = threadIdx.x % 32;
+  const TensorPageLayout& l = t.cache.layout;
+  const ElementType element = l.spec.element;
+  const int32_t sink = l.spec.sink_tokens;
+  const int32_t first = lane * kE;  // the lane's first channel in the head
+  // The page first: its load is in flight while the token is prepared.
+  const bool quantized = token >= sink;
+  const auto s = static_cast<int32_t>(token - sink);  // token slot (< 2^31)
+  int32_t page_id = 0;
+  if (quantized) page_id = page_row[s / l.spec.page_size];
+
+  const int64_t width = static_cast<int64_t>(l.spec.kv_heads) * kDim;
+  const int64_t in_bytes = element_bytes(input_type);
+  const auto* input = static_cast<const uint8_t*>(t.input) + ((row * width) + head * kDim + first) * in_bytes;
+  double y[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) y[e] = round_to_element(element, load_element(input_type, input + e * in_bytes));
+
+  const Rotation& r = t.rotation;
+  if (r.kind == RotationKind::kMatrix) {
+    // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term.
+    const float* centre = r.centre != nullptr ? r.centre + head * kDim : nullptr;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      stage[first + e] = centre != nullptr ? __dsub_rn(y[e], static_cast<double>(centre[first + e])) : y[e];
+    }
+    __syncwarp();
+    const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim + first;
+    double sum[kE] = {};
+#pragma unroll 8
+    for (int i = 0; i < kDim; ++i) {
+      const double x = stage[i];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) sum[e] = fma(x, static_cast<double>(__ldg(matrix + i * kDim + e)), sum[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kE; ++e) y[e] = round_to_element(element, sum[e]);
+  }
+
+  const int64_t element_size = element_bytes(element);
+  uint8_t* exact = t.cache.exact + static_cast<int64_t>(slot) * l.exact_slot_bytes;
+  const auto store_exact = [&](int64_t exact_row) {
+    uint8_t* out = exact + exact_row_offset(l, head, exact_row) + first * element_size;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) store_element(element, y[e], out + e * element_size);
+  };
+  if (!quantized) {
+    store_exact(token);
+    return;
+  }
+
+  // The group's inlier range in the reference's order (Extreme): the lane's
+  // channels in index order, then the group's lanes pairwise.
+  const int32_t group = l.spec.group;
+  const int lanes_per_group = group / kE;
+  Extreme low{y[0], first}, high = low;
+#pragma unroll
+  for (int e = 1; e < kE; ++e) {
+    const Extreme here{y[e], first + e};
+    low = lower(low, here);
+    high = higher(high, here);
+  }
+  for (int offset = lanes_per_group / 2; offset > 0; offset /= 2) {
+    low = lower(low, shuffle_xor(low, offset));
+    high = higher(high, shuffle_xor(high, offset));
+  }
+  const double min = low.value, max = high.value;
+
+  const int32_t in_page = s % l.spec.page_size;
+  uint8_t* page = t.cache.pages + static_cast<int64_t>(page_id) * l.page_bytes;
+  if (lane % lanes_per_group == 0) {
+    uint8_t* pair = page + token_pair_offset(l, head, in_page, first / group);
+    store_element(element, min, pair);
+    store_element(element, max, pair + element_size);
+  }
+  const RuntimeGrid grid = runtime_grid<kBits>(t.quantization, min, max);
+  uint32_t bits = 0;
+#pragma unroll
+  for (int e = 0; e < kE; ++e) {
+    const auto code = static_cast<uint32_t>(runtime_code<kBits>(t.quantization, grid, y[e]));
+    bits |= code << (((first + e) % per_word) * kBits);
+  }
+#pragma unroll
+  for (int offset = lanes_per_word / 2; offset > 0; offset /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
+  if (lane % lanes_per_word == 0) store_u32(page + code_row_offset(l, head, in_page) + 4 * (first / per_word), bits);
+  if (to_ring) store_exact(sink + s % l.ring_capacity);
+}
+
+// Grid: x the input rows, y the KV heads in blocks of kTokenWarps, z the
+// kind (0 keys, 1 values); a warp per (row, head, kind).
+template <int kE, int kBits>
+__global__ void __launch_bounds__(32 * kTokenWarps)
+    append_token_kernel(const __grid_constant__ TokenAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
+  __shared__ double stages[kTokenWarps][32 * kE];
+  const int warp = threadIdx.x / 32;
+  const TokenTensorArgs& t = args.kinds[blockIdx.z];
+  const int32_t head = static_cast<int32_t>(blockIdx.y) * kTokenWarps + warp;
+  if (head >= t.cache.layout.spec.kv_heads) return;  // a whole warp
+  const int64_t row = blockIdx.x;
+  const bool in_params = arrays.count > 0;
+  const int64_t* offsets = in_params ? arrays.token_offsets : args.token_offsets;
+  const int32_t count = args.batch.count;
+  const int32_t entry = entry_of_row(offsets, count, row);
+  const int32_t slot = in_params ? arrays.slots[entry] : args.batch.slots[entry];
+  const int64_t length = in_params ? arrays.lengths[entry] : args.batch.lengths[entry];
+  const int64_t token = length + (row - offsets[entry]);
+  const int32_t ring = t.cache.layout.ring_capacity;
+  // A chunk longer than the ring: only its last ring tokens stay there.
+  const bool to_ring = ring > 0 && offsets[entry + 1] - row <= ring;
+  const int32_t* page_row = args.batch.page_table + static_cast<int64_t>(slot) * args.batch.page_table_stride;
+  append_token_head<kE, kBits>(t, args.input_type, page_row, slot, row, token, to_ring, head, stages[warp]);
+}
+
+}  // namespace kvforge::kernels::append_device
