@@ -172,6 +172,7 @@ bool launch_token_parallel(const TensorAppendArgs& keys, const TensorAppendArgs&
   args.input_type = params.input;
   args.batch = params.batch;
   args.token_offsets = params.token_offsets;
+  args.page_table = params.page_table;
   const InlineBatchArrays& arrays = params.inline_arrays;
   switch (k.head_dim) {
     case 64: launch_token_bits<2>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
@@ -194,14 +195,28 @@ bool takes_token_parallel(const AppendParams& params) {
 
 void launch_append(const AppendParams& params, cudaStream_t stream) {
   if (params.batch.count <= 0) return;
-  TensorAppendArgs keys{params.batch,          params.token_offsets,     params.keys,
-                        params.input,          params.key_cache,         params.key_quantization,
-                        params.key_rotation,   params.key_outliers};
-  TensorAppendArgs values{params.batch,          params.token_offsets,       params.values,
-                          params.input,          params.value_cache,         params.value_quantization,
-                          params.value_rotation, params.value_outliers};
+  TensorAppendArgs keys{params.batch,     params.page_table,       params.token_offsets,
+                        params.keys,      params.input,            params.key_cache,
+                        params.key_quantization, params.key_rotation, params.key_outliers};
+  TensorAppendArgs values{params.batch,       params.page_table,         params.token_offsets,
+                          params.values,      params.input,              params.value_cache,
+                          params.value_quantization, params.value_rotation, params.value_outliers};
   check(keys, "keys");
   check(values, "values");
+  // One page table for both kinds: their token slots must be the same.
+  const TensorLayoutSpec& ks = keys.cache.layout.spec;
+  const TensorLayoutSpec& vs = values.cache.layout.spec;
+  if (ks.sink_tokens != vs.sink_tokens || ks.page_size != vs.page_size) {
+    throw std::invalid_argument("append (CUDA): keys and values differ in sink_tokens or page_size: expected one "
+                                "page table's token slots for both");
+  }
+  if (params.page_table == nullptr && params.inline_arrays.count > 0) {
+    for (int32_t i = 0; i < params.inline_arrays.count; ++i) {
+      if (params.inline_arrays.new_page_plus_one[i] > 0) {
+        throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
+      }
+    }
+  }
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;
   if (arrays.count != 0 && arrays.count != count) {

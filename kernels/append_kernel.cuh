@@ -82,6 +82,7 @@ KVFORGE_HOST_DEVICE inline SharedLayout shared_layout(const TensorPageLayout& l,
 // instructions).
 struct TensorAppendArgs {
   SequenceBatch batch;
+  int32_t* page_table = nullptr;  // batch.page_table, written: the inline arrays' new pages
   const int64_t* token_offsets = nullptr;
   const void* input = nullptr;
   ElementType input_type = ElementType::kFloat32;
@@ -249,15 +250,21 @@ class BlockAppender {
     slot_ = in_params ? arrays.slots[entry] : a_.batch.slots[entry];
     page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
     const bool outliers = l_.outlier_spans > 0;
+    const int64_t length = in_params ? arrays.lengths[entry] : a_.batch.lengths[entry];
     if (threadIdx.x == 0) {
       entry_count_ = outliers ? a_.outliers.entry_counts[slot_] : 0;
       pages_used_ = outliers ? a_.outliers.pages_used[slot_] : 0;
       abort_ = 0;
+      // The page the call's tokens open, before the block reads the row
+      // (both kinds' blocks write the same id).
+      if (in_params && arrays.new_page_plus_one[entry] > 0) {
+        a_.page_table[static_cast<int64_t>(slot_) * a_.batch.page_table_stride + new_page_index(l_.spec, length)] =
+            arrays.new_page_plus_one[entry] - 1;
+      }
     }
     __syncthreads();
     const int64_t* offsets = in_params ? arrays.token_offsets : a_.token_offsets;
     const int64_t first = offsets[entry], last = offsets[entry + 1];
-    const int64_t length = in_params ? arrays.lengths[entry] : a_.batch.lengths[entry];
     const int64_t sink = l_.spec.sink_tokens, ring = l_.ring_capacity;
     for (int64_t row = first; row < last; ++row) {
       const int64_t token = length + (row - first);

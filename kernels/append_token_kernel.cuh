@@ -36,6 +36,7 @@ struct TokenAppendArgs {
   ElementType input_type = ElementType::kFloat32;
   SequenceBatch batch;                     // slots and lengths used when the inline arrays are empty
   const int64_t* token_offsets = nullptr;  // likewise
+  int32_t* page_table = nullptr;           // batch.page_table, written: the inline arrays' new pages
 };
 
 // The batch entry whose new rows hold `row`: offsets ascending, offsets[0]
@@ -64,10 +65,11 @@ __device__ inline Extreme shuffle_xor(Extreme e, int offset) {
 // the warp's D doubles of shared memory (the matrix rotation's input).
 // `to_ring`: the token is among the last ring_capacity of its append, so its
 // ring row is written by no later token of the same call.
-template <int kE, int kBits>
-__device__ void append_token_head(const TokenTensorArgs& t, ElementType input_type, const int32_t* page_row,
-                                  int32_t slot, int64_t row, int64_t token, bool to_ring, int32_t head,
-                                  double* stage) {
+// `page_of`: the page id of a token slot's page (the inline new page or the
+// page table's).
+template <int kE, int kBits, class PageOf>
+__device__ void append_token_head(const TokenTensorArgs& t, ElementType input_type, PageOf&& page_of, int32_t slot,
+                                  int64_t row, int64_t token, bool to_ring, int32_t head, double* stage) {
   constexpr int kDim = 32 * kE;
   constexpr int per_word = 32 / kBits;
   constexpr int lanes_per_word = per_word / kE;
@@ -80,7 +82,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   const bool quantized = token >= sink;
   const auto s = static_cast<int32_t>(token - sink);  // token slot (< 2^31)
   int32_t page_id = 0;
-  if (quantized) page_id = page_row[s / l.spec.page_size];
+  if (quantized) page_id = page_of(s / l.spec.page_size);
 
   const int64_t width = static_cast<int64_t>(l.spec.kv_heads) * kDim;
   const int64_t in_bytes = element_bytes(input_type);
@@ -180,8 +182,18 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const int32_t ring = t.cache.layout.ring_capacity;
   // A chunk longer than the ring: only its last ring tokens stay there.
   const bool to_ring = ring > 0 && offsets[entry + 1] - row <= ring;
-  const int32_t* page_row = args.batch.page_table + static_cast<int64_t>(slot) * args.batch.page_table_stride;
-  append_token_head<kE, kBits>(t, args.input_type, page_row, slot, row, token, to_ring, head, stages[warp]);
+  const int64_t row_base = static_cast<int64_t>(slot) * args.batch.page_table_stride;
+  const int32_t* page_row = args.batch.page_table + row_base;
+  // The page the call opens for this entry: read from the launch, and
+  // written into the table by one warp (its first row's, keys, head 0) for
+  // the calls after this one.
+  const int32_t new_page = in_params ? arrays.new_page_plus_one[entry] - 1 : -1;
+  const int32_t new_index = new_page_index(args.kinds[0].cache.layout.spec, length);
+  if (new_page >= 0 && row == offsets[entry] && blockIdx.z == 0 && head == 0 && threadIdx.x % 32 == 0) {
+    args.page_table[row_base + new_index] = new_page;
+  }
+  const auto page_of = [&](int32_t index) { return index == new_index && new_page >= 0 ? new_page : page_row[index]; };
+  append_token_head<kE, kBits>(t, args.input_type, page_of, slot, row, token, to_ring, head, stages[warp]);
 }
 
 }  // namespace kvforge::kernels::append_device

@@ -583,6 +583,13 @@ void append_reference(const AppendParams& given) {
     params.token_offsets = params.inline_arrays.token_offsets;
   }
   const SequenceBatch& batch = params.batch;
+  // The pages the inline arrays open, written into the page table first.
+  for (int32_t entry = 0; entry < given.inline_arrays.count; ++entry) {
+    const int32_t page = given.inline_arrays.new_page_plus_one[entry] - 1;
+    if (page < 0) continue;
+    params.page_table[batch.slots[entry] * batch.page_table_stride +
+                      new_page_index(params.key_cache.layout.spec, batch.lengths[entry])] = page;
+  }
   for (int32_t entry = 0; entry < batch.count; ++entry) {
     const int32_t slot = batch.slots[entry];
     const int32_t* page_row = batch.page_table + slot * batch.page_table_stride;

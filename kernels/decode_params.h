@@ -95,13 +95,28 @@ struct SequenceBatch {
 // call cost microseconds, the step's whole budget at batch 1). count > 0:
 // append reads these instead of batch.slots, batch.lengths and token_offsets
 // (which may then be null); count == 0: the pointers.
+// new_page_plus_one: 1 + the id of the one page an entry's new tokens open,
+// carried here instead of uploaded into the page table before the launch (a
+// decoding step opens a page per sequence every page_size tokens, and each
+// upload was a copy on the stream); append writes the id into the entry's
+// page-table row at index new_page_index(spec, length) before any read of
+// that row, and its kernels read it from here. 0 (the default): none, or
+// the entry's pages were uploaded.
 inline constexpr int kInlineBatchEntries = 32;
 struct InlineBatchArrays {
   int32_t count = 0;
   int32_t slots[kInlineBatchEntries] = {};
   int64_t lengths[kInlineBatchEntries] = {};
   int64_t token_offsets[kInlineBatchEntries + 1] = {};
+  int32_t new_page_plus_one[kInlineBatchEntries] = {};
 };
+
+// The page-table index of the first page a sequence of `length` tokens does
+// not hold yet: the pages of its token slots [0, length - sink).
+KVFORGE_HOST_DEVICE inline int32_t new_page_index(const TensorLayoutSpec& spec, int64_t length) {
+  const int64_t slots = length - spec.sink_tokens;
+  return slots > 0 ? static_cast<int32_t>((slots + spec.page_size - 1) / spec.page_size) : 0;
+}
 
 // Which CUDA append kernel takes a call (the CPU reference ignores it):
 // kAuto the token-parallel kernel where the layout allows it (both kinds
@@ -111,6 +126,7 @@ enum class AppendKernel : int32_t { kAuto = 0, kPerSequence = 1 };
 
 struct AppendParams {
   SequenceBatch batch;
+  int32_t* page_table = nullptr;  // batch.page_table, written: the inline arrays' new pages
   const int64_t* token_offsets = nullptr;  // [count + 1]: entry i's new tokens are rows [offsets[i], offsets[i + 1])
   // The rows of keys and values (offsets[count]) when the caller knows them
   // (a launcher sizes a token-parallel grid by it without reading the

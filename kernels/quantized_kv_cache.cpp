@@ -664,7 +664,7 @@ int64_t QuantizedKVCache::pages_held(int32_t sequence) const {
   return pages_of_[static_cast<size_t>(sequence)];
 }
 
-void QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
+int64_t QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
   const auto slot = static_cast<size_t>(sequence);
   const int64_t sink = tensor(0, TensorKind::kKeys).layout.spec.sink_tokens;
   const int64_t needed = tokens > sink ? ceil_div(tokens - sink, options_.page_size) : 0;
@@ -679,12 +679,14 @@ void QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
                             " tokens; raise max_pages)");
   }
   const int64_t row = static_cast<int64_t>(slot) * page_table_stride_;
-  if (pages_of_[slot] < needed) page_table_changes_.push_back({row + pages_of_[slot], row + needed});
+  const int64_t held = pages_of_[slot];
+  if (held < needed) page_table_changes_.push_back({row + held, row + needed});
   while (pages_of_[slot] < needed) {
     page_table_[row + pages_of_[slot]] = free_pages_.back();
     free_pages_.pop_back();
     ++pages_of_[slot];
   }
+  return needed > held ? needed - held : 0;
 }
 
 // ------------------------------------------------------------ kernels
@@ -745,13 +747,27 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   if (rows > 0 && (batch.keys == nullptr || batch.values == nullptr)) {
     throw std::invalid_argument(context() + ": keys and values are null");
   }
-  for (size_t i = 0; i < count; ++i) ensure_pages(batch.sequences[i], lengths[i] + batch.tokens[i]);
+  // A small batch's arrays travel in the launch's parameters, with the one
+  // page each entry's new tokens open right after the layer's length (a
+  // decoding step's), which the kernel writes into the page table; a larger
+  // batch's arrays and every other new page (several, or opened behind
+  // another layer's longer length) are uploaded.
+  const bool inline_arrays = count > 0 && count <= static_cast<size_t>(kInlineBatchEntries);
+  const TensorLayoutSpec& spec = tensor(layer, TensorKind::kKeys).layout.spec;
+  AppendParams params;
+  for (size_t i = 0; i < count; ++i) {
+    const auto slot = static_cast<size_t>(batch.sequences[i]);
+    const int64_t opened = ensure_pages(batch.sequences[i], lengths[i] + batch.tokens[i]);
+    const int64_t index = pages_of_[slot] - 1;  // the last page, when opened
+    if (inline_arrays && opened == 1 && index == new_page_index(spec, lengths[i])) {
+      page_table_changes_.pop_back();  // ensure_pages' record of that page
+      params.inline_arrays.new_page_plus_one[i] =
+          page_table_[static_cast<size_t>(static_cast<int64_t>(slot) * page_table_stride_ + index)] + 1;
+    }
+  }
   upload_page_table_changes();
 
   std::memcpy(host.data() + arrays.slots, batch.sequences.data(), count * 4);
-  // A small batch's arrays travel in the launch's parameters; a larger
-  // one's are uploaded.
-  const bool inline_arrays = count > 0 && count <= static_cast<size_t>(kInlineBatchEntries);
   uint8_t* device = nullptr;
   if (!inline_arrays) {
     device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(arrays.bytes));
@@ -771,11 +787,11 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
     values = staged + values_at;
   }
 
-  AppendParams params;
   params.batch.count = static_cast<int32_t>(count);
   params.rows = rows;
   params.kernel = options_.append_kernel;
-  params.batch.page_table = device_page_table_->as<int32_t>();
+  params.page_table = device_page_table_->as<int32_t>();
+  params.batch.page_table = params.page_table;
   params.batch.page_table_stride = page_table_stride_;
   if (inline_arrays) {
     InlineBatchArrays& a = params.inline_arrays;

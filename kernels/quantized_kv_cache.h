@@ -227,7 +227,9 @@ class QuantizedKVCache {
   TensorState& tensor(int64_t layer, TensorKind kind);
   const TensorState& tensor(int64_t layer, TensorKind kind) const;
   void check_sequence(int32_t sequence, const char* what) const;
-  void ensure_pages(int32_t sequence, int64_t tokens);
+  // The sequence's pages for `tokens` tokens, new ones recorded as page-table
+  // changes to upload; returns how many it took.
+  int64_t ensure_pages(int32_t sequence, int64_t tokens);
   // Throws std::length_error naming the append of `layer` to `sequences`
   // whose outlier allocators set `flags` (keys, values; the caller has
   // cleared the backend's); `late`: it was queued by an earlier call.

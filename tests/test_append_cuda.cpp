@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <numbers>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -179,6 +180,11 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
       cpu.append(layer, batch);
       cuda.append(layer, batch);
       ASSERT_NO_FATAL_FAILURE(expect_equal_pools(cpu, cuda, layer, c.name + " step " + std::to_string(step_index)));
+      // The pages a step opens reach the device's page table (written by
+      // the kernel when they travel in the launch).
+      const std::span<const int32_t> host_table = cuda.page_table();
+      ASSERT_EQ(cuda.copy_page_table(), std::vector<int32_t>(host_table.begin(), host_table.end()))
+          << c.name << " step " << step_index << " layer " << layer;
     }
     for (auto [seq, n] : step.appends) lengths[seq] += n;
     // Every token of every sequence reads back the same (outliers through
