@@ -70,6 +70,15 @@ QuantizerConfig fitted_config(const Case& c, const RotaryEmbedding& rope) {
                                        c.value_rotation, c.key_centre, rope);
 }
 
+// The case's cache options: its page size, element type and append kernel.
+kernels::CacheOptions case_options(const Case& c) {
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.element = c.element;
+  options.append_kernel = c.append_kernel;
+  return options;
+}
+
 struct Step {
   std::vector<std::pair<int, int64_t>> appends;  // (sequence index, tokens)
 };
@@ -129,13 +138,10 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
   const RopeConfig rope_config;
   const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
   const QuantizerConfig config = fitted_config(c, rope);
-  kernels::CacheOptions options;
-  options.page_size = c.page_size;
+  kernels::CacheOptions options = case_options(c);
   options.max_sequences = 4;
   options.max_context = c.long_context ? 4096 : 256;
-  options.element = c.element;
   options.outlier_page_entries = 64;
-  options.append_kernel = c.append_kernel;
   kernels::QuantizedKVCache cpu(config, dimensions(c, rope_config), options);
   kernels::QuantizedKVCache cuda(config, dimensions(c, rope_config), options, std::make_unique<kernels::CudaBackend>());
 
@@ -288,12 +294,9 @@ TEST(AppendCudaCases, TokenParallelKernelTakesThePerTokenLayoutsWithoutOutliers)
     const RopeConfig rope_config;
     const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
     const QuantizerConfig config = fitted_config(c, rope);
-    kernels::CacheOptions options;
-    options.page_size = c.page_size;
+    kernels::CacheOptions options = case_options(c);
     options.max_sequences = 2;
     options.max_context = 64;
-    options.element = c.element;
-    options.append_kernel = c.append_kernel;
     auto backend = std::make_unique<LauncherChoiceBackend>();
     LauncherChoiceBackend& choice = *backend;
     kernels::QuantizedKVCache cache(config, dimensions(c, rope_config), options, std::move(backend));
@@ -325,10 +328,7 @@ TEST(AppendCudaCases, EveryCaseIsServedByTheRuntime) {
     const RopeConfig rope_config;
     const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
     const QuantizerConfig config = fitted_config(c, rope);
-    kernels::CacheOptions options;
-    options.page_size = c.page_size;
-    options.element = c.element;
-    EXPECT_NO_THROW(kernels::QuantizedKVCache(config, dimensions(c, rope_config), options)) << c.name;
+    EXPECT_NO_THROW(kernels::QuantizedKVCache(config, dimensions(c, rope_config), case_options(c))) << c.name;
   }
 }
 
