@@ -177,37 +177,6 @@ __device__ inline int64_t exact_row_of(const TensorPageLayout& l, const TileRead
   return l.spec.sink_tokens + static_cast<int32_t>(token - l.spec.sink_tokens) % l.ring_capacity;
 }
 
-// The exact rows (sink and window tokens) of tokens [first, last) of one
-// KV head, prefetched into L2 by the block's threads at once: the tile loop
-// reads them unit by unit, each unit's loads ordered behind the previous
-// unit's stores to shared memory, so that a block of exact tokens was a
-// chain of round trips to DRAM (bench/README.md, twelfth session). Quantized
-// tokens are skipped.
-template <int D>
-__device__ inline void prefetch_exact_rows(const PagedTensor& cache, int32_t slot, int head, int64_t tokens,
-                                           int64_t first, int64_t last) {
-  // 32-bit arithmetic throughout (a sequence's tokens, a slot's exact
-  // bytes): the prefetch must not cost the tile loop registers.
-  const TensorPageLayout& l = cache.layout;
-  const int32_t begin = static_cast<int32_t>(quantized_begin(l.spec, tokens));
-  const int32_t end = static_cast<int32_t>(quantized_end(l.spec, tokens));
-  const auto f = static_cast<int32_t>(first), e = static_cast<int32_t>(last);
-  // Exact tokens: [f, min(e, begin)) and [max(f, end), e).
-  const int32_t low = max(0, min(e, begin) - f);
-  const int32_t from = max(f, end);
-  const int32_t count = low + max(0, e - from);
-  const int32_t sink = l.spec.sink_tokens, ring = l.ring_capacity;
-  const int32_t row_bytes = D * static_cast<int32_t>(element_bytes(l.spec.element));
-  const int32_t lines = (row_bytes + 127) / 128;  // 128-byte lines a row
-  const uint8_t* head_rows = cache.exact + slot * l.exact_slot_bytes + head * (sink + ring) * row_bytes;
-  for (int32_t i = static_cast<int32_t>(threadIdx.x); i < count * lines; i += static_cast<int32_t>(blockDim.x)) {
-    const int32_t t = i / lines;
-    const int32_t token = t < low ? f + t : from + (t - low);
-    const int32_t row = token < begin ? token : sink + (token - sink) % ring;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(head_rows + row * row_bytes + (i - t * lines) * 128));
-  }
-}
-
 // Slot s's page-table entry and its row in that page (s < 2^31: a
 // sequence's slots).
 __device__ inline void page_place(const TileReading& r, int32_t s, int32_t& entry, int32_t& in_page) {
@@ -764,8 +733,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   }
   const int32_t slot = p.batch.slots[entry];
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
-  prefetch_exact_rows<D>(p.key_cache, slot, kv_head, tokens, first, last);
-  prefetch_exact_rows<D>(p.value_cache, slot, kv_head, tokens, first, last);
 
   // Level tables and the GQA group's queries, rotated by the keys' rotation.
   if (threadIdx.x < (1 << kBits)) {
