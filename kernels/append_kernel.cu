@@ -146,7 +146,19 @@ void launch_token(const append_device::TokenAppendArgs& args, const InlineBatchA
                   int32_t kv_heads, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows),
                   static_cast<unsigned>((kv_heads + append_device::kTokenWarps - 1) / append_device::kTokenWarps), 2);
-  append_device::append_token_kernel<kE, kBits><<<grid, 32 * append_device::kTokenWarps, 0, stream>>>(args, arrays);
+  constexpr int threads = 32 * append_device::kTokenWarps;
+  using E = ElementType;
+  switch (args.kinds[0].cache.layout.spec.element) {
+    case E::kFloat16:
+      append_device::append_token_kernel<kE, kBits, E::kFloat16><<<grid, threads, 0, stream>>>(args, arrays);
+      break;
+    case E::kBFloat16:
+      append_device::append_token_kernel<kE, kBits, E::kBFloat16><<<grid, threads, 0, stream>>>(args, arrays);
+      break;
+    case E::kFloat32:
+      append_device::append_token_kernel<kE, kBits, E::kFloat32><<<grid, threads, 0, stream>>>(args, arrays);
+      break;
+  }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -188,6 +200,7 @@ bool takes_token_parallel(const AppendParams& params) {
   const TensorLayoutSpec& k = params.key_cache.layout.spec;
   const TensorLayoutSpec& v = params.value_cache.layout.spec;
   return params.kernel == AppendKernel::kAuto && params.rows > 0 && params.rows <= 0x7fffffff &&
+         k.element == v.element &&
          token_parallel(params.key_cache, params.key_quantization, params.key_rotation) &&
          token_parallel(params.value_cache, params.value_quantization, params.value_rotation) && k.bits == v.bits &&
          k.head_dim == v.head_dim && k.kv_heads == v.kv_heads;

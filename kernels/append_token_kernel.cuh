@@ -65,9 +65,31 @@ __device__ inline Extreme shuffle_xor(Extreme e, int offset) {
 // the warp's D doubles of shared memory (the matrix rotation's input).
 // `to_ring`: the token is among the last ring_capacity of its append, so its
 // ring row is written by no later token of the same call.
+// The lane's kE input elements as element-type numbers (the input type's
+// switch once, not per element).
+template <int kE, ElementType kElement>
+__device__ inline void load_rounded(ElementType input_type, const uint8_t* input, double (&y)[kE]) {
+  switch (input_type) {
+    case ElementType::kFloat16:
+#pragma unroll
+      for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, load_element(ElementType::kFloat16, input + 2 * e));
+      return;
+    case ElementType::kBFloat16:
+#pragma unroll
+      for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, load_element(ElementType::kBFloat16, input + 2 * e));
+      return;
+    case ElementType::kFloat32:
+      break;
+  }
+#pragma unroll
+  for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, load_element(ElementType::kFloat32, input + 4 * e));
+}
+
 // `page_of`: the page id of a token slot's page (the inline new page or the
-// page table's).
-template <int kE, int kBits, class PageOf>
+// page table's). The cache's element type is a template parameter: with it
+// a runtime value, every element conversion ran all three types' code under
+// predicates (ncu, bench/results/ncu-append-h200-2026-12-01.md).
+template <int kE, int kBits, ElementType kElement, class PageOf>
 __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_type, PageOf&& page_of, int32_t slot,
                                   int64_t row, int64_t token, bool to_ring, int32_t head, double* stage) {
   constexpr int kDim = 32 * kE;
@@ -75,7 +97,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   constexpr int lanes_per_word = per_word / kE;
   const int lane = threadIdx.x % 32;
   const TensorPageLayout& l = t.cache.layout;
-  const ElementType element = l.spec.element;
+  constexpr ElementType element = kElement;
   const int32_t sink = l.spec.sink_tokens;
   const int32_t first = lane * kE;  // the lane's first channel in the head
   // The page first: its load is in flight while the token is prepared.
@@ -88,8 +110,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   const int64_t in_bytes = element_bytes(input_type);
   const auto* input = static_cast<const uint8_t*>(t.input) + ((row * width) + head * kDim + first) * in_bytes;
   double y[kE];
-#pragma unroll
-  for (int e = 0; e < kE; ++e) y[e] = round_to_element(element, load_element(input_type, input + e * in_bytes));
+  load_rounded<kE, kElement>(input_type, input, y);
 
   const Rotation& r = t.rotation;
   if (r.kind == RotationKind::kMatrix) {
@@ -112,7 +133,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
     for (int e = 0; e < kE; ++e) y[e] = round_to_element(element, sum[e]);
   }
 
-  const int64_t element_size = element_bytes(element);
+  constexpr int64_t element_size = kElement == ElementType::kFloat32 ? 4 : 2;
   uint8_t* exact = t.cache.exact + static_cast<int64_t>(slot) * l.exact_slot_bytes;
   const auto store_exact = [&](int64_t exact_row) {
     uint8_t* out = exact + exact_row_offset(l, head, exact_row) + first * element_size;
@@ -163,7 +184,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
 
 // Grid: x the input rows, y the KV heads in blocks of kTokenWarps, z the
 // kind (0 keys, 1 values); a warp per (row, head, kind).
-template <int kE, int kBits>
+template <int kE, int kBits, ElementType kElement>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_kernel(const __grid_constant__ TokenAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
   __shared__ double stages[kTokenWarps][32 * kE];
@@ -193,7 +214,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
     args.page_table[row_base + new_index] = new_page;
   }
   const auto page_of = [&](int32_t index) { return index == new_index && new_page >= 0 ? new_page : page_row[index]; };
-  append_token_head<kE, kBits>(t, args.input_type, page_of, slot, row, token, to_ring, head, stages[warp]);
+  append_token_head<kE, kBits, kElement>(t, args.input_type, page_of, slot, row, token, to_ring, head, stages[warp]);
 }
 
 }  // namespace kvforge::kernels::append_device
