@@ -60,11 +60,6 @@ __device__ inline Extreme shuffle_xor(Extreme e, int offset) {
   return {__shfl_xor_sync(0xffffffffu, e.value, offset), __shfl_xor_sync(0xffffffffu, e.at, offset)};
 }
 
-// One warp: token `token` of a sequence (input row `row`), KV head `head`,
-// one kind. Lane l holds channels [l kE, (l + 1) kE) of the head. `stage`:
-// the warp's D doubles of shared memory (the matrix rotation's input).
-// `to_ring`: the token is among the last ring_capacity of its append, so its
-// ring row is written by no later token of the same call.
 // The lane's kE input elements as element-type numbers (the input type's
 // switch once, not per element).
 template <int kE, ElementType kElement>
@@ -85,6 +80,11 @@ __device__ inline void load_rounded(ElementType input_type, const uint8_t* input
   for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, load_element(ElementType::kFloat32, input + 4 * e));
 }
 
+// One warp: token `token` of a sequence (input row `row`), KV head `head`,
+// one kind. Lane l holds channels [l kE, (l + 1) kE) of the head. `stage`:
+// the warp's D doubles of shared memory (the matrix rotation's input).
+// `to_ring`: the token is among the last ring_capacity of its append, so its
+// ring row is written by no later token of the same call.
 // `page_of`: the page id of a token slot's page (the inline new page or the
 // page table's). The cache's element type is a template parameter: with it
 // a runtime value, every element conversion ran all three types' code under
@@ -97,7 +97,6 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   constexpr int lanes_per_word = per_word / kE;
   const int lane = threadIdx.x % 32;
   const TensorPageLayout& l = t.cache.layout;
-  constexpr ElementType element = kElement;
   const int32_t sink = l.spec.sink_tokens;
   const int32_t first = lane * kE;  // the lane's first channel in the head
   // The page first: its load is in flight while the token is prepared.
@@ -130,7 +129,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
       for (int e = 0; e < kE; ++e) sum[e] = fma(x, static_cast<double>(__ldg(matrix + i * kDim + e)), sum[e]);
     }
 #pragma unroll
-    for (int e = 0; e < kE; ++e) y[e] = round_to_element(element, sum[e]);
+    for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, sum[e]);
   }
 
   constexpr int64_t element_size = kElement == ElementType::kFloat32 ? 4 : 2;
@@ -138,7 +137,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   const auto store_exact = [&](int64_t exact_row) {
     uint8_t* out = exact + exact_row_offset(l, head, exact_row) + first * element_size;
 #pragma unroll
-    for (int e = 0; e < kE; ++e) store_element(element, y[e], out + e * element_size);
+    for (int e = 0; e < kE; ++e) store_element(kElement, y[e], out + e * element_size);
   };
   if (!quantized) {
     store_exact(token);
@@ -166,8 +165,8 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   uint8_t* page = t.cache.pages + static_cast<int64_t>(page_id) * l.page_bytes;
   if (lane % lanes_per_group == 0) {
     uint8_t* pair = page + token_pair_offset(l, head, in_page, first / group);
-    store_element(element, min, pair);
-    store_element(element, max, pair + element_size);
+    store_element(kElement, min, pair);
+    store_element(kElement, max, pair + element_size);
   }
   const RuntimeGrid grid = runtime_grid<kBits>(t.quantization, min, max);
   uint32_t bits = 0;
