@@ -817,7 +817,19 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.value_rotation = v.rotation;
   params.key_outliers = k.allocator();
   params.value_outliers = v.allocator();
-  backend_->append(params);
+  try {
+    backend_->append(params);
+  } catch (...) {
+    // The inline new pages never reached the kernels' table: upload them
+    // with the next call's changes.
+    for (size_t i = 0; i < count; ++i) {
+      if (params.inline_arrays.new_page_plus_one[i] == 0) continue;
+      const int64_t at = static_cast<int64_t>(batch.sequences[i]) * page_table_stride_ +
+                         new_page_index(tensor(layer, TensorKind::kKeys).layout.spec, lengths[i]);
+      page_table_changes_.push_back({at, at + 1});
+    }
+    throw;
+  }
   if (options_.asynchronous_append) {
     // No sync: the flags are read by the next call that synchronizes.
     for (size_t i = 0; i < count; ++i) {
