@@ -35,6 +35,7 @@
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/quantized_kv_cache.h"
+#include "tests/hooked_cpu_backend.h"
 #include "tests/kernel_activations.h"
 #include "tests/kernel_cases.h"
 #include "model/rope.h"
@@ -263,27 +264,6 @@ const std::vector<std::string>& token_parallel_layouts() {
   return names;
 }
 
-// The CPU reference, remembering whether the CUDA launcher would have taken
-// each append with the token-parallel kernel.
-class LauncherChoiceBackend final : public kernels::KernelBackend {
- public:
-  void* allocate(int64_t bytes) override { return cpu_.allocate(bytes); }
-  void release(void* memory) noexcept override { cpu_.release(memory); }
-  void copy_in(void* to, const void* from, int64_t bytes) override { cpu_.copy_in(to, from, bytes); }
-  void copy_out(void* to, const void* from, int64_t bytes) override { cpu_.copy_out(to, from, bytes); }
-  bool host_addressable() const override { return true; }
-  void append(const kernels::AppendParams& params) override {
-    (kernels::takes_token_parallel(params) ? token_parallel : per_sequence) += 1;
-    cpu_.append(params);
-  }
-  void decode_attention(const kernels::DecodeParams& params) override { cpu_.decode_attention(params); }
-  void synchronize() override {}
-  int token_parallel = 0, per_sequence = 0;
-
- private:
-  kernels::CpuReferenceBackend cpu_;
-};
-
 // Runs without a GPU: the launcher takes exactly the named layouts with the
 // token-parallel kernel, prefill chunks and decoding tokens alike, and no
 // layout asked for the block-per-sequence kernel.
@@ -297,8 +277,12 @@ TEST(AppendCudaCases, TokenParallelKernelTakesThePerTokenLayoutsWithoutOutliers)
     kernels::CacheOptions options = case_options(c);
     options.max_sequences = 2;
     options.max_context = 64;
-    auto backend = std::make_unique<LauncherChoiceBackend>();
-    LauncherChoiceBackend& choice = *backend;
+    // Whether the CUDA launcher would take each append with the token-parallel kernel.
+    int token_parallel = 0, per_sequence = 0;
+    auto backend = std::make_unique<testing::HookedCpuBackend>();
+    backend->before_append = [&](const kernels::AppendParams& params) {
+      (kernels::takes_token_parallel(params) ? token_parallel : per_sequence) += 1;
+    };
     kernels::QuantizedKVCache cache(config, dimensions(c, rope_config), options, std::move(backend));
     const int32_t a = cache.add_sequence(), b = cache.add_sequence();
     std::vector<float> rows(static_cast<size_t>(6 * kKvHeads * c.head_dim), 0.25f);
@@ -314,8 +298,8 @@ TEST(AppendCudaCases, TokenParallelKernelTakesThePerTokenLayoutsWithoutOutliers)
     step.tokens = {1, 0};
     cache.append(0, step);
     const bool expected = std::find(named.begin(), named.end(), c.name) != named.end();
-    EXPECT_EQ(choice.token_parallel, expected ? 2 : 0) << c.name;
-    EXPECT_EQ(choice.per_sequence, expected ? 0 : 2) << c.name;
+    EXPECT_EQ(token_parallel, expected ? 2 : 0) << c.name;
+    EXPECT_EQ(per_sequence, expected ? 0 : 2) << c.name;
     taken += expected ? 1 : 0;
   }
   EXPECT_EQ(taken, static_cast<int>(named.size())) << "every named layout is a case";

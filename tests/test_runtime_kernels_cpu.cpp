@@ -40,6 +40,7 @@
 #include "eval/simulated_quantized_cache.h"
 #include "kernels/element_conversion.h"
 #include "kernels/quantized_kv_cache.h"
+#include "tests/hooked_cpu_backend.h"
 #include "tests/kernel_activations.h"
 #include "tests/kernel_cases.h"
 #include "model/rope.h"
@@ -1288,36 +1289,20 @@ TEST(RuntimeKernelsCpuScratch, PageTableUploadsAfterNewPagesEqualTheHostTable) {
 // A decoding step's new page travels in the append's launch and the kernel
 // writes it into the table; when the backend's append throws instead, the
 // page reaches the kernels' table with the next call's upload.
-class FailingOnceBackend final : public kernels::KernelBackend {
- public:
-  void* allocate(int64_t bytes) override { return cpu_.allocate(bytes); }
-  void release(void* memory) noexcept override { cpu_.release(memory); }
-  void copy_in(void* to, const void* from, int64_t bytes) override { cpu_.copy_in(to, from, bytes); }
-  void copy_out(void* to, const void* from, int64_t bytes) override { cpu_.copy_out(to, from, bytes); }
-  bool host_addressable() const override { return true; }
-  void append(const kernels::AppendParams& params) override {
-    if (fail_next) {
-      fail_next = false;
-      throw std::runtime_error("append failed");
-    }
-    cpu_.append(params);
-  }
-  void decode_attention(const kernels::DecodeParams& params) override { cpu_.decode_attention(params); }
-  void synchronize() override {}
-  bool fail_next = false;
-
- private:
-  kernels::CpuReferenceBackend cpu_;
-};
-
 TEST(RuntimeKernelsCpuScratch, ANewPageOfAFailedAppendIsUploadedByTheNextCall) {
   kernels::CacheOptions options;
   options.page_size = 4;
   options.max_context = 64;
   options.max_sequences = 2;
-  auto owned = std::make_unique<FailingOnceBackend>();
-  FailingOnceBackend& backend = *owned;
-  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options, std::move(owned));
+  bool fail_next = false;
+  auto backend = std::make_unique<testing::HookedCpuBackend>();
+  backend->before_append = [&](const kernels::AppendParams&) {
+    if (fail_next) {
+      fail_next = false;
+      throw std::runtime_error("append failed");
+    }
+  };
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options, std::move(backend));
   const int32_t a = cache.add_sequence();
   const std::vector<float> rows(4 * kScratchWidth, 0.5f);
   kernels::AppendBatch batch{{a}, {0}, {4}, rows.data(), rows.data()};
@@ -1325,7 +1310,7 @@ TEST(RuntimeKernelsCpuScratch, ANewPageOfAFailedAppendIsUploadedByTheNextCall) {
   expect_page_table_uploaded(cache, "after the first page");
   batch.positions = {4};
   batch.tokens = {1};
-  backend.fail_next = true;
+  fail_next = true;
   EXPECT_THROW(cache.append(0, batch), std::runtime_error);
   EXPECT_EQ(cache.pages_held(a), 2);
   cache.synchronize();

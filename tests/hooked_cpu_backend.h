@@ -1,0 +1,32 @@
+#pragma once
+// The CPU reference backend with a hook before each append: for tests that
+// watch the calls a QuantizedKVCache makes (which kernel a launcher would
+// pick) or make one fail.
+#include <functional>
+
+#include "kernels/quantized_kv_cache.h"
+
+namespace kvforge::testing {
+
+class HookedCpuBackend final : public kernels::KernelBackend {
+ public:
+  void* allocate(int64_t bytes) override { return cpu_.allocate(bytes); }
+  void release(void* memory) noexcept override { cpu_.release(memory); }
+  void copy_in(void* to, const void* from, int64_t bytes) override { cpu_.copy_in(to, from, bytes); }
+  void copy_out(void* to, const void* from, int64_t bytes) override { cpu_.copy_out(to, from, bytes); }
+  bool host_addressable() const override { return true; }
+  void append(const kernels::AppendParams& params) override {
+    if (before_append) before_append(params);
+    cpu_.append(params);
+  }
+  void decode_attention(const kernels::DecodeParams& params) override { cpu_.decode_attention(params); }
+  void synchronize() override {}
+
+  // Runs before each append; an exception it throws is the append's.
+  std::function<void(const kernels::AppendParams&)> before_append;
+
+ private:
+  kernels::CpuReferenceBackend cpu_;
+};
+
+}  // namespace kvforge::testing
