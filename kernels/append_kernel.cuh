@@ -17,6 +17,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/decode_params.h"
+#include "kernels/reciprocal_division.h"
 #include "kernels/span_rank.h"
 
 namespace kvforge::kernels::append_device {
@@ -34,6 +35,7 @@ inline constexpr int kWarps = kThreads / 32;
 // hi > lo does not hold.
 struct RuntimeGrid {
   double origin = 0, step = 0;
+  double inverse = 0;  // 1 / step rounded to nearest, where divides_by_reciprocal(step)
   int32_t valid = 0;
 };
 
@@ -143,13 +145,24 @@ __device__ inline int clamp_code(double rounded, int top) {
 
 // A runtime group's grid given its inlier (min, max): the reference's
 // operations, split so that the group's part runs once per group.
+// The step's reciprocal is taken here, once per group, so that each
+// element's division is three operations (kernels/reciprocal_division.h).
 template <int kBits>
 __device__ inline RuntimeGrid runtime_grid(const Quantization& q, double min, double max) {
   constexpr int top = (1 << kBits) - 1;
   const double lo = __dmul_rn(min, q.clip_ratio), hi = __dmul_rn(max, q.clip_ratio);
   if (!(hi > lo)) return {};
-  if (!q.non_uniform) return {lo, __ddiv_rn(__dsub_rn(hi, lo), static_cast<double>(top)), 1};
-  return {__ddiv_rn(__dadd_rn(lo, hi), 2.0), __ddiv_rn(__dsub_rn(hi, lo), 2.0), 1};
+  RuntimeGrid grid;
+  if (!q.non_uniform) {
+    grid.origin = lo;
+    grid.step = __ddiv_rn(__dsub_rn(hi, lo), static_cast<double>(top));
+  } else {
+    grid.origin = __ddiv_rn(__dadd_rn(lo, hi), 2.0);
+    grid.step = __ddiv_rn(__dsub_rn(hi, lo), 2.0);
+  }
+  grid.inverse = divides_by_reciprocal(grid.step) ? __drcp_rn(grid.step) : 0.0;
+  grid.valid = 1;
+  return grid;
 }
 
 // The code of x on a runtime group's grid.
@@ -157,7 +170,12 @@ template <int kBits>
 __device__ inline int runtime_code(const Quantization& q, const RuntimeGrid& grid, double x) {
   constexpr int top = (1 << kBits) - 1;
   if (grid.valid == 0) return 0;
-  const double normalized = __ddiv_rn(__dsub_rn(x, grid.origin), grid.step);
+  const double shifted = __dsub_rn(x, grid.origin);
+  // |shifted| < 2^129 (element-type numbers), so with the step in range the
+  // quotient is in range too; a non-finite x divides outright.
+  const double normalized = grid.inverse != 0.0 && isfinite(shifted)
+                                ? divide_by_reciprocal(shifted, grid.step, grid.inverse)
+                                : __ddiv_rn(shifted, grid.step);
   if (!q.non_uniform) return clamp_code(rint(normalized), top);
   return level_code(normalized, q.encode_midpoints, top + 1);
 }
