@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/append_kernel.cuh"
+#include "kernels/element_extreme.h"
 
 namespace kvforge::kernels::append_device {
 
@@ -56,7 +57,7 @@ __device__ inline int32_t entry_of_row(const int64_t* offsets, int32_t count, in
 
 // Lanes l and l ^ offset combine (lower, higher): symmetric, so every lane of
 // a group ends with the group's extremes.
-__device__ inline Extreme shuffle_xor(Extreme e, int offset) {
+__device__ inline ElementExtreme shuffle_xor(ElementExtreme e, int offset) {
   return {__shfl_xor_sync(0xffffffffu, e.value, offset), __shfl_xor_sync(0xffffffffu, e.at, offset)};
 }
 
@@ -144,14 +145,14 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
     return;
   }
 
-  // The group's inlier range in the reference's order (Extreme): the lane's
+  // The group's range in the reference's order (element_extreme.h): the lane's
   // channels in index order, then the group's lanes pairwise.
   const int32_t group = l.spec.group;
   const int lanes_per_group = group / kE;
-  Extreme low{y[0], first}, high = low;
+  ElementExtreme low{static_cast<float>(y[0]), first}, high = low;
 #pragma unroll
   for (int e = 1; e < kE; ++e) {
-    const Extreme here{y[e], first + e};
+    const ElementExtreme here{static_cast<float>(y[e]), first + e};
     low = lower(low, here);
     high = higher(high, here);
   }
@@ -159,7 +160,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
     low = lower(low, shuffle_xor(low, offset));
     high = higher(high, shuffle_xor(high, offset));
   }
-  const double min = low.value, max = high.value;
+  const double min = static_cast<double>(low.value), max = static_cast<double>(high.value);
 
   const int32_t in_page = s % l.spec.page_size;
   uint8_t* page = t.cache.pages + static_cast<int64_t>(page_id) * l.page_bytes;
