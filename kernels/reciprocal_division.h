@@ -27,14 +27,23 @@ KVFORGE_HOST_DEVICE inline bool divides_by_reciprocal(double b) {
 }
 
 // `inverse` is 1 / b rounded to nearest (the caller's, once per divisor).
-KVFORGE_HOST_DEVICE inline double divide_by_reciprocal(double a, double b, double inverse) {
+// float64 here; kernels/small_division.h's float32 division by the grids'
+// small divisors is the same three operations.
+template <class T>
+KVFORGE_HOST_DEVICE inline T divide_by_reciprocal(T a, T b, T inverse) {
 #if defined(__CUDA_ARCH__)
-  const double q = __dmul_rn(a, inverse);
-  const double remainder = __fma_rn(-q, b, a);  // exact: a - q b
-  return __fma_rn(remainder, inverse, q);
+  if constexpr (sizeof(T) == 4) {
+    const float q = __fmul_rn(a, inverse);
+    const float remainder = __fmaf_rn(-q, b, a);  // exact: a - q b
+    return __fmaf_rn(remainder, inverse, q);
+  } else {
+    const double q = __dmul_rn(a, inverse);
+    const double remainder = __fma_rn(-q, b, a);  // exact: a - q b
+    return __fma_rn(remainder, inverse, q);
+  }
 #else
-  const double q = a * inverse;
-  const double remainder = std::fma(-q, b, a);
+  const T q = a * inverse;
+  const T remainder = std::fma(-q, b, a);
   return std::fma(remainder, inverse, q);
 #endif
 }

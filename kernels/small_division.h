@@ -11,21 +11,14 @@
 // significands and the edge cases.
 #include <cmath>
 
+#include "kernels/reciprocal_division.h"
 #include "kernels/runtime_layout.h"
 
 namespace kvforge::kernels {
 
 // `inverse` is 1 / divisor rounded to float32 (the caller's constant).
 KVFORGE_HOST_DEVICE inline float divide_by_small(float x, float divisor, float inverse) {
-#if defined(__CUDA_ARCH__)
-  const float q = __fmul_rn(x, inverse);
-  const float remainder = __fmaf_rn(-q, divisor, x);  // exact: x - q d
-  return __fmaf_rn(remainder, inverse, q);
-#else
-  const float q = x * inverse;
-  const float remainder = std::fma(-q, divisor, x);
-  return std::fma(remainder, inverse, q);
-#endif
+  return divide_by_reciprocal(x, divisor, inverse);
 }
 
 }  // namespace kvforge::kernels
