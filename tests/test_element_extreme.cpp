@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -17,12 +17,6 @@ namespace kvforge {
 namespace {
 
 using kernels::ElementExtreme;
-
-uint32_t bits_of(float x) {
-  uint32_t b = 0;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
 
 // The lanes' extremes combined as the kernel's shuffles do (lane l with
 // l ^ offset for offsets lanes / 2 .. 1); lane 0's result.
@@ -66,9 +60,9 @@ TEST(ElementExtreme, ButterflyEqualsTheReferencesSequentialMinimumAndMaximum) {
         }
         const ElementExtreme got_min = butterfly(low, [](ElementExtreme a, ElementExtreme b) { return kernels::lower(a, b); });
         const ElementExtreme got_max = butterfly(high, [](ElementExtreme a, ElementExtreme b) { return kernels::higher(a, b); });
-        ASSERT_EQ(bits_of(got_min.value), bits_of(min)) << "group of " << size;
+        ASSERT_EQ(std::bit_cast<uint32_t>(got_min.value), std::bit_cast<uint32_t>(min)) << "group of " << size;
         ASSERT_EQ(got_min.at, min_at);
-        ASSERT_EQ(bits_of(got_max.value), bits_of(max)) << "group of " << size;
+        ASSERT_EQ(std::bit_cast<uint32_t>(got_max.value), std::bit_cast<uint32_t>(max)) << "group of " << size;
         ASSERT_EQ(got_max.at, max_at);
         zero_extremes += (min == 0.0f) + (max == 0.0f);
         ++groups;

@@ -7,9 +7,9 @@
 // a tie. Quotients are compared bit for bit, a zero's sign aside.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -18,12 +18,6 @@
 
 namespace kvforge {
 namespace {
-
-uint64_t bits_of(double x) {
-  uint64_t b = 0;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
 
 // Whether the reciprocal path gives a / b (the grid's check first, as the
 // kernel does); counts the pairs it took.
@@ -35,7 +29,7 @@ void expect_equal_to_division(double a, double b, int64_t& taken) {
   const double inverse = 1.0 / divisor;
   const double got = kernels::divide_by_reciprocal(a, b, inverse);
   if (want == 0.0 && got == 0.0) return;  // either sign
-  ASSERT_EQ(bits_of(got), bits_of(want)) << std::hexfloat << a << " / " << b << ": " << got << " against " << want;
+  ASSERT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want)) << std::hexfloat << a << " / " << b << ": " << got << " against " << want;
 }
 
 TEST(ReciprocalDivision, EqualsDivisionForRandomPairsOverTheExponents) {

@@ -5,9 +5,9 @@
 // values). The exhaustive run over all 2^32 inputs is recorded in the header.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -17,24 +17,12 @@
 namespace kvforge {
 namespace {
 
-uint32_t bits_of(float x) {
-  uint32_t b = 0;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-float from_bits(uint32_t b) {
-  float x = 0;
-  std::memcpy(&x, &b, sizeof(x));
-  return x;
-}
-
 void expect_equal_to_division(float x, float divisor) {
   const float inverse = 1.0f / divisor;
   const volatile float d = divisor;  // a division at run time, not folded by the compiler
   const float want = x / d;
   const float got = kernels::divide_by_small(x, divisor, inverse);
-  ASSERT_EQ(bits_of(got), bits_of(want)) << std::hexfloat << x << " / " << divisor << ": " << got << " against " << want;
+  ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want)) << std::hexfloat << x << " / " << divisor << ": " << got << " against " << want;
 }
 
 TEST(SmallDivision, EqualsDivisionOnEveryExponent) {
@@ -44,7 +32,7 @@ TEST(SmallDivision, EqualsDivisionOnEveryExponent) {
       for (int i = 0; i < 4096; ++i) {
         const uint32_t significand = random() & 0x7fffffu;
         for (const uint32_t sign : {0u, 0x80000000u}) {
-          const float x = from_bits(sign | (exponent << 23) | significand);
+          const float x = std::bit_cast<float>(sign | (exponent << 23) | significand);
           if (x == 0.0f) continue;  // -0 is the documented exception, +0 below
           expect_equal_to_division(x, divisor);
         }
@@ -69,7 +57,7 @@ TEST(SmallDivision, EqualsDivisionOnTheEdges) {
 }
 
 TEST(SmallDivision, MinusZeroGivesPlusZero) {
-  EXPECT_EQ(bits_of(kernels::divide_by_small(-0.0f, 3.0f, 1.0f / 3.0f)), 0u);
+  EXPECT_EQ(std::bit_cast<uint32_t>(kernels::divide_by_small(-0.0f, 3.0f, 1.0f / 3.0f)), 0u);
 }
 
 }  // namespace
