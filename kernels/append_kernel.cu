@@ -223,12 +223,8 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
     throw std::invalid_argument("append (CUDA): keys and values differ in sink_tokens or page_size: expected one "
                                 "page table's token slots for both");
   }
-  if (params.page_table == nullptr && params.inline_arrays.count > 0) {
-    for (int32_t i = 0; i < params.inline_arrays.count; ++i) {
-      if (params.inline_arrays.new_page_plus_one[i] > 0) {
-        throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
-      }
-    }
+  if (params.page_table == nullptr && opens_inline_pages(params.inline_arrays)) {
+    throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
   }
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 
 #include "kernels/element_conversion.h"
 #include "kernels/pair_affine.h"
@@ -583,6 +584,9 @@ void append_reference(const AppendParams& given) {
     params.token_offsets = params.inline_arrays.token_offsets;
   }
   const SequenceBatch& batch = params.batch;
+  if (params.page_table == nullptr && opens_inline_pages(given.inline_arrays)) {
+    throw std::invalid_argument("append (CPU reference): inline new pages without a writable page_table");
+  }
   // The pages the inline arrays open, written into the page table first.
   for (int32_t entry = 0; entry < given.inline_arrays.count; ++entry) {
     const int32_t page = given.inline_arrays.new_page_plus_one[entry] - 1;

@@ -118,6 +118,15 @@ KVFORGE_HOST_DEVICE inline int32_t new_page_index(const TensorLayoutSpec& spec, 
   return slots > 0 ? static_cast<int32_t>((slots + spec.page_size - 1) / spec.page_size) : 0;
 }
 
+// Whether any entry of the inline arrays opens a page (append then writes
+// AppendParams::page_table, which must be set).
+inline bool opens_inline_pages(const InlineBatchArrays& arrays) {
+  for (int32_t i = 0; i < arrays.count; ++i) {
+    if (arrays.new_page_plus_one[i] > 0) return true;
+  }
+  return false;
+}
+
 // Which CUDA append kernel takes a call (the CPU reference ignores it):
 // kAuto the token-parallel kernel where the layout allows it (both kinds
 // per-token groups without outliers, kernels/append_token_kernel.cuh), else

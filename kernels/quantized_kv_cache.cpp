@@ -825,7 +825,7 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
     for (size_t i = 0; i < count; ++i) {
       if (params.inline_arrays.new_page_plus_one[i] == 0) continue;
       const int64_t at = static_cast<int64_t>(batch.sequences[i]) * page_table_stride_ +
-                         new_page_index(tensor(layer, TensorKind::kKeys).layout.spec, lengths[i]);
+                         new_page_index(spec, lengths[i]);
       page_table_changes_.push_back({at, at + 1});
     }
     throw;
