@@ -305,7 +305,7 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   // The merge as the split kernels' dependent: it launches while they run
   // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
-  launch(device::decode_merge_kernel<D>, grid, D, 0, stream, true, p, workspace);
+  launch(device::decode_merge_kernel<D>, grid, device::merge_threads<D>(), 0, stream, true, p, workspace);
 }
 
 // The longest context of the batch: the caller's max_length, else what a

@@ -13,7 +13,7 @@
 //     warp keeps the running max, sum and D/32 accumulators per lane
 //     (online softmax in float32, updated once per tile). It writes the
 //     split's (max, sum, acc[D]) state.
-//   decode_merge_kernel<D>: one block of D threads per (query head,
+//   decode_merge_kernel<D>: one block of merge_threads<D>() per (query head,
 //     sequence) merges the non-empty split states (these and the tensor-core
 //     kernel's, decode_tensor_core_kernel.cuh), rotates the output back by
 //     the values' rotation and stores it in the io type.
@@ -830,85 +830,130 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   wait_for_prerequisite_grid();
 }
 
-// One block of D threads per (query head, sequence entry): the non-empty
-// split states merged (M = max m_k, L = sum l_k e^(m_k - M),
-// o' = sum acc_k e^(m_k - M) / L; FlashInfer's merge_state), then
-// o = o' R_v^T. The states' weights are computed once per chunk of D states
-// by D threads, so that the sum over a long list of splits is a loop of
-// independent loads.
+// The merge's threads: kMergeParts groups of D, each summing every
+// kMergeParts-th state of a round of kMergeRound states, whose rows are all
+// loaded before the block knows the weights (one round trip to L2 for the
+// states of a round, instead of one per 8 states of one fma chain).
+inline constexpr int kMergeParts = 4;
+inline constexpr int kMergeRound = 128;  // states per round: kMergePerPart per part
+inline constexpr int kMergePerPart = kMergeRound / kMergeParts;
 template <int D>
-__global__ void __launch_bounds__(D) decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+constexpr int merge_threads() {
+  return D * kMergeParts;
+}
+
+// One block of merge_threads<D>() threads per (query head, sequence entry):
+// the non-empty split states merged (M = max m_k, L = sum l_k e^(m_k - M),
+// o' = sum acc_k e^(m_k - M) / L; FlashInfer's merge_state, in its own
+// order: each part's fma chain over its states, then the parts in order),
+// then o = o' R_v^T, each of whose rows of R_v is one warp's dot product
+// (its rows loaded before the split kernels end: launched as their
+// dependent, the merge runs its preamble while they do).
+template <int D>
+__global__ void __launch_bounds__(merge_threads<D>()) decode_merge_kernel(const DecodeParams p,
+                                                                          const SplitWorkspace workspace) {
+  constexpr int kThreads = merge_threads<D>(), kWarps = kThreads / kWarpSize;
+  constexpr int kRowsPerWarp = D / kWarps, kRowWords = D / kWarpSize;
+  static_assert(D % kWarps == 0 && D % kWarpSize == 0, "the rotation's rows split evenly over the warps");
+  __shared__ float weights[kMergeRound];
+  __shared__ float parts[kMergeParts][D];
+  __shared__ float reduce[kWarps];
+  __shared__ float merged_row[D];
+  const int head = blockIdx.x, entry = blockIdx.y, t = threadIdx.x;
+  const int d = t % D, part = t / D, warp = t / kWarpSize, lane = t % kWarpSize;
+  const Rotation& rotation = p.value_rotation;
+  const bool rotated = rotation.kind == RotationKind::kMatrix;
+  // Warp w's rows w * kRowsPerWarp + r of the value rotation, lane l holding
+  // columns l + 32 j: not written by the split kernels, so loaded before
+  // their states are complete.
+  float matrix_rows[kRowsPerWarp][kRowWords];
+  if (rotated) {
+    const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
+    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+      for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(warp * kRowsPerWarp + r) * D + lane + kWarpSize * j];
+    }
+  }
   wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
-  __shared__ float merged[D];
-  __shared__ float weights[D];
-  __shared__ float reduce[D / kWarpSize];
-  __shared__ float columns[D][kWarpSize + 1];  // 32 columns of the value rotation (padded: no bank conflicts)
-  const int head = blockIdx.x, entry = blockIdx.y, d = threadIdx.x;
-  const int warp = d / kWarpSize, lane = d % kWarpSize;
   const int64_t states = workspace.max_splits;
   const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
-  float max = -INFINITY;
-  for (int64_t k = d; k < states; k += D) max = fmaxf(max, workspace.max_sum[2 * (base + k)]);
-  max = warp_max(max);
-  if (lane == 0) reduce[warp] = max;
-  __syncthreads();
-  max = reduce[0];
-  for (int w = 1; w < D / kWarpSize; ++w) max = fmaxf(max, reduce[w]);
-  float sum = 0.0f, out = 0.0f;
-  for (int64_t chunk = 0; chunk < states; chunk += D) {
-    __syncthreads();  // the previous chunk's weights (and the reduction) are read
-    float weight = 0.0f;
-    if (chunk + d < states) {
-      const float m = workspace.max_sum[2 * (base + chunk + d)];
-      if (m != -INFINITY) {
-        weight = expf(m - max);
-        sum = __fmaf_rn(workspace.max_sum[2 * (base + chunk + d) + 1], weight, sum);
-      }
+  float sum = 0.0f, out = 0.0f, max = -INFINITY;
+  for (int64_t round = 0; round < states; round += kMergeRound) {
+    // Every state's row of the round is loaded (an empty split's may be
+    // anything: its zero weight's select keeps it out).
+    float rows[kMergePerPart];
+#pragma unroll
+    for (int u = 0; u < kMergePerPart; ++u) {
+      const int64_t k = round + part + kMergeParts * u;
+      rows[u] = k < states ? workspace.acc[(base + k) * D + d] : 0.0f;
     }
-    weights[d] = weight;
+    float m = -INFINITY, l = 0.0f;
+    if (t < kMergeRound && round + t < states) {
+      m = workspace.max_sum[2 * (base + round + t)];
+      l = workspace.max_sum[2 * (base + round + t) + 1];
+    }
+    if (round == 0) {
+      // The maximum over every state (a round's with the loads above).
+      float all = m;
+      for (int64_t k = kMergeRound + t; k < states; k += kThreads) all = fmaxf(all, workspace.max_sum[2 * (base + k)]);
+      all = warp_max(all);
+      if (lane == 0) reduce[warp] = all;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) max = fmaxf(max, reduce[w]);
+    }
+    __syncthreads();  // the previous round's weights (and the reduction) are read
+    if (t < kMergeRound) {
+      const float weight = m != -INFINITY ? expf(m - max) : 0.0f;
+      if (m != -INFINITY) sum = __fmaf_rn(l, weight, sum);
+      weights[t] = weight;
+    }
     __syncthreads();
-    // One fma chain in split order; every state's row is loaded (an empty
-    // split's may be anything: the select keeps it out), so that unrolled,
-    // 8 loads are in flight instead of one load per step of the chain (at
-    // batch 1 the merge's 64 splits took longer than the splits' kernel).
-    const int count = static_cast<int>(states - chunk < D ? states - chunk : D);
-    const float* rows = workspace.acc + (base + chunk) * D + d;
-#pragma unroll 8
-    for (int k = 0; k < count; ++k) {
-      const float row = rows[static_cast<int64_t>(k) * D];
-      const float weight_k = weights[k];
-      out = weight_k != 0.0f ? __fmaf_rn(row, weight_k, out) : out;
+#pragma unroll
+    for (int u = 0; u < kMergePerPart; ++u) {
+      const float weight = weights[part + kMergeParts * u];
+      out = weight != 0.0f ? __fmaf_rn(rows[u], weight, out) : out;
     }
   }
   sum = warp_sum(sum);
-  __syncthreads();
+  parts[part][d] = out;
+  __syncthreads();  // reduce's maxima are read
   if (lane == 0) reduce[warp] = sum;
   __syncthreads();
   sum = 0.0f;
-  for (int w = 0; w < D / kWarpSize; ++w) sum += reduce[w];
-  out = __fdiv_rn(out, sum);
-  const Rotation& rotation = p.value_rotation;
-  const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
-  if (rotation.kind == RotationKind::kMatrix) {
-    // o_d = sum_i o'_i R_di, one fma chain in i order. Thread d needs row d:
-    // read straight from global memory, a warp's load would touch 32 lines
-    // (rows D floats apart), so the rows come through shared memory 32
-    // columns at a time, each warp's load one row's 128 bytes.
-    merged[d] = out;
-    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-    out = 0.0f;
-    for (int first = 0; first < D; first += kWarpSize) {
-      __syncthreads();  // merged is written; the previous columns are read
-      for (int e = d; e < D * kWarpSize; e += D) {
-        const int row = e / kWarpSize, column = e % kWarpSize;
-        columns[row][column] = matrix[row * D + first + column];
-      }
-      __syncthreads();
-#pragma unroll 8
-      for (int c = 0; c < kWarpSize; ++c) out = __fmaf_rn(merged[first + c], columns[d][c], out);
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += reduce[w];
+  const int64_t output = (static_cast<int64_t>(entry) * p.num_heads + head) * D;
+  if (!rotated) {
+    if (t < D) {
+      float merged = parts[0][t];
+#pragma unroll
+      for (int q = 1; q < kMergeParts; ++q) merged += parts[q][t];
+      store_io(p.io, p.output, output + t, __fdiv_rn(merged, sum));
     }
+    return;
   }
-  store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + d, out);
+  // o' into merged_row: every warp reads all of it.
+  if (t < D) {
+    float merged = parts[0][t];
+#pragma unroll
+    for (int q = 1; q < kMergeParts; ++q) merged += parts[q][t];
+    merged_row[t] = __fdiv_rn(merged, sum);
+  }
+  __syncthreads();
+  float merged[kRowWords];
+#pragma unroll
+  for (int j = 0; j < kRowWords; ++j) merged[j] = merged_row[lane + kWarpSize * j];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[j], matrix_rows[r][j], dot);
+    dot = warp_sum(dot);
+    if (lane == 0) store_io(p.io, p.output, output + warp * kRowsPerWarp + r, dot);
+  }
 }
 
 }  // namespace kvforge::kernels::decode_attention_device

@@ -263,10 +263,22 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
 
 // ---------------------------------------------------------------- block parts
 
-// The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
-// the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
-// are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
-// block's threads together, synchronized on return.
+// `out_count` floats of `out` zeroed, and the GQA group's queries in `raw`
+// rotated by the keys' rotation into `query` (float32, 6.3 step 1; heads
+// past the group are the mma's padding: zero); the block's threads
+// together, after `raw` is written, synchronized on return.
+template <int D>
+__device__ inline void rotate_loaded_queries(const DecodeParams& p, int group, int kv_head,
+                                             float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
+                                             float* out, int out_count) {
+  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
+  __syncthreads();
+  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
+  __syncthreads();
+}
+
+// The GQA group's queries (state_base + h, h < group) into `raw`, then as
+// rotate_loaded_queries.
 template <int D>
 __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_base, int group, int kv_head,
                                           float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
@@ -275,43 +287,73 @@ __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_b
     const int h = i / D, d = i % D;
     raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
   }
-  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
-  __syncthreads();
-  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
-  __syncthreads();
+  rotate_loaded_queries<D>(p, group, kv_head, query, raw, out, out_count);
 }
+
+// The GQA group's queries held in registers by a block of kThreads threads
+// (thread t: elements t + kThreads i of the group's rows), so that a kernel
+// issues their loads first and stores them (raw) once its other loads are
+// on their way.
+template <int D, int kThreads>
+struct GroupQueryRegisters {
+  static constexpr int kElements = kMaxTensorCoreGroup * D;
+  static constexpr int kPerThread = (kElements + kThreads - 1) / kThreads;
+  float x[kPerThread];
+
+  __device__ void load(const DecodeParams& p, int64_t state_base, int group) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + kThreads * k;
+      x[k] = i < kElements && i / D < group ? load_io(p.io, p.queries, state_base * D + i) : 0.0f;
+    }
+  }
+  __device__ void store(float (&raw)[kMaxTensorCoreGroup][D]) const {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + kThreads * k;
+      if (i < kElements) (&raw[0][0])[i] = x[k];
+    }
+  }
+};
 
 // The block's split state from its kWarps warps' (max and sum in log2
 // units, turned back into natural units for the merge kernel; each warp's
-// output rows): the block's threads together, after a __syncthreads.
+// output rows): the block's threads together, after a __syncthreads. A
+// head's warp weights 2^(m_w - m) are computed once, by one thread per
+// head, not once per channel; a warp without tokens (m_w = -inf) weighs 0
+// and its rows are skipped.
 template <int D, int kWarps>
 __device__ inline void write_block_state(const SplitWorkspace& workspace, int64_t state_base, int split, int group,
                                          const float (&state_max)[kWarps][kMaxTensorCoreGroup],
                                          const float (&state_sum)[kWarps][kMaxTensorCoreGroup],
                                          const float (&out)[kWarps][kMaxTensorCoreGroup][D]) {
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
+  __shared__ float rescale[kMaxTensorCoreGroup][kWarps];
+  if (static_cast<int>(threadIdx.x) < group) {
+    const int h = threadIdx.x;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, state_max[w][h]);
-    const int64_t index = (state_base + h) * workspace.max_splits + split;
-    if (m == -INFINITY) {
-      if (d == 0) workspace.max_sum[2 * index] = -INFINITY;
-      continue;
-    }
-    float sum = 0.0f, value = 0.0f;
+    float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      if (state_max[w][h] == -INFINITY) continue;
-      const float rescale = exp2f(state_max[w][h] - m);
-      sum = __fmaf_rn(state_sum[w][h], rescale, sum);
-      value = __fmaf_rn(out[w][h][d], rescale, value);
+      const float weight = state_max[w][h] == -INFINITY ? 0.0f : exp2f(state_max[w][h] - m);
+      if (weight != 0.0f) sum = __fmaf_rn(state_sum[w][h], weight, sum);
+      rescale[h][w] = weight;
     }
-    if (d == 0) {
-      workspace.max_sum[2 * index] = m * 0.6931471805599453f;  // log2 units to natural
-      workspace.max_sum[2 * index + 1] = sum;
+    const int64_t index = (state_base + h) * workspace.max_splits + split;
+    workspace.max_sum[2 * index] = m == -INFINITY ? -INFINITY : m * 0.6931471805599453f;  // log2 units to natural
+    workspace.max_sum[2 * index + 1] = sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    float value = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = rescale[h][w];
+      value = weight != 0.0f ? __fmaf_rn(out[w][h][d], weight, value) : value;
     }
-    workspace.acc[index * D + d] = value;
+    workspace.acc[((state_base + h) * workspace.max_splits + split) * D + d] = value;
   }
 }
 
