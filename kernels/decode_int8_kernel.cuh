@@ -45,6 +45,7 @@
 #include <type_traits>
 
 #include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
 
 namespace kvforge::kernels::decode_attention_device {
@@ -439,12 +440,21 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   // per block, not two per step), and its page id, read one step ahead so
   // that no issue waits on the page table. Keys and values share the page
   // table and, at 2 bits both, the rows' offsets in a page.
-  const int32_t step_pages = kInt8StepTokens / page_size, step_rest = kInt8StepTokens % page_size;
+  // (By shifts at a power-of-two page size: on the way to the first page
+  // table load, where a 64-bit division is a subroutine call.)
+  const FixedDivisor per_page(static_cast<uint32_t>(page_size));
+  const auto step_pages = static_cast<int32_t>(per_page.quotient(kInt8StepTokens));
+  const auto step_rest = static_cast<int32_t>(per_page.remainder(kInt8StepTokens));
   int32_t next_page_index = 0, next_in_page = 0;
   {
     const int64_t s_index = run_first + lane - sink;
-    next_page_index = static_cast<int32_t>(s_index / page_size);
-    next_in_page = static_cast<int32_t>(s_index % page_size);
+    if (s_index <= int64_t{0xffffffff}) {
+      next_page_index = static_cast<int32_t>(per_page.quotient(static_cast<uint32_t>(s_index)));
+      next_in_page = static_cast<int32_t>(per_page.remainder(static_cast<uint32_t>(s_index)));
+    } else {
+      next_page_index = static_cast<int32_t>(s_index / page_size);
+      next_in_page = static_cast<int32_t>(s_index % page_size);
+    }
   }
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
