@@ -539,20 +539,30 @@ __device__ inline void rotate_group_queries(const Rotation& rotation, int kv_hea
     return;
   }
   constexpr int kHeads = 4;  // per thread
+  constexpr int kRowsInFlight = 16;
+  static_assert(D % kRowsInFlight == 0, "whole batches of rows");
   const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
   const int units = (group + kHeads - 1) / kHeads * D;
   for (int unit = threadIdx.x; unit < units; unit += blockDim.x) {
     const int j = unit % D, first_head = unit / D * kHeads;
     const float* rows = raw + first_head * D;
     float sum[kHeads] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 2
-    for (int k = 0; k < D; k += 4) {
-      const float r0 = matrix[k * D + j], r1 = matrix[(k + 1) * D + j];
-      const float r2 = matrix[(k + 2) * D + j], r3 = matrix[(k + 3) * D + j];
+    // kRowsInFlight rows' loads before their fmas: the fmas wait on the
+    // loads, so that the loads of the next rows issue only after them (with
+    // 8 rows at a time, 16 round trips to L2 per block, the preamble's
+    // longest chain where the keys are rotated).
+#pragma unroll 1
+    for (int k0 = 0; k0 < D; k0 += kRowsInFlight) {
+      float r[kRowsInFlight];
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) {
-        const float4 x = *reinterpret_cast<const float4*>(rows + h * D + k);
-        sum[h] = __fmaf_rn(x.w, r3, __fmaf_rn(x.z, r2, __fmaf_rn(x.y, r1, __fmaf_rn(x.x, r0, sum[h]))));
+      for (int i = 0; i < kRowsInFlight; ++i) r[i] = matrix[(k0 + i) * D + j];
+#pragma unroll
+      for (int i = 0; i < kRowsInFlight; i += 4) {
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) {
+          const float4 x = *reinterpret_cast<const float4*>(rows + h * D + k0 + i);
+          sum[h] = __fmaf_rn(x.w, r[i + 3], __fmaf_rn(x.z, r[i + 2], __fmaf_rn(x.y, r[i + 1], __fmaf_rn(x.x, r[i], sum[h]))));
+        }
       }
     }
 #pragma unroll
