@@ -305,7 +305,12 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   // The merge as the split kernels' dependent: it launches while they run
   // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
-  launch(device::decode_merge_kernel<D>, grid, device::merge_threads<D>(), 0, stream, true, p, workspace);
+  if (plan.wide_merge) {
+    launch(device::decode_merge_kernel<D, device::kMergeMaxParts>, grid,
+           device::merge_threads<D, device::kMergeMaxParts>(), 0, stream, true, p, workspace);
+  } else {
+    launch(device::decode_merge_kernel<D, 1>, grid, device::merge_threads<D, 1>(), 0, stream, true, p, workspace);
+  }
 }
 
 // The longest context of the batch: the caller's max_length, else what a
@@ -410,6 +415,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     plan.splits = static_cast<int32_t>(p.tokens_per_split > 0 ? ceil_div64(longest, p.tokens_per_split) : 1);
   }
   plan.states = plan.splits + plan.exact_splits;
+  plan.wide_merge = plan.states > device::merge_per_part<1>() &&
+                    static_cast<int64_t>(p.num_heads) * p.batch.count <= multiprocessors;
   return plan;
 }
 

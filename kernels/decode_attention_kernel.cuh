@@ -13,7 +13,7 @@
 //     warp keeps the running max, sum and D/32 accumulators per lane
 //     (online softmax in float32, updated once per tile). It writes the
 //     split's (max, sum, acc[D]) state.
-//   decode_merge_kernel<D>: one block of merge_threads<D>() per (query head,
+//   decode_merge_kernel<D, kParts>: one block of merge_threads() per (query head,
 //     sequence) merges the non-empty split states (these and the tensor-core
 //     kernel's, decode_tensor_core_kernel.cuh), rotates the output back by
 //     the values' rotation and stores it in the io type.
@@ -840,74 +840,90 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
   wait_for_prerequisite_grid();
 }
 
-// The merge's threads: kMergeParts groups of D, each summing every
-// kMergeParts-th state of a round of kMergeRound states, whose rows are all
-// loaded before the block knows the weights (one round trip to L2 for the
-// states of a round, instead of one per 8 states of one fma chain).
-inline constexpr int kMergeParts = 4;
-inline constexpr int kMergeRound = 128;  // states per round: kMergePerPart per part
-inline constexpr int kMergePerPart = kMergeRound / kMergeParts;
-template <int D>
+// The merge's rounds: kParts groups of D threads, each summing every
+// kParts-th state of a round of kParts * merge_per_part() states, whose
+// rows are all loaded before the block knows their weights (one round trip
+// to L2 for the states of a round, instead of one per 8 states of one fma
+// chain). Four groups where the splits are many (batch 1: 64 and more
+// states), one where they are few: a block of 4 D threads and its 124
+// registers take a whole multiprocessor, which at batch 32 (1024 blocks)
+// ran the merge in 8 waves; the one-group blocks keep to 64 registers
+// (eight blocks per multiprocessor: batch 32's in one wave).
+inline constexpr int kMergeMaxParts = 4;
+template <int kParts>
+constexpr int merge_per_part() {
+  return kParts == 1 ? 8 : 16;
+}
+// The value rotation's rows a warp holds at a time (lane l: columns
+// l + 32 j).
+template <int kParts>
+constexpr int merge_matrix_rows() {
+  return kParts == 1 ? 4 : 8;
+}
+template <int D, int kParts>
 constexpr int merge_threads() {
-  return D * kMergeParts;
+  return D * kParts;
 }
 
-// One block of merge_threads<D>() threads per (query head, sequence entry):
-// the non-empty split states merged (M = max m_k, L = sum l_k e^(m_k - M),
-// o' = sum acc_k e^(m_k - M) / L; FlashInfer's merge_state, in its own
-// order: each part's fma chain over its states, then the parts in order),
-// then o = o' R_v^T, each of whose rows of R_v is one warp's dot product
-// (its rows loaded before the split kernels end: launched as their
-// dependent, the merge runs its preamble while they do).
-template <int D>
-__global__ void __launch_bounds__(merge_threads<D>()) decode_merge_kernel(const DecodeParams p,
-                                                                          const SplitWorkspace workspace) {
-  constexpr int kThreads = merge_threads<D>(), kWarps = kThreads / kWarpSize;
+// One block of merge_threads<D, kParts>() threads per (query head, sequence
+// entry): the non-empty split states merged (M = max m_k, L = sum l_k
+// e^(m_k - M), o' = sum acc_k e^(m_k - M) / L; FlashInfer's merge_state, in
+// its own order: each group's fma chain over its states, then the groups
+// in order), then o = o' R_v^T, each row of R_v one warp's dot product
+// (its first merge_matrix_rows() rows loaded before the split kernels end:
+// launched as their dependent, the merge runs its preamble while they do).
+template <int D, int kParts>
+__global__ void __launch_bounds__(merge_threads<D, kParts>(), kParts == 1 ? 8 : 1)
+    decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+  constexpr int kThreads = merge_threads<D, kParts>(), kWarps = kThreads / kWarpSize;
+  constexpr int kPerPart = merge_per_part<kParts>(), kRound = kParts * kPerPart;
   constexpr int kRowsPerWarp = D / kWarps, kRowWords = D / kWarpSize;
-  static_assert(D % kWarps == 0 && D % kWarpSize == 0, "the rotation's rows split evenly over the warps");
-  __shared__ float weights[kMergeRound];
-  __shared__ float parts[kMergeParts][D];
+  constexpr int kMatrixRows = kRowsPerWarp < merge_matrix_rows<kParts>() ? kRowsPerWarp : merge_matrix_rows<kParts>();
+  static_assert(D % kWarps == 0 && kRowsPerWarp % kMatrixRows == 0, "the rotation's rows split evenly over the warps");
+  static_assert(kThreads >= kRound, "a round's weights take one thread each");
+  __shared__ float weights[kRound];
+  __shared__ float parts[kParts][D];
   __shared__ float reduce[kWarps];
   __shared__ float merged_row[D];
   const int head = blockIdx.x, entry = blockIdx.y, t = threadIdx.x;
   const int d = t % D, part = t / D, warp = t / kWarpSize, lane = t % kWarpSize;
   const Rotation& rotation = p.value_rotation;
   const bool rotated = rotation.kind == RotationKind::kMatrix;
-  // Warp w's rows w * kRowsPerWarp + r of the value rotation, lane l holding
-  // columns l + 32 j: not written by the split kernels, so loaded before
-  // their states are complete.
-  float matrix_rows[kRowsPerWarp][kRowWords];
-  if (rotated) {
-    const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
-    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+  const int kv_head = head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
+  const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
+  // Rows [first_row, first_row + kMatrixRows) of the rotation in the lanes'
+  // columns: the split kernels do not write them.
+  float matrix_rows[kMatrixRows][kRowWords];
+  auto load_matrix_rows = [&](int first_row) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+    for (int r = 0; r < kMatrixRows; ++r) {
 #pragma unroll
-      for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(warp * kRowsPerWarp + r) * D + lane + kWarpSize * j];
+      for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(first_row + r) * D + lane + kWarpSize * j];
     }
-  }
+  };
+  if (rotated) load_matrix_rows(warp * kRowsPerWarp);
   wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
   const int64_t states = workspace.max_splits;
   const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
   float sum = 0.0f, out = 0.0f, max = -INFINITY;
-  for (int64_t round = 0; round < states; round += kMergeRound) {
+  for (int64_t round = 0; round < states; round += kRound) {
     // Every state's row of the round is loaded (an empty split's may be
     // anything: its zero weight's select keeps it out).
-    float rows[kMergePerPart];
+    float rows[kPerPart];
 #pragma unroll
-    for (int u = 0; u < kMergePerPart; ++u) {
-      const int64_t k = round + part + kMergeParts * u;
+    for (int u = 0; u < kPerPart; ++u) {
+      const int64_t k = round + part + kParts * u;
       rows[u] = k < states ? workspace.acc[(base + k) * D + d] : 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    if (t < kMergeRound && round + t < states) {
+    if (t < kRound && round + t < states) {
       m = workspace.max_sum[2 * (base + round + t)];
       l = workspace.max_sum[2 * (base + round + t) + 1];
     }
     if (round == 0) {
       // The maximum over every state (a round's with the loads above).
       float all = m;
-      for (int64_t k = kMergeRound + t; k < states; k += kThreads) all = fmaxf(all, workspace.max_sum[2 * (base + k)]);
+      for (int64_t k = kRound + t; k < states; k += kThreads) all = fmaxf(all, workspace.max_sum[2 * (base + k)]);
       all = warp_max(all);
       if (lane == 0) reduce[warp] = all;
       __syncthreads();
@@ -915,15 +931,15 @@ __global__ void __launch_bounds__(merge_threads<D>()) decode_merge_kernel(const 
       for (int w = 0; w < kWarps; ++w) max = fmaxf(max, reduce[w]);
     }
     __syncthreads();  // the previous round's weights (and the reduction) are read
-    if (t < kMergeRound) {
+    if (t < kRound) {
       const float weight = m != -INFINITY ? expf(m - max) : 0.0f;
       if (m != -INFINITY) sum = __fmaf_rn(l, weight, sum);
       weights[t] = weight;
     }
     __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kMergePerPart; ++u) {
-      const float weight = weights[part + kMergeParts * u];
+    for (int u = 0; u < kPerPart; ++u) {
+      const float weight = weights[part + kParts * u];
       out = weight != 0.0f ? __fmaf_rn(rows[u], weight, out) : out;
     }
   }
@@ -936,33 +952,33 @@ __global__ void __launch_bounds__(merge_threads<D>()) decode_merge_kernel(const 
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += reduce[w];
   const int64_t output = (static_cast<int64_t>(entry) * p.num_heads + head) * D;
-  if (!rotated) {
-    if (t < D) {
-      float merged = parts[0][t];
-#pragma unroll
-      for (int q = 1; q < kMergeParts; ++q) merged += parts[q][t];
-      store_io(p.io, p.output, output + t, __fdiv_rn(merged, sum));
-    }
-    return;
-  }
-  // o' into merged_row: every warp reads all of it.
   if (t < D) {
     float merged = parts[0][t];
 #pragma unroll
-    for (int q = 1; q < kMergeParts; ++q) merged += parts[q][t];
-    merged_row[t] = __fdiv_rn(merged, sum);
+    for (int q = 1; q < kParts; ++q) merged += parts[q][t];
+    merged = __fdiv_rn(merged, sum);
+    if (!rotated) {
+      store_io(p.io, p.output, output + t, merged);
+    } else {
+      merged_row[t] = merged;
+    }
   }
-  __syncthreads();
+  if (!rotated) return;
+  __syncthreads();  // o' in merged_row: every warp reads all of it
   float merged[kRowWords];
 #pragma unroll
   for (int j = 0; j < kRowWords; ++j) merged[j] = merged_row[lane + kWarpSize * j];
+#pragma unroll 1
+  for (int first_row = warp * kRowsPerWarp; first_row < (warp + 1) * kRowsPerWarp; first_row += kMatrixRows) {
+    if (first_row != warp * kRowsPerWarp) load_matrix_rows(first_row);
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    float dot = 0.0f;
+    for (int r = 0; r < kMatrixRows; ++r) {
+      float dot = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[j], matrix_rows[r][j], dot);
-    dot = warp_sum(dot);
-    if (lane == 0) store_io(p.io, p.output, output + warp * kRowsPerWarp + r, dot);
+      for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[j], matrix_rows[r][j], dot);
+      dot = warp_sum(dot);
+      if (lane == 0) store_io(p.io, p.output, output + first_row + r, dot);
+    }
   }
 }
 

@@ -32,6 +32,12 @@ struct DecodePlan {
   // else the int8 kernel launches first and their blocks fill its last wave.
   bool exact_first = false;
   int64_t states = 0;            // split states per query head: splits + exact_splits
+  // The merge's blocks take four groups of head_dim threads, each loading
+  // 16 states' rows at once: many states (over 8) and at most one such
+  // block per multiprocessor (query heads times sequences; batch 1). Else
+  // one group of 8 states' rows, blocks small enough for batch 32's in one
+  // wave.
+  bool wide_merge = false;
 };
 
 // Whether the configuration's layout is one the tensor-core kernel reads:
