@@ -259,14 +259,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   // (DecodePlan::exact_first), this one waits for it before it exits, so
   // that its completion (what the merge waits for) implies theirs.
   allow_dependent_launch();
-  // The group's queries' loads first: they need nothing of the sequence's
-  // length, and its page table and stages' copies follow before the block
-  // waits for them.
-  GroupQueryRegisters<D, kInt8Warps * kWarpSize> queries;
-  {
-    const int heads = p.num_heads / p.key_cache.layout.spec.kv_heads;
-    queries.load(p, static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * heads, heads);
-  }
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
@@ -293,6 +285,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   auto& out = *reinterpret_cast<Int8Out<D>*>(
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
+  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
+                        value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
 
   // This warp's steps: a contiguous run of the split's.
   const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
@@ -400,6 +394,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       a_term_h[h] = __shfl_sync(0xffffffffu, a_term, source) * log2e_scale;
     }
   };
+  if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
+    for (int d = lane; d < D; d += kWarpSize) {
+      shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, ChannelStream{}, kv_head, d, kTop);
+    }
+    __syncwarp();
+  }
+  if (!channel_tokens) build_key_operands(per_channel_keys);
 
   // The lane's heads: the maxima (every lane of the heads alike) and the
   // sums of this lane's own weights (over the heads' lanes at the end).
@@ -556,18 +557,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     if (to_issue > 0) issue();
     copy_async_commit();
   }
-  // The queries rotated and the key operands built while the first steps'
-  // bytes are on their way.
-  queries.store(shared.raw_query);
-  rotate_loaded_queries<D>(p, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
-                           value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
-  if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
-    for (int d = lane; d < D; d += kWarpSize) {
-      shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, ChannelStream{}, kv_head, d, kTop);
-    }
-    __syncwarp();
-  }
-  if (!channel_tokens) build_key_operands(per_channel_keys);
   int compute_stage = 0;
   int32_t left = run_tokens;  // tokens of the run from this step on
   for (int32_t step = 0; step < run_steps; ++step) {

@@ -263,22 +263,10 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
 
 // ---------------------------------------------------------------- block parts
 
-// `out_count` floats of `out` zeroed, and the GQA group's queries in `raw`
-// rotated by the keys' rotation into `query` (float32, 6.3 step 1; heads
-// past the group are the mma's padding: zero); the block's threads
-// together, after `raw` is written, synchronized on return.
-template <int D>
-__device__ inline void rotate_loaded_queries(const DecodeParams& p, int group, int kv_head,
-                                             float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
-                                             float* out, int out_count) {
-  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
-  __syncthreads();
-  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
-  __syncthreads();
-}
-
-// The GQA group's queries (state_base + h, h < group) into `raw`, then as
-// rotate_loaded_queries.
+// The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
+// the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
+// are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
+// block's threads together, synchronized on return.
 template <int D>
 __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_base, int group, int kv_head,
                                           float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
@@ -287,34 +275,11 @@ __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_b
     const int h = i / D, d = i % D;
     raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
   }
-  rotate_loaded_queries<D>(p, group, kv_head, query, raw, out, out_count);
+  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
+  __syncthreads();
+  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
+  __syncthreads();
 }
-
-// The GQA group's queries held in registers by a block of kThreads threads
-// (thread t: elements t + kThreads i of the group's rows), so that a kernel
-// issues their loads first and stores them (raw) once its other loads are
-// on their way.
-template <int D, int kThreads>
-struct GroupQueryRegisters {
-  static constexpr int kElements = kMaxTensorCoreGroup * D;
-  static constexpr int kPerThread = (kElements + kThreads - 1) / kThreads;
-  float x[kPerThread];
-
-  __device__ void load(const DecodeParams& p, int64_t state_base, int group) {
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      const int i = static_cast<int>(threadIdx.x) + kThreads * k;
-      x[k] = i < kElements && i / D < group ? load_io(p.io, p.queries, state_base * D + i) : 0.0f;
-    }
-  }
-  __device__ void store(float (&raw)[kMaxTensorCoreGroup][D]) const {
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      const int i = static_cast<int>(threadIdx.x) + kThreads * k;
-      if (i < kElements) (&raw[0][0])[i] = x[k];
-    }
-  }
-};
 
 // The block's split state from its kWarps warps' (max and sum in log2
 // units, turned back into natural units for the merge kernel; each warp's
