@@ -429,6 +429,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.splits, plan.splits) << c.name;
       EXPECT_EQ(planned.tokens_per_split, plan.tokens_per_split) << c.name;
       EXPECT_EQ(planned.states, plan.states) << c.name;
+      EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
     }
     kernels::launch_decode_attention(on_device, nullptr);
     planner.launch(on_device, nullptr);
@@ -476,9 +477,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::printf("[ %s ] %s kernel, splits of %lld tokens\n", c.name.c_str(),
+  std::printf("[ %s ] %s kernel, splits of %lld tokens, %lld states merged by %s\n", c.name.c_str(),
               plan.int8 ? "int8 tensor-core" : plan.tensor_cores ? "tensor-core" : "general",
-              static_cast<long long>(plan.tokens_per_split));
+              static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
+              plan.wide_merge ? "four thread groups" : "one thread group");
   if (check.print_timing) {
     std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "
                 "worst |cuda - float64| %.2e of max||v|| and %.3f of its bound (cpu %.1f s, gpu %.2f s)\n",
