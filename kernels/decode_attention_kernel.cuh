@@ -547,10 +547,10 @@ __device__ inline void rotate_group_queries(const Rotation& rotation, int kv_hea
     const int j = unit % D, first_head = unit / D * kHeads;
     const float* rows = raw + first_head * D;
     float sum[kHeads] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // kRowsInFlight rows' loads before their fmas: the fmas wait on the
-    // loads, so that the loads of the next rows issue only after them (with
-    // 8 rows at a time, 16 round trips to L2 per block, the preamble's
-    // longest chain where the keys are rotated).
+    // kRowsInFlight rows' loads before their fmas: a row's fmas wait on its
+    // loads and the next rows' loads issue after those fmas, so each batch
+    // is a round trip to L2 (8 rows a batch had made 16 per block, the
+    // preamble's longest chain where the keys are rotated).
 #pragma unroll 1
     for (int k0 = 0; k0 < D; k0 += kRowsInFlight) {
       float r[kRowsInFlight];
@@ -844,11 +844,12 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
 // kParts-th state of a round of kParts * merge_per_part() states, whose
 // rows are all loaded before the block knows their weights (one round trip
 // to L2 for the states of a round, instead of one per 8 states of one fma
-// chain). Four groups where the splits are many (batch 1: 64 and more
-// states), one where they are few: a block of 4 D threads and its 124
-// registers take a whole multiprocessor, which at batch 32 (1024 blocks)
-// ran the merge in 8 waves; the one-group blocks keep to 64 registers
-// (eight blocks per multiprocessor: batch 32's in one wave).
+// chain). Four groups where the states are many (over 8) and the blocks at
+// most one per multiprocessor (DecodePlan::wide_merge: batch 1's 64 splits
+// and more), else one: a block of 4 D threads and its ~120 registers take a
+// whole multiprocessor, which at batch 32 (1024 blocks) ran the merge in 8
+// waves; the one-group blocks keep to 64 registers at head_dim 128 (eight
+// blocks per multiprocessor: batch 32's in one wave).
 inline constexpr int kMergeMaxParts = 4;
 template <int kParts>
 constexpr int merge_per_part() {
