@@ -23,7 +23,8 @@
 // and the decode launch's host side with and without a DecodePlanner's
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
-// tensor_cores, general); with --bf16-tensor-cores also the bf16 tensor-core
+// tensor_cores, general) and `splits`, `exact_splits`, `exact_first` and
+// `wide_merge` its plan (kernels::DecodePlan); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor.
 #include <ATen/ATen.h>
@@ -402,6 +403,9 @@ int run(int argc, char** argv) {
                                 {"bits", b},
                                 {"kernel", plan.int8 ? "int8_tensor_cores" : plan.tensor_cores ? "tensor_cores" : "general"},
                                 {"splits", plan.splits},
+                                {"exact_splits", plan.exact_splits},
+                                {"exact_first", plan.exact_first},
+                                {"wide_merge", plan.wide_merge},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
                                 {"speedup_vs_sdpa", sdpa.at(context) / time_us},
