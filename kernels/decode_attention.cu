@@ -415,8 +415,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     plan.splits = static_cast<int32_t>(p.tokens_per_split > 0 ? ceil_div64(longest, p.tokens_per_split) : 1);
   }
   plan.states = plan.splits + plan.exact_splits;
-  plan.wide_merge = plan.states > device::merge_per_part<1>() &&
-                    static_cast<int64_t>(p.num_heads) * p.batch.count <= multiprocessors;
+  plan.wide_merge = wide_merge(plan.states, static_cast<int64_t>(p.num_heads) * p.batch.count, multiprocessors,
+                               device::merge_per_part<1>());
   return plan;
 }
 

@@ -37,4 +37,13 @@ inline int64_t splits_for_whole_waves(int64_t longest, int64_t per_split, int64_
   return best;
 }
 
+// Whether the merge's blocks take four groups of threads
+// (DecodePlan::wide_merge): more `states` per query head than a one-group
+// block loads in a round (`round_states`), and its `blocks` (query heads
+// times sequences) at most one per multiprocessor, since a four-group block
+// takes a whole one (at batch 32, 1024 of them had run in 8 waves).
+inline bool wide_merge(int64_t states, int64_t blocks, int64_t multiprocessors, int64_t round_states) {
+  return states > round_states && blocks <= multiprocessors;
+}
+
 }  // namespace kvforge::kernels

@@ -18,6 +18,18 @@ using kernels::splits_for_whole_waves;
 constexpr int64_t kResident = 528;
 constexpr int64_t kTokens = 32768;
 
+// Llama-3's 32 query heads on the H200's 132 multiprocessors, a one-group
+// merge block loading 8 states a round.
+TEST(SplitPlan, FourGroupMergeAtBatchOneWithManySplitsOnly) {
+  EXPECT_TRUE(kernels::wide_merge(64, 32, 132, 8));        // batch 1, 32K: 64 splits
+  EXPECT_TRUE(kernels::wide_merge(9, 4 * 32, 132, 8));     // batch 4, one state past a round
+  EXPECT_FALSE(kernels::wide_merge(8, 32, 132, 8));        // one round holds them all
+  EXPECT_FALSE(kernels::wide_merge(13, 8 * 32, 132, 8));   // batch 8 (int2-rot: 8 splits + 5 exact): 256 blocks
+  EXPECT_FALSE(kernels::wide_merge(2, 32 * 32, 132, 8));   // batch 32
+  EXPECT_TRUE(kernels::wide_merge(64, 132, 132, 8));       // exactly one block per multiprocessor
+  EXPECT_FALSE(kernels::wide_merge(64, 133, 132, 8));
+}
+
 TEST(SplitPlan, Batch32FillsOneWaveWithTwoSplits) {
   // 256 blocks per split: one split, 1 wave of 32768 + 512; two, 1 wave of
   // 16384 + 512; three, 2 waves (768 blocks) of 10923 + 512.
