@@ -1,7 +1,7 @@
 #pragma once
 // How many context splits the tensor-core decode kernels cut the longest
-// sequence into (plan_decode_attention): host arithmetic, tested on the CPU
-// (tests/test_split_plan.cpp).
+// sequence into, and how wide the merge's blocks are (plan_decode_attention):
+// host arithmetic, tested on the CPU (tests/test_split_plan.cpp).
 //
 // A block's time is modeled as its tokens plus a fixed cost (its queries
 // and key operands, its state written for the merge: kSplitOverheadTokens
