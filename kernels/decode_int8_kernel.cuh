@@ -945,7 +945,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     __syncwarp();  // the step's weights are read before the next step writes them
   }
 
-  // ---- this warp's state into shared memory (the sums and a-terms over the lanes of each head)
+  // ---- this warp's state: the sums over the lanes of each head into shared memory, the a-terms
+  // summed in every lane (each adds its heads' to the rows it writes)
   auto sum_over_head_lanes = [](float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 4);
     x += __shfl_xor_sync(0xffffffffu, x, 8);
