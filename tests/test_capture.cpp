@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <iostream>
 #include <map>
+#include <vector>
 
 #include "capture/activation_recorder.h"
 #include "capture/capture.h"
@@ -161,17 +163,30 @@ std::string capture_args(const std::filesystem::path& out, int samples, int seq_
          " --seq-len " + std::to_string(seq_len) + " --seed " + std::to_string(seed) + " --out " + quoted(out);
 }
 
+// Bit for bit; a difference is reported as one line per dataset (how many
+// values differ, the first and the largest), not as two printed vectors of
+// thousands of floats that bury the rest of the output.
 void expect_same_data(const std::filesystem::path& a, const std::filesystem::path& b) {
   const ActivationStoreReader x(a), y(b);
   ASSERT_EQ(x.samples_complete(), y.samples_complete());
   const auto& layout = x.layout();
   for (int64_t sample = 0; sample < x.samples_complete(); ++sample) {
-    EXPECT_EQ(x.read_tokens(sample), y.read_tokens(sample));
-    EXPECT_EQ(x.stream_start(sample), y.stream_start(sample));
+    EXPECT_EQ(x.read_tokens(sample), y.read_tokens(sample)) << "sample " << sample;
+    EXPECT_EQ(x.stream_start(sample), y.stream_start(sample)) << "sample " << sample;
     for (int64_t layer = 0; layer < layout.model.num_layers; ++layer) {
       for (const auto field : layout.fields) {
-        EXPECT_EQ(x.read(field, layer, sample), y.read(field, layer, sample))
-            << field_name(field) << " layer " << layer << " sample " << sample;
+        const std::vector<float> u = x.read(field, layer, sample), v = y.read(field, layer, sample);
+        ASSERT_EQ(u.size(), v.size()) << field_name(field) << " layer " << layer << " sample " << sample;
+        size_t differing = 0, first = 0, largest = 0;
+        for (size_t i = 0; i < u.size(); ++i) {
+          if (std::memcmp(&u[i], &v[i], sizeof(float)) == 0) continue;
+          if (differing++ == 0) first = largest = i;
+          if (std::fabs(u[i] - v[i]) > std::fabs(u[largest] - v[largest])) largest = i;
+        }
+        EXPECT_EQ(differing, 0u) << field_name(field) << " layer " << layer << " sample " << sample << ": "
+                                 << differing << " of " << u.size() << " values differ; first [" << first
+                                 << "] " << u[first] << " vs " << v[first] << ", largest [" << largest << "] "
+                                 << u[largest] << " vs " << v[largest];
       }
     }
   }
@@ -210,10 +225,11 @@ TEST(CaptureCommand, ResumeAfterAKillEqualsAnUninterruptedRun) {
   const auto dir = testing::scratch_dir("resume");
   const auto whole = dir / "whole.h5";
   const auto resumed = dir / "resumed.h5";
-  ASSERT_EQ(testing::run_kvforge(capture_args(whole, 4, 32)).exit_code, 0);
+  const auto uninterrupted = testing::run_kvforge(capture_args(whole, 4, 32));
+  ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.stderr_text;
 
   const auto killed = testing::run_kvforge(capture_args(resumed, 4, 32), "KVFORGE_ABORT_AFTER_SAMPLES=2");
-  EXPECT_EQ(killed.exit_code, 137);
+  EXPECT_EQ(killed.exit_code, 137) << killed.stderr_text;
   EXPECT_FALSE(std::filesystem::exists(resumed));
   ASSERT_TRUE(std::filesystem::exists(resumed.string() + ".partial"));
   EXPECT_EQ(ActivationStoreReader(resumed.string() + ".partial").samples_complete(), 2);
@@ -228,7 +244,7 @@ TEST(CaptureCommand, ResumeAfterAKillEqualsAnUninterruptedRun) {
 
   // A resume with other settings is refused, naming what differs.
   const auto again = testing::run_kvforge(capture_args(dir / "other.h5", 4, 32), "KVFORGE_ABORT_AFTER_SAMPLES=1");
-  EXPECT_EQ(again.exit_code, 137);
+  EXPECT_EQ(again.exit_code, 137) << again.stderr_text;
   const auto mismatch = testing::run_kvforge(capture_args(dir / "other.h5", 4, 32, 99) + " --resume");
   EXPECT_EQ(mismatch.exit_code, 2);
   EXPECT_NE(mismatch.stderr_text.find("seed"), std::string::npos) << mismatch.stderr_text;

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
+#include <vector>
 
 namespace kvforge::testing {
 namespace {
@@ -16,6 +18,36 @@ namespace {
 std::filesystem::path env_path(const char* name, const char* fallback) {
   const char* value = std::getenv(name);
   return (value == nullptr || *value == '\0') ? fallback : value;
+}
+
+// The scratch folders this process made, removed when it exits (ctest runs
+// every test as a process of its own, so right after the test): left behind,
+// a suite's stores and caches piled up in the temp dir, hundreds of
+// megabytes per run of the capture tests alone. KVFORGE_KEEP_SCRATCH=1 keeps
+// them to look at. A forked child that exits normally leaves its parent's.
+class ScratchFolders {
+ public:
+  ScratchFolders() : owner_(::getpid()) {}
+  ~ScratchFolders() {
+    const char* keep = std::getenv("KVFORGE_KEEP_SCRATCH");
+    if (::getpid() != owner_ || (keep != nullptr && *keep != '\0' && std::string(keep) != "0")) return;
+    for (const auto& folder : folders_) {
+      std::error_code ignored;  // a test may have removed it already
+      std::filesystem::remove_all(folder, ignored);
+    }
+  }
+  ScratchFolders(const ScratchFolders&) = delete;
+  ScratchFolders& operator=(const ScratchFolders&) = delete;
+  void add(const std::filesystem::path& folder) { folders_.push_back(folder); }
+
+ private:
+  pid_t owner_;
+  std::vector<std::filesystem::path> folders_;
+};
+
+ScratchFolders& scratch_folders() {
+  static ScratchFolders folders;
+  return folders;
 }
 
 }  // namespace
@@ -39,6 +71,7 @@ std::filesystem::path scratch_dir(const std::string& name) {
              ("kvforge-test-" + name + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  scratch_folders().add(dir);
   return dir;
 }
 

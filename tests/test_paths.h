@@ -12,7 +12,9 @@ std::filesystem::path shared_dir();
 std::filesystem::path fixtures_dir();
 std::filesystem::path kvforge_binary();
 std::filesystem::path pyllama_dir();       // shared_dir()/models/pyllama-16m
-std::filesystem::path scratch_dir(const std::string& name);  // fresh, under the temp dir
+// A fresh folder under the temp dir, removed when the test process exits
+// (KVFORGE_KEEP_SCRATCH=1 keeps it).
+std::filesystem::path scratch_dir(const std::string& name);
 std::string read_file(const std::filesystem::path& path);
 void write_file(const std::filesystem::path& path, const std::string& bytes);
 
