@@ -142,7 +142,18 @@ TEST(EvalCli, AZeroedCacheFailsTheGateWithExit3AndThe16BitCachePasses) {
 // dequantized keys and values) and dequantize with float32 fma against the
 // float64 simulation rounded once: the logits differ by a few float32 ulps
 // (u = 6e-8 relative), so the mean NLL by ~1e-6 and the perplexity by well
-// under 1e-5 relative (measured 3e-7).
+// under 1e-5 relative (measured 3e-7), as long as every code is the same.
+// But a layer's keys and values come from the layers below, whose attention
+// the two compute in different orders, so they too differ by ulps, and an
+// element that close to a rounding boundary takes the other code in one of
+// them: a whole level at 2 bits. Over this run's ~0.5M quantized elements
+// per configuration that happens about once in several runs (never on the
+// machines before; on an AVX2 machine, 2026-12-02, rtn-2bit's perplexity
+// moved by 7.5e-5 relative, 250 times the ulp-level difference, while
+// kivi-2bit's stayed within 1e-5). The quantized configurations so get
+// 1e-3, about a dozen such flips, which a semantic difference between the
+// two (a grouping, a clip, a window) exceeds many times over; the 16-bit
+// cache, which quantizes nothing, keeps 1e-5.
 TEST(EvalCli, ThroughTheKernelsPerplexityEqualsTheSimulatedCacheAtChunkOne) {
   const fs::path simulated = inputs().dir / "simulated.json", kernels = inputs().dir / "kernels.json";
   const std::string common = "--configs kivi-2bit,rtn-2bit --no-needles --ctx 192 --max-windows 1 --chunk 1 --json ";
@@ -152,10 +163,13 @@ TEST(EvalCli, ThroughTheKernelsPerplexityEqualsTheSimulatedCacheAtChunkOne) {
   ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
   const nlohmann::json x = read_json(simulated), y = read_json(kernels);
   ASSERT_EQ(x.at("configurations").size(), 3u);
+  EXPECT_EQ(x.at("configurations").at(0).at("name"), "fp16");
   for (size_t i = 0; i < 3; ++i) {
     const double p = x.at("configurations").at(i).at("perplexity").at("perplexity").get<double>();
     const double q = y.at("configurations").at(i).at("perplexity").at("perplexity").get<double>();
-    EXPECT_NEAR(q, p, 1e-5 * p) << x.at("configurations").at(i).at("name");
+    const double tolerance = i == 0 ? 1e-5 : 1e-3;  // configurations[0]: the 16-bit cache
+    EXPECT_EQ(x.at("configurations").at(i).at("name"), y.at("configurations").at(i).at("name"));
+    EXPECT_NEAR(q, p, tolerance * p) << x.at("configurations").at(i).at("name");
   }
 }
 
