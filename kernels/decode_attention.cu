@@ -56,6 +56,23 @@ void check_params(const DecodeParams& p) {
   for (const Dequantization* dq : {&p.key_dequantization, &p.value_dequantization}) {
     if (dq->levels == nullptr) refuse("a null level table");
   }
+  switch (p.int8_steps) {
+    case Int8Steps::kAuto:
+    case Int8Steps::kSteps32:
+      break;
+    case Int8Steps::kSteps64Stages3:
+    case Int8Steps::kSteps64Stages4:
+      if (p.kernel != DecodeKernel::kAuto && p.kernel != DecodeKernel::kInt8TensorCores) {
+        refuse("int8_steps of 64 tokens with a kernel other than the int8 one");
+      }
+      if (!int8_wide_steps_supported(p)) {
+        refuse("int8_steps of 64 tokens: expected one scale group per key and value row, no outliers and at most " +
+               std::to_string(int8_mma::kPackedHeads) + " query heads per KV head");
+      }
+      break;
+    default:
+      refuse("int8_steps " + std::to_string(static_cast<int>(p.int8_steps)) + " is not an Int8Steps value");
+  }
 }
 
 // Launches `kernel` on `stream`; `dependent`: with programmatic stream
@@ -164,9 +181,18 @@ bool int8_packed_parts(const DecodeParams& p) {
 }
 
 // Calls f with the int8 kernel instantiation that serves p (head_dim D,
-// kBits bits).
+// kBits bits) in `steps` (resolved: not kAuto; 64-token steps only where
+// int8_wide_steps_supported).
 template <int D, int kBits, typename F>
-void with_int8_kernel_bits(const DecodeParams& p, F&& f) {
+void with_int8_kernel_bits(const DecodeParams& p, Int8Steps steps, F&& f) {
+  if (steps == Int8Steps::kSteps64Stages3) {
+    f(device::decode_int8_kernel<D, 1, true, kBits, 2, 3>, device::int8_dynamic_shared_bytes<D, 1, kBits, 2, 3>);
+    return;
+  }
+  if (steps == Int8Steps::kSteps64Stages4) {
+    f(device::decode_int8_kernel<D, 1, true, kBits, 2, 4>, device::int8_dynamic_shared_bytes<D, 1, kBits, 2, 4>);
+    return;
+  }
   const bool groups_of_32 = int8_value_groups_of_32(p), packed = int8_packed_parts(p);
   if (groups_of_32) {
     packed ? f(device::decode_int8_kernel<D, D / 32, true, kBits>, device::int8_dynamic_shared_bytes<D, D / 32, kBits>)
@@ -177,11 +203,11 @@ void with_int8_kernel_bits(const DecodeParams& p, F&& f) {
   }
 }
 template <int D, typename F>
-void with_int8_kernel(const DecodeParams& p, F&& f) {
+void with_int8_kernel(const DecodeParams& p, Int8Steps steps, F&& f) {
   if (p.key_cache.layout.spec.bits == 2) {
-    with_int8_kernel_bits<D, 2>(p, f);
+    with_int8_kernel_bits<D, 2>(p, steps, f);
   } else {
-    with_int8_kernel_bits<D, 4>(p, f);
+    with_int8_kernel_bits<D, 4>(p, steps, f);
   }
 }
 
@@ -209,7 +235,7 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
                  cudaStream_t stream, bool dependent) {
   const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
-  with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
+  with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
     launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
            device::TensorCoreSplits{plan.tokens_per_split});
@@ -217,9 +243,9 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
 }
 
 template <int D>
-int int8_residency(const DecodeParams& p) {
+int int8_residency(const DecodeParams& p, Int8Steps steps) {
   int blocks = 0;
-  with_int8_kernel<D>(p, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
+  with_int8_kernel<D>(p, steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
     KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kInt8Threads, shared_bytes));
   });
@@ -239,10 +265,10 @@ int tensor_core_residency(const DecodeParams& p) {
 
 // One number per kernel instantiation and dynamic shared-memory size (what
 // the occupancy depends on besides the device): the planner's cache key.
-int kernel_variant(const DecodeParams& p, bool int8) {
+int kernel_variant(const DecodeParams& p, bool int8, Int8Steps steps) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int dim = k.head_dim == 64 ? 0 : 1;
-  if (int8) {  // 16 and up: head_dim, bits, value groups, packed parts, value outliers, channel pairs' bytes
+  if (int8) {  // 16 and up: steps, head_dim, bits, value groups, packed parts, value outliers, channel pairs' bytes
     const int channel_pairs =
         k.grouping != ScaleGrouping::kPerChannelTokens ? 0 : p.key_cache.layout.pair_bytes == 4 ? 1 : 2;
     int variant = dim;
@@ -250,15 +276,15 @@ int kernel_variant(const DecodeParams& p, bool int8) {
     variant = 2 * variant + (int8_value_groups_of_32(p) ? 1 : 0);
     variant = 2 * variant + (int8_packed_parts(p) ? 1 : 0);
     variant = 2 * variant + (p.value_cache.layout.outlier_spans > 0 ? 1 : 0);
-    return 16 + 3 * variant + channel_pairs;
+    return 16 + 4 * (3 * variant + channel_pairs) + static_cast<int>(steps);
   }
   const bool grouped = grouped_channels(k) || grouped_channels(p.value_cache.layout.spec);
   return 4 * dim + (k.bits == 2 ? 0 : 2) + (grouped ? 1 : 0);
 }
 
-int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8) {
+int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, Int8Steps steps) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
-  if (int8) return k.head_dim == 64 ? int8_residency<64>(p) : int8_residency<128>(p);
+  if (int8) return k.head_dim == 64 ? int8_residency<64>(p, steps) : int8_residency<128>(p, steps);
   if (k.head_dim == 64) return k.bits == 2 ? tensor_core_residency<64, 2>(p) : tensor_core_residency<64, 4>(p);
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
 }
@@ -376,9 +402,20 @@ bool int8_decode_supported(const DecodeParams& p) {
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 
+bool int8_wide_steps_supported(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  const auto one_group_per_row = [](const TensorLayoutSpec& s) {
+    return s.grouping == ScaleGrouping::kPerTokenAllHeads ||
+           (s.grouping == ScaleGrouping::kPerToken && s.group == s.head_dim);
+  };
+  return int8_decode_supported(p) && one_group_per_row(k) && one_group_per_row(v) &&
+         p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
+}
+
 namespace {
 
-// resident_blocks(int8): blocks per multiprocessor of the kernel;
+// resident_blocks(int8, steps): blocks per multiprocessor of the kernel;
 // choose_splits(longest, per_split, resident, max_splits): as
 // splits_for_whole_waves (kernels/split_plan.h).
 template <typename Resident, typename ChooseSplits>
@@ -389,6 +426,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   // Enough blocks for a few per multiprocessor, from the longest sequence.
   const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
   plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
+  if (plan.int8) plan.int8_steps = p.int8_steps == Int8Steps::kAuto ? Int8Steps::kSteps32 : p.int8_steps;
+  const int64_t step_tokens = plan.int8_steps == Int8Steps::kSteps32 ? device::kInt8StepTokens : 2 * device::kInt8StepTokens;
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
@@ -396,17 +435,16 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
                                              ceil_div64(ring, device::kExactChunk));
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
-    // every warp's tiles (16 tokens; the int8 kernel's steps: 32). Few exact
+    // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
     // blocks (DecodePlan::exact_first) take a slot each from the int8
     // kernel's (a general block needs fewer registers than an int8 one).
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
-    const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8);
+    const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.int8_steps);
     plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
     const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
-    const int64_t kQuantum = plan.int8 ? device::kInt8Warps * device::kInt8StepTokens
-                                       : device::kTensorCoreWarps * device::kTileRows;
+    const int64_t kQuantum = plan.int8 ? device::kInt8Warps * step_tokens : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
   } else {
@@ -424,16 +462,17 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
 
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   return plan_with(
-      p, multiprocessors, [&](bool int8) { return tensor_core_blocks_per_multiprocessor(p, int8); },
+      p, multiprocessors,
+      [&](bool int8, Int8Steps steps) { return tensor_core_blocks_per_multiprocessor(p, int8, steps); },
       splits_for_whole_waves);
 }
 
 
-int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8) {
-  const int variant = kernel_variant(params, int8);
+int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8, Int8Steps steps) {
+  const int variant = kernel_variant(params, int8, steps);
   const auto known = resident_.find(variant);
   if (known != resident_.end()) return known->second;
-  const int blocks = tensor_core_blocks_per_multiprocessor(params, int8);
+  const int blocks = tensor_core_blocks_per_multiprocessor(params, int8, steps);
   resident_.emplace(variant, blocks);
   return blocks;
 }
@@ -451,7 +490,8 @@ DecodePlan DecodePlanner::plan(const DecodeParams& params) {
     return last_splits_;
   };
   return plan_with(
-      params, multiprocessors_, [&](bool int8) { return resident_blocks(params, int8); }, choose_splits);
+      params, multiprocessors_, [&](bool int8, Int8Steps steps) { return resident_blocks(params, int8, steps); },
+      choose_splits);
 }
 
 int64_t DecodePlanner::workspace_bytes(const DecodeParams& params, const DecodePlan& plan) {

@@ -23,6 +23,7 @@ struct DecodePlan {
   // it the general kernel takes every token.
   bool tensor_cores = false;
   bool int8 = false;  // the tensor-core kernel is the 8-bit integer one (DecodeKernel::kInt8TensorCores)
+  Int8Steps int8_steps = Int8Steps::kSteps32;  // int8: its steps (DecodeParams::int8_steps resolved)
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
   int32_t splits = 0;            // its blocks per (KV head, sequence)
   int32_t exact_splits = 0;      // tensor cores: the general kernel's blocks over the exact ranges
@@ -55,6 +56,11 @@ bool tensor_core_decode_supported(const DecodeParams& params);
 // in groups of 32 channels).
 bool int8_decode_supported(const DecodeParams& params);
 
+// Whether its 64-token steps (Int8Steps) read it: the int8 kernel reads it
+// with one scale group per key and value row (all-heads, or per_token groups
+// of head_dim), no key or value outliers, at most 4 query heads per KV head.
+bool int8_wide_steps_supported(const DecodeParams& params);
+
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
@@ -83,7 +89,7 @@ class DecodePlanner {
       return longest == o.longest && per_split == o.per_split && resident == o.resident && max_splits == o.max_splits;
     }
   };
-  int resident_blocks(const DecodeParams& params, bool int8);
+  int resident_blocks(const DecodeParams& params, bool int8, Int8Steps steps);
   void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor

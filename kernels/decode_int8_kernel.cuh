@@ -95,31 +95,56 @@ struct Int8Shared {
   Affine channel[kInt8Warps][D];  // per-channel keys: the current token group's (or the offline) affines
 };
 
+// The static shared memory of the wide-step variants (Int8Steps'
+// 64-token steps, kernels/decode_params.h): the layouts they serve (one
+// value group per row, per-token keys, no outliers) need neither the
+// per-channel affines nor the weights as floats, and the raw queries go
+// over the stages (the preamble ends before the first copy), so that the
+// weight parts and affines of 64 tokens fit in less than Int8Shared's 32.
+template <int D, int kStepStages>
+struct Int8WideShared {
+  static constexpr int kStepTokens = kInt8StepTokens * kStepStages;
+  alignas(16) float query[kMaxTensorCoreGroup][D];
+  // [part][head][k]: k = 32 * (the token's stage in the step) + its k there.
+  uint8_t weight_parts[kInt8Warps][1][2][kMaxTensorCoreGroup][kStepTokens];
+  float state_max[kInt8Warps][kMaxTensorCoreGroup], state_sum[kInt8Warps][kMaxTensorCoreGroup];
+  Affine key_affine[kInt8Warps][kStepTokens], value_affine[kInt8Warps][kStepTokens][1];
+};
+
 // One step's bytes (dynamic shared memory, kInt8Stages per warp): the 32
-// tokens' code rows and group pairs, copied asynchronously, and each token's
-// page id and index in it (the same in both pools; for the outliers).
-template <int D, int VG, int kBits>
+// tokens' code rows and group pairs, copied asynchronously, and (kPlaces)
+// each token's page id and index in it (the same in both pools; for the
+// outliers: the wide steps' layouts have none, and keep one unused entry).
+template <int D, int VG, int kBits, bool kPlaces = true>
 struct Int8Stage {
   static constexpr int kRowBytes = D * kBits / 8;
   static constexpr int kRowWords = kRowBytes / 4;
+  static constexpr int kPlaceTokens = kPlaces ? kInt8StepTokens : 1;
   uint4 key_codes[kInt8StepTokens * kRowBytes / 16];
   uint4 value_codes[kInt8StepTokens * kRowBytes / 16];
   uint2 key_pairs[kInt8StepTokens];
   uint2 value_pairs[kInt8StepTokens][VG];
-  int32_t page[kInt8StepTokens], in_page[kInt8StepTokens];
+  int32_t page[kPlaceTokens], in_page[kPlaceTokens];
   // per_channel_tokens keys: the step starts a key group (or the warp's
   // run), and its group's channel pairs came with it (int8_channel_pairs_bytes).
   int32_t channel_pairs = 0;
 };
+
+// The stage and static shared memory of a variant: kStepStages stages of 32
+// tokens per softmax step (1: every layout; 2: the wide steps).
+template <int D, int VG, int kBits, int kStepStages>
+using Int8StageOf = Int8Stage<D, VG, kBits, kStepStages == 1>;
+template <int D, int VG, int kStepStages>
+using Int8SharedOf = std::conditional_t<kStepStages == 1, Int8Shared<D, VG>, Int8WideShared<D, kStepStages>>;
 
 // Every warp's output rows (the block's merge, and the value outliers'
 // corrections during the walk).
 template <int D>
 using Int8Out = float[kInt8Warps][kMaxTensorCoreGroup][D];
 
-template <int D, int VG, int kBits>
+template <int D, int VG, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
 constexpr int int8_stage_bytes() {
-  return kInt8Warps * kInt8Stages * static_cast<int>(sizeof(Int8Stage<D, VG, kBits>));
+  return kInt8Warps * kStages * static_cast<int>(sizeof(Int8StageOf<D, VG, kBits, kStepStages>));
 }
 
 // per_channel_tokens keys (KIVI's): every stage's D channel pairs
@@ -131,12 +156,16 @@ constexpr int int8_channel_pairs_bytes(int pair_bytes) {
 }
 
 // The stages, the channel pairs (channel_pair_bytes: a per_channel_tokens
-// key pair's bytes, else 0), then (value outliers) the output rows.
-template <int D, int VG, int kBits>
+// key pair's bytes, else 0), then (value outliers) the output rows. The
+// wide steps' layouts have neither channel pairs nor outliers.
+template <int D, int VG, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
 constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_bytes) {
-  static_assert(int8_stage_bytes<D, VG, kBits>() >= static_cast<int>(sizeof(Int8Out<D>)),
+  static_assert(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() >= static_cast<int>(sizeof(Int8Out<D>)),
                 "the stages hold the output rows");
-  return int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
+  static_assert(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() >=
+                    static_cast<int>(sizeof(float[kMaxTensorCoreGroup][D])),
+                "the stages hold the raw queries");
+  return int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
          (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
 }
 
@@ -204,16 +233,31 @@ __device__ inline void copy_pair_async_to(uint32_t shared, const uint8_t* global
 // groups of 32 channels, KIVI's, two m tiles each).
 // kPacked: the group has at most int8_mma::kPackedHeads heads.
 // kBits: 2 or 4 (int8_mma_fragments.h, "4-bit codes").
+// kStepStages: 32-token stages per softmax step (Int8Steps,
+// kernels/decode_params.h): 1 for every layout, 2 (64-token steps) for one
+// value group per row, per-token keys and no outliers; kStages: the stages
+// a warp holds, of which kStages - kStepStages are in flight while it
+// computes.
 // Four blocks per multiprocessor at 2 bits with one value group per row (128
 // registers, about 51 KB of shared memory): the kernel waits on shared
 // memory and its copies, so resident warps are what hides that. The larger
-// stages of 4 bits and of KIVI's value groups leave room for fewer.
-template <int VG, int kBits>
+// stages of 4 bits and of KIVI's value groups leave room for fewer. The
+// wide steps' as many as their shared memory allows (228 KB a
+// multiprocessor, 1 KB of it reserved per block), at most four.
+template <int D, int VG, int kBits, int kStepStages, int kStages>
 constexpr int int8_blocks_per_multiprocessor() {
-  return kBits == 2 ? (VG == 1 ? 4 : 3) : (VG == 1 ? 3 : 2);
+  if constexpr (kStepStages == 1) {
+    return kBits == 2 ? (VG == 1 ? 4 : 3) : (VG == 1 ? 3 : 2);
+  } else {
+    constexpr int kBlockBytes = static_cast<int>(sizeof(Int8WideShared<D, kStepStages>)) +
+                                int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() + 1024;
+    constexpr int kFit = 228 * 1024 / kBlockBytes;
+    return kFit < 4 ? kFit : 4;
+  }
 }
-template <int D, int VG, bool kPacked, int kBits>
-__global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multiprocessor<VG, kBits>()))
+template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
+__global__ void __launch_bounds__(kInt8Warps * kWarpSize,
+                                  (int8_blocks_per_multiprocessor<D, VG, kBits, kStepStages, kStages>()))
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
   constexpr bool kNibbles = kBits == 4;
@@ -221,14 +265,24 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
   constexpr int kTop = (1 << kBits) - 1;
   static_assert(VG == 1 || VG == D / 32, "value groups: one per row or of 32 channels");
-  // A masked code byte is at most 3 * 64 (2 bits) or 15 * 16 (4 bits).
-  static_assert(kInt8StepTokens * 240 * 255 < (1 << 22), "the packed value sums convert by a float add");
+  static_assert(kStepStages == 1 || kStepStages == 2, "steps of 32 or 64 tokens");
+  static_assert(kStages > kStepStages, "stages in flight while a step computes");
+  // The wide steps serve one value group per row, per-token keys and no
+  // outliers (the launcher's int8_wide_steps_supported): what the other
+  // layouts need is compiled out of them.
+  constexpr bool kGeneral = kStepStages == 1;
+  static_assert(kGeneral || VG == 1, "wide steps: one value group per row");
+  constexpr int kStepTokens = kInt8StepTokens * kStepStages;
+  // A masked code byte is at most 3 * 64 (2 bits) or 15 * 16 (4 bits); a
+  // step's value sums add kStepTokens of them times a weight part.
+  static_assert(kStepTokens * 240 * 255 < (1 << 22), "the packed value sums convert by a float add");
   constexpr int kTilesPerGroup = kMTiles / VG;
-  using Stage = Int8Stage<D, VG, kBits>;
+  using Stage = Int8StageOf<D, VG, kBits, kStepStages>;
+  using Shared = Int8SharedOf<D, VG, kStepStages>;
   // Key mmas per k step and row block (packed: one for both parts), and the
-  // token rows a lane scores (for 2 heads each).
+  // token rows a lane scores (for 2 heads each): 4 of each stage.
   constexpr int kKeyParts = kPacked ? 1 : 2;
-  constexpr int kItemRows = 4;
+  constexpr int kItemRows = 4 * kStepStages;
   // The heads a lane scores and accumulates (packed: head c; else 2c, 2c + 1)
   // and its output registers per m tile (packed: rows g and g + 8 of head c;
   // else the C fragment).
@@ -240,17 +294,17 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   constexpr int kRowChunks = Stage::kRowBytes / 16;
   // Raw bytes: a __shared__ variable is never constructed, and the
   // struct's members have default initializers (Affine's).
-  __shared__ __align__(16) uint8_t shared_bytes[sizeof(Int8Shared<D, VG>)];
-  auto& shared = *reinterpret_cast<Int8Shared<D, VG>*>(shared_bytes);
+  __shared__ __align__(16) uint8_t shared_bytes[sizeof(Shared)];
+  auto& shared = *reinterpret_cast<Shared*>(shared_bytes);
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
-  // The lane's item j's token row in the step (row block j / 2, C row
-  // g + 8 (j % 2)) and its heads h < kHeads (packed: c, the head of its C
-  // columns' two parts; else the columns 2c, 2c + 1).
-  auto item_row = [g](int j) { return 16 * (j / 2) + g + 8 * (j % 2); };
+  // The lane's item j's token row in the step (stage j / 4, its row block
+  // j % 4 / 2, C row g + 8 (j % 2)) and its heads h < kHeads (packed: c, the
+  // head of its C columns' two parts; else the columns 2c, 2c + 1).
+  auto item_row = [g](int j) { return kInt8StepTokens * (j / 4) + 16 * (j % 4 / 2) + g + 8 * (j % 2); };
   auto lane_head = [c](int h) { return kPacked ? c : 2 * c + h; };
   // Lanes that write a head's per-lane state.
   const bool head_writer = g == 0;
@@ -272,24 +326,29 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
   const int sink = kl.spec.sink_tokens;
-  const bool per_channel_keys = per_channel_groups(kl.spec);
+  const bool per_channel_keys = kGeneral && per_channel_groups(kl.spec);
   // Keys in per-channel token groups (int8_decode_supported: only with
   // values in groups of 32 channels, VG > 1).
   const bool channel_tokens = VG > 1 && kl.spec.grouping == ScaleGrouping::kPerChannelTokens;
   const int channel_pair_bytes = channel_tokens ? static_cast<int>(kl.pair_bytes) : 0;
 
-  const bool key_outliers = kl.outlier_spans > 0, value_outliers = vl.outlier_spans > 0;
+  const bool key_outliers = kGeneral && kl.outlier_spans > 0, value_outliers = kGeneral && vl.outlier_spans > 0;
   // The output rows: past the stages with value outliers (zeroed here, their
   // corrections accumulate during the walk), else over the stages (written
   // once every warp is done with them).
   auto& out = *reinterpret_cast<Int8Out<D>*>(
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
-  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
-                        value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
+  if constexpr (kGeneral) {
+    load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
+                          value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
+  } else {  // the raw queries over the stages: no copy has started
+    load_group_queries<D>(p, state_base, group, kv_head, shared.query,
+                          *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
+  }
 
   // This warp's steps: a contiguous run of the split's.
-  const int64_t steps = (last - first + kInt8StepTokens - 1) / kInt8StepTokens;
+  const int64_t steps = (last - first + kStepTokens - 1) / kStepTokens;
   const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
   const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
   // B column g's head (zeros past the group); packed: part
@@ -336,13 +395,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           const int d = kNibbles ? int8_mma::nibble_key_channel(D, step, c, half, i)
                                  : int8_mma::key_channel(D, step, c, half, i);
           float q = my_query[d];
-          if (per_channel) {
-            const Affine affine = shared.channel[warp][d];
-            a_term = __fmaf_rn(q, affine.a, a_term);
-            q = __fmul_rn(q, affine.b);
-          } else {
-            a_term += q;
+          bool channel_affines = false;  // the wide steps' keys are per token
+          if constexpr (kGeneral) {
+            if (per_channel) {
+              const Affine affine = shared.channel[warp][d];
+              a_term = __fmaf_rn(q, affine.a, a_term);
+              q = __fmul_rn(q, affine.b);
+              channel_affines = true;
+            }
           }
+          if (!channel_affines) a_term += q;
           x[s][half][i] = q;
           largest = fmaxf(largest, fabsf(q));
         }
@@ -394,11 +456,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       a_term_h[h] = __shfl_sync(0xffffffffu, a_term, source) * log2e_scale;
     }
   };
-  if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
-    for (int d = lane; d < D; d += kWarpSize) {
-      shared.channel[warp][d] = channel_affine(p.key_cache, p.key_dequantization, page_row, ChannelStream{}, kv_head, d, kTop);
+  if constexpr (kGeneral) {
+    if (kl.spec.grouping == ScaleGrouping::kPerChannelOffline) {
+      for (int d = lane; d < D; d += kWarpSize) {
+        shared.channel[warp][d] =
+            channel_affine(p.key_cache, p.key_dequantization, page_row, ChannelStream{}, kv_head, d, kTop);
+      }
+      __syncwarp();
     }
-    __syncwarp();
   }
   if (!channel_tokens) build_key_operands(per_channel_keys);
 
@@ -426,18 +491,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     for (int h = 0; h < kHeads; ++h) value_a_term[vg][h] = 0.0f;
   }
 
-  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kInt8Stages;
+  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
   const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   // The run in 32 bits from its first token (a split is far under 2^31
   // tokens): its steps and tokens; the last step may be partial.
-  const int64_t run_first = first + step_begin * kInt8StepTokens;
+  const int64_t run_first = first + step_begin * kStepTokens;
   const int32_t run_steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
   const int32_t run_tokens =
-      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kInt8StepTokens ? last - run_first
-                                                                                   : int64_t{run_steps} * kInt8StepTokens);
+      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kStepTokens ? last - run_first
+                                                                               : int64_t{run_steps} * kStepTokens);
   const int page_size = kl.spec.page_size;
-  // Lane j's token of the next step to issue: its page's index in the page
-  // table and its slot there, advanced by 32 tokens per step (one division
+  // Lane j's token of the next stage to issue: its page's index in the page
+  // table and its slot there, advanced by 32 tokens per stage (one division
   // per block, not two per step), and its page id, read one step ahead so
   // that no issue waits on the page table. Keys and values share the page
   // table and, at 2 bits both, the rows' offsets in a page.
@@ -464,18 +529,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
   const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
   const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
   const bool outliers = key_outliers || value_outliers;
-  int issue_stage = 0;   // the stage the next issue fills (steps go round the kInt8Stages)
+  int issue_stage = 0;   // the stage the next issue fills (issues go round the kStages)
   int32_t to_issue = run_tokens;  // tokens of the run not yet issued
 
-  // Starts the copies of the next step into its stage (every lane takes
-  // part): lane j's token's key and value pairs, then the code rows.
+  // Starts the copies of the next 32 tokens into their stage (every lane
+  // takes part): lane j's token's key and value pairs, then the code rows.
   auto issue = [&]() {
     const int tokens = to_issue < kInt8StepTokens ? to_issue : kInt8StepTokens;
     const int stage_index = issue_stage;
     const uint32_t stage_address = stages_address + stage_index * static_cast<uint32_t>(sizeof(Stage));
     Stage& stage = stages[stage_index];
-    issue_stage = issue_stage + 1 == kInt8Stages ? 0 : issue_stage + 1;
-    const int32_t issued = run_tokens - to_issue;  // the step's first token in the run
+    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
+    const int32_t issued = run_tokens - to_issue;  // the stage's first token in the run
     to_issue -= kInt8StepTokens;
     const bool valid = lane < tokens;
     const int32_t page = next_page, in_page = next_in_page;
@@ -498,9 +563,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
                          value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
                          static_cast<int32_t>(vl.pair_bytes), valid);
     }
-    if (outliers) {
-      stage.page[lane] = page;
-      stage.in_page[lane] = in_page;
+    if constexpr (kGeneral) {
+      if (outliers) {
+        stage.page[lane] = page;
+        stage.in_page[lane] = in_page;
+      }
     }
     // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
     // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
@@ -525,7 +592,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     // pair lies in a page of one of its group's slots: where the step holds
     // a slot of that page, the page id is a lane's (a shuffle; the page
     // table's load would hold up the issue), else the page table's.
-    if (channel_tokens) {
+    if constexpr (VG > 1) {
+      if (!channel_tokens) return;
       const int32_t slot_index = static_cast<int32_t>(run_first - sink) + issued;  // the step's first s
       const int32_t in_group = slot_index % kl.spec.group;
       const bool starts = in_group == 0 || issued == 0;
@@ -552,60 +620,83 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     }
   };
 
+  // kStages - kStepStages stages in flight while a step computes: each
+  // stage its own commit group, so that a step's wait leaves that many.
+  constexpr int kAhead = kStages - kStepStages;
 #pragma unroll
-  for (int ahead = 0; ahead < kInt8Stages - 1; ++ahead) {
+  for (int ahead = 0; ahead < kAhead; ++ahead) {
     if (to_issue > 0) issue();
     copy_async_commit();
   }
   int compute_stage = 0;
   int32_t left = run_tokens;  // tokens of the run from this step on
   for (int32_t step = 0; step < run_steps; ++step) {
-    const int tokens = left < kInt8StepTokens ? left : kInt8StepTokens;
-    left -= kInt8StepTokens;
-    if (to_issue > 0) issue();
-    copy_async_commit();
-    copy_async_wait<kInt8Stages - 1>();  // this step's group is complete
-    __syncwarp();
-    const int stage_index = compute_stage;
-    const Stage& stage = stages[stage_index];
-    compute_stage = compute_stage + 1 == kInt8Stages ? 0 : compute_stage + 1;
-    {  // the step's affines from its pairs: lane j token j
-      const bool valid = lane < tokens;
-      if (!per_channel_keys) {
-        const Affine affine = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, stage.key_pairs[lane], kTop);
-        shared.key_affine[warp][lane] = valid ? affine : Affine{0.0f, 0.0f};
-      }
+    const int tokens = left < kStepTokens ? left : kStepTokens;
+    left -= kStepTokens;
 #pragma unroll
-      for (int vg = 0; vg < VG; ++vg) {
-        const Affine affine =
-            uniform_affine(vl.spec.element, p.value_dequantization.clip_ratio, stage.value_pairs[lane][vg], kTop);
-        shared.value_affine[warp][lane][vg] = valid ? affine : Affine{0.0f, 0.0f};
+    for (int s = 0; s < kStepStages; ++s) {
+      if (to_issue > 0) issue();
+      copy_async_commit();
+    }
+    copy_async_wait<kAhead>();  // this step's groups are complete
+    __syncwarp();
+    // The step's stages (wide steps: a last step of at most 32 tokens has
+    // no second one: its rows are past `tokens`, weigh nothing and carry
+    // zero weight parts, whatever the stage's bytes).
+    int stage_index[kStepStages];
+#pragma unroll
+    for (int s = 0; s < kStepStages; ++s) {
+      stage_index[s] = compute_stage;
+      compute_stage = compute_stage + 1 == kStages ? 0 : compute_stage + 1;
+    }
+    [[maybe_unused]] const Stage& stage = stages[stage_index[0]];  // the general kernel's one stage
+    {  // the step's affines from its pairs: lane j token j of each stage
+#pragma unroll
+      for (int s = 0; s < kStepStages; ++s) {
+        const Stage& from = stages[stage_index[s]];
+        const int token = kInt8StepTokens * s + lane;
+        const bool valid = token < tokens;
+        if (!per_channel_keys) {
+          const Affine affine = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, from.key_pairs[lane], kTop);
+          shared.key_affine[warp][token] = valid ? affine : Affine{0.0f, 0.0f};
+        }
+#pragma unroll
+        for (int vg = 0; vg < VG; ++vg) {
+          const Affine affine =
+              uniform_affine(vl.spec.element, p.value_dequantization.clip_ratio, from.value_pairs[lane][vg], kTop);
+          shared.value_affine[warp][token][vg] = valid ? affine : Affine{0.0f, 0.0f};
+        }
       }
       __syncwarp();
     }
-    if (channel_tokens && stage.channel_pairs) {
-      // The step starts a key group (steps never straddle one: G % 32 == 0)
-      // or the run: the group's channel affines from the pairs that came
-      // with it, then the key operands.
-      const uint8_t* pairs = dynamic_shared + int8_stage_bytes<D, VG, kBits>() + (warp * kInt8Stages + stage_index) * D * channel_pair_bytes;
-      for (int d = lane; d < D; d += kWarpSize) {
-        const uint2 raw = channel_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pairs + 4 * d), 0u)
-                                                  : *reinterpret_cast<const uint2*>(pairs + 8 * d);
-        shared.channel[warp][d] = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, raw, kTop);
+    if constexpr (VG > 1) {
+      if (channel_tokens && stage.channel_pairs) {
+        // The step starts a key group (steps never straddle one: G % 32 == 0)
+        // or the run: the group's channel affines from the pairs that came
+        // with it, then the key operands.
+        const uint8_t* pairs = dynamic_shared + int8_stage_bytes<D, VG, kBits>() +
+                               (warp * kInt8Stages + stage_index[0]) * D * channel_pair_bytes;
+        for (int d = lane; d < D; d += kWarpSize) {
+          const uint2 raw = channel_pair_bytes == 4 ? make_uint2(*reinterpret_cast<const uint32_t*>(pairs + 4 * d), 0u)
+                                                    : *reinterpret_cast<const uint2*>(pairs + 8 * d);
+          shared.channel[warp][d] = uniform_affine(kl.spec.element, p.key_dequantization.clip_ratio, raw, kTop);
+        }
+        __syncwarp();
+        build_key_operands(std::true_type{});
       }
-      __syncwarp();
-      build_key_operands(std::true_type{});
     }
-    // ---- keys: row block rb holds tokens 16 rb + g and 16 rb + g + 8
+    // ---- keys: row block rb of stage s holds its tokens 16 rb + g and
+    // 16 rb + g + 8
     float score[kItemRows][kHeads];  // [item][head]: token item_row(j), head lane_head(h)
-    {
+#pragma unroll
+    for (int s = 0; s < kStepStages; ++s) {
       int dots[2][kKeyParts][4];  // [rb][part][C register]: token 16 rb + g + 8 (i / 2), column 2c + i % 2
 #pragma unroll
       for (int rb = 0; rb < 2; ++rb) {
         // The lane's words of rows g and g + 8 (key_first_word onwards; at 4
         // bits nibble_key_words of them from word nibble_key_words * c).
         uint32_t words_g[kKeyWords], words_g8[kKeyWords];
-        const auto* codes = reinterpret_cast<const uint32_t*>(stage.key_codes) +
+        const auto* codes = reinterpret_cast<const uint32_t*>(stages[stage_index[s]].key_codes) +
                             (kNibbles ? kKeyWords * c : int8_mma::key_first_word(D, c));
         if constexpr (kKeyWords == 4) {
           const uint4 u = *reinterpret_cast<const uint4*>(codes + (16 * rb + g) * kRowWords);
@@ -625,24 +716,24 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         // Horner over the planes: the sums times 4 before each next mma (at
         // 4 bits times 16 before the first plane-1 mma).
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
+        for (int ks = 0; ks < kSteps; ++ks) {
           uint32_t a[4];
 #pragma unroll
           for (int which = 0; which < 4; ++which) {
-            a[which] = kNibbles ? int8_mma::nibble_key_a_register(D, words_g, words_g8, s, which)
-                                : int8_mma::key_a_register(D, words_g, words_g8, s, which);
+            a[which] = kNibbles ? int8_mma::nibble_key_a_register(D, words_g, words_g8, ks, which)
+                                : int8_mma::key_a_register(D, words_g, words_g8, ks, which);
           }
 #pragma unroll
           for (int part = 0; part < kKeyParts; ++part) {
-            if (kNibbles ? s == int8_mma::nibble_key_horner_mma(D) : s > 0) {
+            if (kNibbles ? ks == int8_mma::nibble_key_horner_mma(D) : ks > 0) {
 #pragma unroll
               for (int i = 0; i < 4; ++i) dots[rb][part][i] *= kNibbles ? int8_mma::kNibbleKeyScale : 4;
             }
-            mma_u8s8(dots[rb][part], a, key_b[s][0][part], key_b[s][1][part]);
+            mma_u8s8(dots[rb][part], a, key_b[ks][0][part], key_b[ks][1][part]);
           }
         }
       }
-      int combined[kItemRows][kHeads];  // 128 hi + lo
+      int combined[4][kHeads];  // 128 hi + lo, of the stage's items 4 s + j
       if constexpr (kPacked) {
         // Both parts of head c, rows g (registers 0, 1) and g + 8 (2, 3).
 #pragma unroll
@@ -658,10 +749,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         }
       }
 #pragma unroll
-      for (int j = 0; j < kItemRows; ++j) {
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * s + jj;
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) {
-          const float dot = static_cast<float>(combined[j][h]) * scale_h[h];
+          const float dot = static_cast<float>(combined[jj][h]) * scale_h[h];
           if (per_channel_keys) {
             score[j][h] = dot + a_term_h[h];
           } else {
@@ -671,36 +763,38 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         }
       }
     }
-    if (key_outliers) {
+    if constexpr (kGeneral) {
+      if (key_outliers) {
 #pragma unroll
-      for (int j = 0; j < kItemRows; ++j) {
-        const int row = item_row(j);
-        if (row >= tokens) continue;
-        const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
-                             stage.in_page[row]};
-        float correction[kHeads];
+        for (int j = 0; j < kItemRows; ++j) {
+          const int row = item_row(j);
+          if (row >= tokens) continue;
+          const SlotAddress at{p.key_cache.pages + static_cast<int64_t>(stage.page[row]) * kl.page_bytes,
+                               stage.in_page[row]};
+          float correction[kHeads];
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) correction[h] = 0.0f;
-        for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
-          const int code = code_at<kBits>(kl, at, kv_head, d);
-          const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
-          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          for (int h = 0; h < kHeads; ++h) correction[h] = 0.0f;
+          for_each_outlier(p.key_cache, slot, at, kv_head, [&](int d, float x) {
+            const int code = code_at<kBits>(kl, at, kv_head, d);
+            const Affine affine = per_channel_keys ? shared.channel[warp][d] : shared.key_affine[warp][row];
+            const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
 #pragma unroll
-          for (int h = 0; h < kHeads; ++h) correction[h] = __fmaf_rn(shared.query[lane_head(h)][d], delta, correction[h]);
-        });
+            for (int h = 0; h < kHeads; ++h) correction[h] = __fmaf_rn(shared.query[lane_head(h)][d], delta, correction[h]);
+          });
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) score[j][h] = __fmaf_rn(correction[h], log2e_scale, score[j][h]);
+          for (int h = 0; h < kHeads; ++h) score[j][h] = __fmaf_rn(correction[h], log2e_scale, score[j][h]);
+        }
       }
     }
 #pragma unroll
     for (int j = 0; j < kItemRows; ++j) {
-      if (tokens < kInt8StepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
+      if (tokens < kStepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) score[j][h] = -INFINITY;
       }
     }
 
-    // ---- online softmax per head, over the step's 32 rows (the lanes of
+    // ---- online softmax per head, over the step's rows (the lanes of
     // each head: its 8 g). Once the maxima settle (most steps of a long
     // context) no score passes them: one vote instead of the reductions,
     // and every alpha is exactly 1, so nothing is rescaled. A step whose
@@ -790,8 +884,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
     for (int vg = 0; vg < VG; ++vg) {
 #pragma unroll
       for (int j = 0; j < kItemRows; ++j) {
-        // the values' k order
-        const int k = VG == 1 ? int8_mma::transposed_k_of_token(item_row(j)) : int8_mma::value_token_of_k(item_row(j));
+        // the values' k order (wide steps: stage j / 4's k after the k of
+        // the stages before it)
+        const int k = VG == 1 ? kInt8StepTokens * (j / 4) + int8_mma::transposed_k_of_token(item_row(j % 4))
+                              : int8_mma::value_token_of_k(item_row(j));
         const float b = VG == 1 ? 0.0f : shared.value_affine[warp][item_row(j)][vg].b;
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) {
@@ -802,39 +898,47 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         }
       }
     }
-    if (value_outliers) {
+    if constexpr (kGeneral) {
+      if (value_outliers) {
 #pragma unroll
-      for (int j = 0; j < kItemRows; ++j) {
+        for (int j = 0; j < kItemRows; ++j) {
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) shared.weights[warp][item_row(j)][lane_head(h)] = weight[j][h];
+          for (int h = 0; h < kHeads; ++h) shared.weights[warp][item_row(j)][lane_head(h)] = weight[j][h];
+        }
       }
-    }
-    if (head_writer) {
+      if (head_writer) {
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) shared.alpha[warp][lane_head(h)] = alpha[h];
+        for (int h = 0; h < kHeads; ++h) shared.alpha[warp][lane_head(h)] = alpha[h];
+      }
     }
     __syncwarp();
 
-    // ---- values: m tile T's channel rows g, g + 8 against the 32 tokens,
-    // with the weights of T's value group
-    auto accumulate_tile = [&](int tile, const uint32_t (&a)[4]) {
+    // ---- values: m tile T's channel rows g, g + 8 against the step's
+    // tokens, with the weights of T's value group: one mma per stage (its
+    // 32 tokens, the mma's K; a[s]) into the same int32 sums, converted once
+    auto accumulate_tile = [&](int tile, const uint32_t (&a)[kStepStages][4]) {
       const int vg = tile / kTilesPerGroup;
       // B column g: packed, part packed_part(g) of head packed_head(g);
-      // else head g's high and low parts in two mmas.
-      auto b_register = [&](int part, int head, int half) {
-        return *reinterpret_cast<const uint32_t*>(&shared.weight_parts[warp][vg][part][head][16 * half + 4 * c]);
+      // else head g's high and low parts in two mmas; k half `half` of
+      // stage s.
+      auto b_register = [&](int part, int head, int s, int half) {
+        return *reinterpret_cast<const uint32_t*>(
+            &shared.weight_parts[warp][vg][part][head][kInt8StepTokens * s + 16 * half + 4 * c]);
       };
       if constexpr (kPacked) {
         // Both parts of head c, rows g (registers 0, 1) and g + 8 (2, 3).
-        // The sums start from kIntegerBiasBits: at most 32 tokens x 192 (a
+        // The sums start from kIntegerBiasBits: at most 64 tokens x 192 (a
         // code times its plane) x 255 < 2^22, they convert to float in one
         // float add each, not on the conversion pipe (an eighth of the
         // rate, shared with ex2), and the high part's weight 256 rides in
         // its scale.
         int sum[4] = {int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits, int8_mma::kIntegerBiasBits,
                       int8_mma::kIntegerBiasBits};
-        mma_u8u8(sum, a, b_register(int8_mma::packed_part(g), column_head, 0),
-                 b_register(int8_mma::packed_part(g), column_head, 1));
+#pragma unroll
+        for (int s = 0; s < kStepStages; ++s) {
+          mma_u8u8(sum, a[s], b_register(int8_mma::packed_part(g), column_head, s, 0),
+                   b_register(int8_mma::packed_part(g), column_head, s, 1));
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float low = __fmaf_rn(int8_mma::unbiased_float(sum[2 * r + 1]), part_scale[0], acc[tile][r]);
@@ -842,8 +946,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         }
       } else {
         int sum_hi[4] = {0, 0, 0, 0}, sum_lo[4] = {0, 0, 0, 0};
-        mma_u8u8(sum_hi, a, b_register(0, g, 0), b_register(0, g, 1));
-        mma_u8u8(sum_lo, a, b_register(1, g, 0), b_register(1, g, 1));
+#pragma unroll
+        for (int s = 0; s < kStepStages; ++s) {
+          mma_u8u8(sum_hi, a[s], b_register(0, g, s, 0), b_register(0, g, s, 1));
+          mma_u8u8(sum_lo, a[s], b_register(1, g, s, 0), b_register(1, g, s, 1));
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           acc[tile][i] = __fmaf_rn(static_cast<float>(256 * sum_hi[i] + sum_lo[i]), part_scale[i % 2], acc[tile][i]);
@@ -855,31 +962,50 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
       // addresses token l's 16 bytes of column block mb, so one load gives
       // a lane its unit of the four token octets; a byte permute per
       // gathered word and a mask per A register.
-      const uint32_t codes_address = stages_address + static_cast<uint32_t>(stage_index * sizeof(Stage)) +
-                                     static_cast<uint32_t>(offsetof(Stage, value_codes));
+      uint32_t codes_address[kStepStages];
+#pragma unroll
+      for (int s = 0; s < kStepStages; ++s) {
+        codes_address[s] = stages_address + static_cast<uint32_t>(stage_index[s] * sizeof(Stage)) +
+                           static_cast<uint32_t>(offsetof(Stage, value_codes));
+      }
 #pragma unroll
       for (int mb = 0; mb < kRowChunks; ++mb) {
-        uint32_t octets[4];  // tokens 0-7, 8-15, 16-23, 24-31
-        load_matrices_transposed(octets, codes_address + static_cast<uint32_t>(
-                                                             16 * value_chunk<kRowChunks>(lane, mb)));
+        uint32_t octets[kStepStages][4];  // each stage's tokens 0-7, 8-15, 16-23, 24-31
+#pragma unroll
+        for (int s = 0; s < kStepStages; ++s) {
+          load_matrices_transposed(octets[s], codes_address[s] + static_cast<uint32_t>(
+                                                                     16 * value_chunk<kRowChunks>(lane, mb)));
+        }
 #pragma unroll
         for (int beta = 0; beta < 2; ++beta) {
-          const uint32_t gathered[2] = {int8_mma::transposed_gather(octets[0], octets[1], beta),
-                                        int8_mma::transposed_gather(octets[2], octets[3], beta)};
+          uint32_t gathered[kStepStages][2];
+#pragma unroll
+          for (int s = 0; s < kStepStages; ++s) {
+            gathered[s][0] = int8_mma::transposed_gather(octets[s][0], octets[s][1], beta);
+            gathered[s][1] = int8_mma::transposed_gather(octets[s][2], octets[s][3], beta);
+          }
           if constexpr (kNibbles) {  // tile 2 mb + beta: rows g, g + 8 the two planes
-            const uint32_t a[4] = {int8_mma::nibble_transposed_value_a_register(gathered[0], 0),
-                                   int8_mma::nibble_transposed_value_a_register(gathered[0], 1),
-                                   int8_mma::nibble_transposed_value_a_register(gathered[1], 0),
-                                   int8_mma::nibble_transposed_value_a_register(gathered[1], 1)};
+            uint32_t a[kStepStages][4];
+#pragma unroll
+            for (int s = 0; s < kStepStages; ++s) {
+              a[s][0] = int8_mma::nibble_transposed_value_a_register(gathered[s][0], 0);
+              a[s][1] = int8_mma::nibble_transposed_value_a_register(gathered[s][0], 1);
+              a[s][2] = int8_mma::nibble_transposed_value_a_register(gathered[s][1], 0);
+              a[s][3] = int8_mma::nibble_transposed_value_a_register(gathered[s][1], 1);
+            }
             accumulate_tile(2 * mb + beta, a);
           } else {
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
               const int tile = 4 * mb + 2 * beta + q;
-              const uint32_t a[4] = {int8_mma::transposed_value_a_register(gathered[0], tile, 0),
-                                     int8_mma::transposed_value_a_register(gathered[0], tile, 1),
-                                     int8_mma::transposed_value_a_register(gathered[1], tile, 0),
-                                     int8_mma::transposed_value_a_register(gathered[1], tile, 1)};
+              uint32_t a[kStepStages][4];
+#pragma unroll
+              for (int s = 0; s < kStepStages; ++s) {
+                a[s][0] = int8_mma::transposed_value_a_register(gathered[s][0], tile, 0);
+                a[s][1] = int8_mma::transposed_value_a_register(gathered[s][0], tile, 1);
+                a[s][2] = int8_mma::transposed_value_a_register(gathered[s][1], tile, 0);
+                a[s][3] = int8_mma::transposed_value_a_register(gathered[s][1], tile, 1);
+              }
               accumulate_tile(tile, a);
             }
           }
@@ -900,7 +1026,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         // Each part's words are gathered into the A registers of the four m
         // tiles before the next part's are loaded (the fence keeps the loads
         // apart), so that 16 words are live at a time, not 32.
-        uint32_t a_of[4][4];  // [tile - 4 w4][A register]
+        uint32_t a_of[4][1][4];  // [tile - 4 w4][the step's one stage][A register]
 #pragma unroll
         for (int part = 0; part < 2; ++part) {
           uint32_t words[4][4];  // [i][tile - 4 w4]
@@ -913,10 +1039,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
           for (int j = 0; j < 4; ++j) {
             const uint32_t gathered = int8_mma::gather_byte(words[0][j], words[1][j], words[2][j], words[3][j], g % 4);
             if constexpr (kNibbles) {  // word j is tile 2 w4 + j / 2's rows g (j even) or g + 8
-              a_of[j / 2][2 * part + j % 2] = int8_mma::nibble_value_a_register(gathered, g);
+              a_of[j / 2][0][2 * part + j % 2] = int8_mma::nibble_value_a_register(gathered, g);
             } else {
-              a_of[j][2 * part] = int8_mma::value_a_register(gathered, g, 0);
-              a_of[j][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
+              a_of[j][0][2 * part] = int8_mma::value_a_register(gathered, g, 0);
+              a_of[j][0][2 * part + 1] = int8_mma::value_a_register(gathered, g, 1);
             }
           }
           asm volatile("" ::: "memory");
@@ -926,20 +1052,22 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize, (int8_blocks_per_multi
         for (int j = 0; j < kTilesPerChunk; ++j) accumulate_tile(kTilesPerChunk * w4 + j, a_of[j]);
       }
     }
-    if (value_outliers) {
-      // Rescale this warp's corrections to the new maxima, then add the
-      // step's: lane j takes token j.
-      for (int i = lane; i < group * D; i += kWarpSize) out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
-      __syncwarp();
-      if (lane < tokens) {
-        const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
-                             stage.in_page[lane]};
-        for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
-          const int code = code_at<kBits>(vl, at, kv_head, d);
-          const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
-          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-          for (int h = 0; h < group; ++h) atomicAdd(&out[warp][h][d], shared.weights[warp][lane][h] * delta);
-        });
+    if constexpr (kGeneral) {
+      if (value_outliers) {
+        // Rescale this warp's corrections to the new maxima, then add the
+        // step's: lane j takes token j.
+        for (int i = lane; i < group * D; i += kWarpSize) out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
+        __syncwarp();
+        if (lane < tokens) {
+          const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
+                               stage.in_page[lane]};
+          for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
+            const int code = code_at<kBits>(vl, at, kv_head, d);
+            const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
+            const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+            for (int h = 0; h < group; ++h) atomicAdd(&out[warp][h][d], shared.weights[warp][lane][h] * delta);
+          });
+        }
       }
     }
     __syncwarp();  // the step's weights are read before the next step writes them

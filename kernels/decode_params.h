@@ -163,6 +163,19 @@ struct AppendParams {
 // every token.
 enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2, kBf16TensorCores = 3 };
 
+// The int8 kernel's softmax steps (kernels/decode_int8_kernel.cuh; CUDA
+// only). kSteps32: 32 tokens a step, each warp holding three 32-token
+// stages, two of them in flight while it computes; every layout the kernel
+// reads. kSteps64Stages3, kSteps64Stages4: 64 tokens a step (two stages:
+// one conversion of the value sums, one softmax reduction and one weight
+// scale per 64 tokens instead of per 32) with one or two stages in flight;
+// layouts of one scale group per key and value row, without outliers, of at
+// most 4 query heads per KV head (int8_wide_steps_supported). kAuto:
+// kSteps32, until the 64-token steps are measured against it on the H200
+// (bench/README.md). A 64-token request that the layout or the kernel
+// choice cannot take is refused.
+enum class Int8Steps : int32_t { kAuto = 0, kSteps32 = 1, kSteps64Stages3 = 2, kSteps64Stages4 = 3 };
+
 struct DecodeParams {
   SequenceBatch batch;  // one query per entry, at position lengths[i] - 1
   const void* queries = nullptr;  // [count][num_heads][D], post-RoPE
@@ -178,6 +191,7 @@ struct DecodeParams {
   const float* rope_inverse_frequencies = nullptr;  // [D/2], the model's (float32)
   void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
   DecodeKernel kernel = DecodeKernel::kAuto;  // CUDA only
+  Int8Steps int8_steps = Int8Steps::kAuto;    // CUDA only
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.
