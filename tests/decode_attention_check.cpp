@@ -283,13 +283,14 @@ double io_unit(ElementType io) {
 // within the step's largest W (of the head, over its value groups) / 65535
 // times 1 / 2 (its two uint8 parts, one 16-bit fixed-point number) plus
 // 65535 * 2^-21 (the parts come from an approximate inverse of the unit,
-// within 2 ulp), so a step's 32 tokens move
-// an output by <= top * 32 (1 / 2 + 65535 * 2^-21) / 65535 of its largest W
+// within 2 ulp), so a step's n tokens (32, or 64 in its wide steps:
+// plan.int8_steps) move
+// an output by <= top * n (1 / 2 + 65535 * 2^-21) / 65535 of its largest W
 // (codes up to top = 2^b - 1), and summed over the steps and normalized by
 // sum p, of top * max_t b_t = max (hi - lo) <= 2 max |v'| (at 2 and 4 bits
 // alike; the bound below keeps 2 bits' looser 3 * 3 max |v'|):
 //   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
-//   values: |delta o_d| <= (3 * 32 (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
+//   values: |delta o_d| <= (3 * n (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
                              int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
   const int64_t split = plan.tensor_cores ? plan.tokens_per_split : tokens_per_split;
@@ -302,7 +303,9 @@ double attention_error_bound(const Float64Attention& f, double softmax_scale, in
     const double operand_logit =
         softmax_scale * (3.0 * dim / (127.0 * 256.0) * f.query_norm + (dim + 16.0) * 0x1p-23 * 3 * f.query_l1) * f.key_max;
     const double weight_part = 0.5 + 65535.0 * 0x1p-21;
-    bound += 4 * operand_logit * f.value_norm + (3.0 * 32 * weight_part / 65535.0 + 32 * 0x1p-23) * 3 * f.value_max;
+    const double step_tokens = plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64;
+    bound += 4 * operand_logit * f.value_norm +
+             (3.0 * step_tokens * weight_part / 65535.0 + 32 * 0x1p-23) * 3 * f.value_max;
   } else if (plan.tensor_cores) {
     const double operand_logit = softmax_scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
     bound += 4 * operand_logit * f.value_norm + (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;
@@ -398,6 +401,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.queries = queries.data();
   host.output = reference.data();
   host.kernel = c.kernel;
+  host.int8_steps = c.int8_steps;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -417,6 +421,13 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(plan.int8, kernels::int8_decode_supported(on_device)) << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8) << c.name;
+    if (c.int8_steps != kernels::Int8Steps::kAuto) {
+      EXPECT_TRUE(plan.int8) << c.name;
+      EXPECT_EQ(plan.int8_steps, c.int8_steps) << c.name;
+    }
+    if (plan.int8 && c.int8_steps == kernels::Int8Steps::kAuto) {  // the default's steps
+      EXPECT_EQ(plan.int8_steps, kernels::Int8Steps::kSteps32) << c.name;
+    }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
     // plans the same launch; the one-call launcher runs first, the planner's
@@ -430,6 +441,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.tokens_per_split, plan.tokens_per_split) << c.name;
       EXPECT_EQ(planned.states, plan.states) << c.name;
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
+      EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
     }
     kernels::launch_decode_attention(on_device, nullptr);
     planner.launch(on_device, nullptr);
@@ -478,7 +490,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   }
   cpu_seconds += seconds_since(float64_start);
   std::printf("[ %s ] %s kernel, splits of %lld tokens, %lld states merged by %s\n", c.name.c_str(),
-              plan.int8 ? "int8 tensor-core" : plan.tensor_cores ? "tensor-core" : "general",
+              !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
+              : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
+              : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
+                                                                      : "int8 tensor-core (64-token steps, 4 stages)",
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
               plan.wide_merge ? "four thread groups" : "one thread group");
   if (check.print_timing) {

@@ -72,6 +72,9 @@ struct DecodeCase : KernelCase {
   // kInt8TensorCores: the case must be one the 8-bit integer kernel reads
   // (a test failure otherwise), and its operand terms join the bound.
   kernels::DecodeKernel kernel = kernels::DecodeKernel::kAuto;
+  // Not kAuto: the int8 kernel's steps the launch must take (the plan's,
+  // checked), and their step length in the bound.
+  kernels::Int8Steps int8_steps = kernels::Int8Steps::kAuto;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

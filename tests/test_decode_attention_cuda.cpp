@@ -98,6 +98,36 @@ std::vector<Case> cases() {
     long_context.lengths = {16411, 33};
     all.push_back(long_context);
   }
+  {  // The int8 kernel's 64-token steps (kernels::Int8Steps), with one and
+     // two stages in flight: rtn and int2-rot rotated (a sink and a window)
+     // at 2 and 4 bits, head_dim 128 and 64, GQA 4 and 1, page 12, bf16 io;
+     // lengths around the stages' and steps' edges (a step of one stage, of
+     // one token past it, a warp's run ending mid-step), splits of 256 and
+     // of 512 tokens, and a 16K context.
+    const auto steps = [](Case c, kernels::Int8Steps s) {
+      c.kernel = kInt8;
+      c.int8_steps = s;
+      return c;
+    };
+    constexpr auto k3 = kernels::Int8Steps::kSteps64Stages3;
+    constexpr auto k4 = kernels::Int8Steps::kSteps64Stages4;
+    all.push_back(steps(make_case("int8_steps64x3_rtn_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k3));
+    all.push_back(
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_2bit_d128_gqa4", 2, 128, 8)), k4));
+    Case edges = steps(make_case("int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io", QuantMethod::kRtn, 4, 64, 2), k4);
+    edges.page_size = 12;
+    edges.io = ElementType::kBFloat16;
+    edges.lengths = {1, 31, 32, 33, 63, 64, 65, 96, 127, 129, 255, 257, 320, 1000};
+    all.push_back(edges);
+    Case split512 =
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x3_int2rot_rotated_4bit_d128_gqa4", 4, 128, 8)), k3);
+    split512.tokens_per_split = 512;
+    split512.lengths = {65, 700, 2049, 3001};
+    all.push_back(split512);
+    Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
+    long_context.lengths = {16411, 97};
+    all.push_back(long_context);
+  }
   {  // The general kernel forced (DecodeKernel::kGeneral) on layouts the
      // tensor-core kernels take by default, so that its quantized tokens'
      // every grouping runs on the GPU (by default it takes only kvquant's and
@@ -127,6 +157,21 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Layouts, DecodeAttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// Calls f with the DecodeParams of a small CPU cache of the case's layout
+// (what the launcher decides from; nothing is launched).
+template <typename F>
+void with_layout_params(const Case& c, F&& f) {
+  const RotaryEmbedding case_rope(RopeConfig{}, c.head_dim, at::kCPU);
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.max_sequences = 1;
+  options.max_context = 64;
+  options.element = c.element;
+  const kernels::QuantizedKVCache cache(testing::fitted_decode_config(c, case_rope), testing::decode_dimensions(c),
+                                        options);
+  f(cache.decode_params(0));
+}
+
 // On any machine (no GPU needed): the int8 cases are layouts the 8-bit
 // integer kernel reads, the default takes it wherever it reads a layout (at
 // 2 and 4 bits), and the layouts it does not read (kvquant's non-uniform
@@ -136,27 +181,56 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DecodeAttentionCuda, ::testing::ValuesIn(cases
 TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
   int int8_cases = 0;
   for (const Case& c : cases()) {
-    const RotaryEmbedding case_rope(RopeConfig{}, c.head_dim, at::kCPU);
-    kernels::CacheOptions options;
-    options.page_size = c.page_size;
-    options.max_sequences = 1;
-    options.max_context = 64;
-    options.element = c.element;
-    const kernels::QuantizedKVCache cache(testing::fitted_decode_config(c, case_rope), testing::decode_dimensions(c),
-                                          options);
-    const bool reads = kernels::int8_decode_supported(cache.decode_params(0));
-    if (c.kernel == kernels::DecodeKernel::kInt8TensorCores) {
-      EXPECT_TRUE(reads) << c.name;
-      ++int8_cases;
-    }
-    const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
-                          c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
-                          c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
-                          c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12" ||
-                          c.name == "general_kivi_2bit_d128_gqa4";
-    EXPECT_EQ(reads, expected) << c.name;
+    with_layout_params(c, [&](const kernels::DecodeParams& params) {
+      const bool reads = kernels::int8_decode_supported(params);
+      if (c.kernel == kernels::DecodeKernel::kInt8TensorCores) {
+        EXPECT_TRUE(reads) << c.name;
+        ++int8_cases;
+      }
+      const bool expected = c.name.rfind("int8_", 0) == 0 || c.name == "int2rot_rotated_2bit_d128_gqa8" ||
+                            c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
+                            c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
+                            c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12" ||
+                            c.name == "general_kivi_2bit_d128_gqa4";
+      EXPECT_EQ(reads, expected) << c.name;
+    });
   }
-  EXPECT_EQ(int8_cases, 7);
+  EXPECT_EQ(int8_cases, 12);
+}
+
+// On any machine: the 64-token steps read the int8 layouts of one scale
+// group per key and value row, without outliers, of at most 4 query heads
+// per KV head, and nothing else; a request for them elsewhere is refused
+// before anything reaches the device, in one line.
+TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersAndRefuseTheRest) {
+  int wide_cases = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      const bool reads = kernels::int8_wide_steps_supported(params);
+      // GQA 8 (16 heads on 2) needs the unpacked kernel, KIVI's values and
+      // rtn's groups of 32 channels more than one group per row, kvquant
+      // non-uniform pre-RoPE keys; the int2-rot window layouts and rtn's one
+      // group per row are read unless they carry outliers.
+      const bool expected = c.name.rfind("int8_steps64", 0) == 0 || c.name == "int8_rtn_2bit_d128_gqa1" ||
+                            c.name == "int8_rtn_4bit_d128_gqa4" || c.name == "int8_rtn_16k_2bit_d128_gqa4" ||
+                            c.name == "rtn_2bit_d128_gqa1" || c.name == "int2rot_4bit_d64_gqa4_page12";
+      EXPECT_EQ(reads, expected) << c.name;
+      if (c.int8_steps != kernels::Int8Steps::kAuto) {
+        EXPECT_TRUE(reads) << c.name;
+        ++wide_cases;
+      }
+      if (reads) return;
+      params.int8_steps = kernels::Int8Steps::kSteps64Stages4;
+      try {
+        kernels::launch_decode_attention(params, nullptr);
+        ADD_FAILURE() << c.name << ": 64-token steps were accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("int8_steps of 64 tokens"), std::string::npos) << e.what();
+      }
+    });
+  }
+  EXPECT_EQ(wide_cases, 5);
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
