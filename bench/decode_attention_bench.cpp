@@ -24,9 +24,14 @@
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general) and `splits`, `exact_splits`, `exact_first` and
-// `wide_merge` its plan (kernels::DecodePlan); with --bf16-tensor-cores also the bf16 tensor-core
+// `wide_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
+// kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
-// bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor.
+// bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
+// with --int8-wide-steps, where the int8 kernel's 64-token steps read the
+// layout (kernels::Int8Steps), their time with three and with four stages
+// a warp against the default's in the same run (steps64_stages3_time_us,
+// _splits, _speedup_vs_sdpa; steps64_stages4_*).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -184,6 +189,10 @@ int run(int argc, char** argv) {
   bool bf16_tensor_cores = false;
   app.add_flag("--bf16-tensor-cores", bf16_tensor_cores,
                "also time the bf16 tensor-core kernel where the int8 one is the default (bf16_tc_* columns)");
+  bool int8_wide_steps = false;
+  app.add_flag("--int8-wide-steps", int8_wide_steps,
+               "also time the int8 kernel's 64-token steps (three and four stages) where they read the layout "
+               "(steps64_stages3_*, steps64_stages4_* columns)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -406,6 +415,7 @@ int run(int argc, char** argv) {
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_first", plan.exact_first},
                                 {"wide_merge", plan.wide_merge},
+                                {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
                                 {"speedup_vs_sdpa", sdpa.at(context) / time_us},
@@ -423,19 +433,33 @@ int run(int argc, char** argv) {
                                 {"append_per_sequence_latency_us", per_sequence.latency_us},
                                 {"append_per_sequence_host_us", per_sequence.host_us},
                                 {"append_per_sequence_device_us", per_sequence.device_us}};
+          // Another kernel choice on the same cache and queries: its time,
+          // splits and speedup as the `prefix`ed columns.
+          const auto time_choice = [&](kernels::DecodeParams other, const std::string& prefix) {
+            const int64_t other_bytes = kernels::decode_workspace_bytes(other);
+            const at::Tensor other_workspace =
+                at::empty({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+            other.workspace = other_workspace.data_ptr();
+            other.workspace_bytes = other_bytes;
+            const kernels::DecodePlan other_plan = kernels::plan_decode_attention(other, multiprocessors);
+            const double other_us = median_us([&] { kernels::launch_decode_attention(other, nullptr); }, repeats);
+            row[prefix + "_time_us"] = other_us;
+            row[prefix + "_splits"] = other_plan.splits;
+            row[prefix + "_speedup_vs_sdpa"] = sdpa.at(context) / other_us;
+          };
           if (bf16_tensor_cores && plan.int8) {
             kernels::DecodeParams bf16_params = params;
             bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;
-            const int64_t bf16_bytes = kernels::decode_workspace_bytes(bf16_params);
-            const at::Tensor bf16_workspace =
-                at::empty({bf16_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
-            bf16_params.workspace = bf16_workspace.data_ptr();
-            bf16_params.workspace_bytes = bf16_bytes;
-            const kernels::DecodePlan bf16_plan = kernels::plan_decode_attention(bf16_params, multiprocessors);
-            const double bf16_us = median_us([&] { kernels::launch_decode_attention(bf16_params, nullptr); }, repeats);
-            row["bf16_tc_time_us"] = bf16_us;
-            row["bf16_tc_splits"] = bf16_plan.splits;
-            row["bf16_tc_speedup_vs_sdpa"] = sdpa.at(context) / bf16_us;
+            time_choice(bf16_params, "bf16_tc");
+          }
+          if (int8_wide_steps && plan.int8 && kernels::int8_wide_steps_supported(params)) {
+            for (const auto& [steps, prefix] :
+                 {std::pair{kernels::Int8Steps::kSteps64Stages3, "steps64_stages3"},
+                  std::pair{kernels::Int8Steps::kSteps64Stages4, "steps64_stages4"}}) {
+              kernels::DecodeParams wide = params;
+              wide.int8_steps = steps;
+              time_choice(wide, prefix);
+            }
           }
           const auto fi = flashinfer.find({context, batch});
           if (fi != flashinfer.end()) {
