@@ -786,11 +786,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
         }
       }
     }
+    if (tokens < kStepTokens) {  // the split's last step (warp-uniform): rows past it weigh nothing
 #pragma unroll
-    for (int j = 0; j < kItemRows; ++j) {
-      if (tokens < kStepTokens && item_row(j) >= tokens) {  // the split's last step: rows past it weigh nothing
+      for (int j = 0; j < kItemRows; ++j) {
+        if (item_row(j) >= tokens) {
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) score[j][h] = -INFINITY;
+          for (int h = 0; h < kHeads; ++h) score[j][h] = -INFINITY;
+        }
       }
     }
 
