@@ -874,6 +874,22 @@ TEST(RuntimeKernelsCpuEmptyBatches, DecodeAndAppendOfNoSequencesDoNothing) {
   EXPECT_EQ(cache.length(a, 0), 3);
 }
 
+// The options' CUDA kernel choices reach the launch's parameters unchanged
+// (the CPU reference ignores them: it stores and attends alike).
+TEST(RuntimeKernelsCpuOptions, DecodeParamsCarryTheKernelChoices) {
+  kernels::CacheOptions options;
+  options.max_context = 40;
+  options.max_sequences = 1;
+  const kernels::QuantizedKVCache defaults(small_rtn(2, 64), small_dims(), options);
+  EXPECT_EQ(defaults.decode_params(0).kernel, kernels::DecodeKernel::kAuto);
+  EXPECT_EQ(defaults.decode_params(0).int8_steps, kernels::Int8Steps::kAuto);
+  options.decode_kernel = kernels::DecodeKernel::kInt8TensorCores;
+  options.int8_steps = kernels::Int8Steps::kSteps64Stages4;
+  const kernels::QuantizedKVCache chosen(small_rtn(2, 64), small_dims(), options);
+  EXPECT_EQ(chosen.decode_params(0).kernel, kernels::DecodeKernel::kInt8TensorCores);
+  EXPECT_EQ(chosen.decode_params(0).int8_steps, kernels::Int8Steps::kSteps64Stages4);
+}
+
 // A configuration with token_top_bottom value outliers and options whose
 // outlier pool holds 48 entries: 12 tokens fill it (each token has 2 heads x
 // 2k = 4 entries, k = 1 of 64 at 2%), the 13th exhausts it.
