@@ -174,6 +174,13 @@ bool int8_value_groups_of_32(const DecodeParams& p) {
   return v.grouping == ScaleGrouping::kPerToken && v.group == 32 && v.head_dim > 32;
 }
 
+// One scale group per token row of the tensor: all-heads groups, or
+// per_token groups of head_dim.
+bool one_group_per_row(const TensorLayoutSpec& s) {
+  return s.grouping == ScaleGrouping::kPerTokenAllHeads ||
+         (s.grouping == ScaleGrouping::kPerToken && s.group == s.head_dim);
+}
+
 // The int8 kernel packs both parts of its B operands into the mma's N
 // where the GQA group leaves columns 4-7 idle.
 bool int8_packed_parts(const DecodeParams& p) {
@@ -389,10 +396,7 @@ bool int8_decode_supported(const DecodeParams& p) {
   // The walk's address arithmetic: 32-bit page sizes and in-page offsets,
   // one page table for both pools.
   if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
-  if (k.page_size != v.page_size) return false;
-  const auto one_group_per_row = [dim](const TensorLayoutSpec& s) {
-    return s.grouping == ScaleGrouping::kPerTokenAllHeads || (s.grouping == ScaleGrouping::kPerToken && s.group == dim);
-  };
+  if (k.page_size != v.page_size || v.head_dim != dim) return false;
   // Keys in per-channel token groups (KIVI's) come with KIVI's values, in
   // groups of 32 channels: the one instantiation that stages their channel
   // pairs (the others keep the registers that costs).
@@ -403,13 +407,8 @@ bool int8_decode_supported(const DecodeParams& p) {
 }
 
 bool int8_wide_steps_supported(const DecodeParams& p) {
-  const TensorLayoutSpec& k = p.key_cache.layout.spec;
-  const TensorLayoutSpec& v = p.value_cache.layout.spec;
-  const auto one_group_per_row = [](const TensorLayoutSpec& s) {
-    return s.grouping == ScaleGrouping::kPerTokenAllHeads ||
-           (s.grouping == ScaleGrouping::kPerToken && s.group == s.head_dim);
-  };
-  return int8_decode_supported(p) && one_group_per_row(k) && one_group_per_row(v) &&
+  return int8_decode_supported(p) && one_group_per_row(p.key_cache.layout.spec) &&
+         one_group_per_row(p.value_cache.layout.spec) &&
          p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
 }
 
