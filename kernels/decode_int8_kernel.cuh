@@ -37,9 +37,10 @@
 // Operand layouts: kernels/int8_mma_fragments.h (tested on the CPU through
 // an emulation of the PTX fragments). One block of four warps per (context
 // split, KV head, sequence); each warp walks 32-token steps of its run of the
-// split, three steps' bytes in flight (cp.async), with the online softmax of
-// the GQA group's heads (up to 8, the mma's N); the block merges its warps'
-// states into one split state for decode_merge_kernel.
+// split (64-token steps, two 32-token stages each, in the wide variants:
+// Int8Steps), its next stages' bytes in flight (cp.async), with the online
+// softmax of the GQA group's heads (up to 8, the mma's N); the block merges
+// its warps' states into one split state for decode_merge_kernel.
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
