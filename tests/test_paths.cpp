@@ -10,7 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <system_error>
-#include <vector>
+#include <set>
 
 namespace kvforge::testing {
 namespace {
@@ -38,11 +38,11 @@ class ScratchFolders {
   }
   ScratchFolders(const ScratchFolders&) = delete;
   ScratchFolders& operator=(const ScratchFolders&) = delete;
-  void add(const std::filesystem::path& folder) { folders_.push_back(folder); }
+  void add(const std::filesystem::path& folder) { folders_.insert(folder); }
 
  private:
   pid_t owner_;
-  std::vector<std::filesystem::path> folders_;
+  std::set<std::filesystem::path> folders_;  // run_kvforge asks for the same "cmd" folder every call
 };
 
 ScratchFolders& scratch_folders() {
