@@ -28,7 +28,6 @@
 #include <cstdint>
 
 #include "kernels/angle_reduction.h"
-#include "kernels/async_copy.cuh"
 #include "kernels/decode_params.h"
 #include "kernels/fixed_divisor.h"
 #include "kernels/pair_affine.h"
@@ -55,24 +54,6 @@ __device__ inline float load_element(ElementType element, const uint8_t* at) {
   return *reinterpret_cast<const float*>(at);
 }
 
-// Eight 2-byte elements (fp16 or bf16, the first in the low half of v.x) as
-// floats.
-__device__ inline void widen_eight(ElementType element, uint4 v, float* out) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const auto low = static_cast<unsigned short>(words[w] & 0xffffu);
-    const auto high = static_cast<unsigned short>(words[w] >> 16);
-    if (element == ElementType::kBFloat16) {
-      out[2 * w] = __uint_as_float(static_cast<uint32_t>(low) << 16);
-      out[2 * w + 1] = __uint_as_float(static_cast<uint32_t>(high) << 16);
-    } else {
-      out[2 * w] = __half2float(__ushort_as_half(low));
-      out[2 * w + 1] = __half2float(__ushort_as_half(high));
-    }
-  }
-}
-
 // kCount consecutive elements from `at` into out[0..kCount): in 16-byte
 // loads where `at` is 16-byte aligned (an exact row's run of a code word's
 // elements is, in a cache from cudaMalloc), else one load per element.
@@ -93,7 +74,22 @@ __device__ inline void load_elements(ElementType element, const uint8_t* at, flo
   } else if constexpr (kCount % 8 == 0) {
     if (aligned) {
 #pragma unroll
-      for (int i = 0; i < kCount / 8; ++i) widen_eight(element, reinterpret_cast<const uint4*>(at)[i], out + 8 * i);
+      for (int i = 0; i < kCount / 8; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(at)[i];
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const auto low = static_cast<unsigned short>(words[w] & 0xffffu);
+          const auto high = static_cast<unsigned short>(words[w] >> 16);
+          if (element == ElementType::kBFloat16) {
+            out[8 * i + 2 * w] = __uint_as_float(static_cast<uint32_t>(low) << 16);
+            out[8 * i + 2 * w + 1] = __uint_as_float(static_cast<uint32_t>(high) << 16);
+          } else {
+            out[8 * i + 2 * w] = __half2float(__ushort_as_half(low));
+            out[8 * i + 2 * w + 1] = __half2float(__ushort_as_half(high));
+          }
+        }
+      }
       return;
     }
   }
@@ -231,37 +227,6 @@ __device__ inline void store_word_by_channel(uint32_t word, const float* levels,
   });
 }
 
-// A tile's exact units (sink and window rows) travel from the exact store
-// to their place in the tile by cp.async, not through registers: a unit's
-// loads had waited for the thread's previous unit's stores to shared memory
-// (generic pointers may alias), one round trip to L2 per unit and tensor,
-// most of the exact ranges' blocks' time (bench/README.md, twelfth
-// session). A unit's kPerWord elements of e bytes land at the end of its
-// kPerWord floats (byte offset kPerWord (4 - e): float32 rows land as they
-// are), and after copy_async_wait the thread that copied them widens them in
-// place (widen_staged_exact_units). A unit is one thread's: it reads all of
-// its raw bytes before it writes any float, and no other thread touches it.
-// Staged where the exact store is 16-byte aligned (from cudaMalloc it is; its
-// slot, row and unit offsets are multiples of 16 bytes at head_dim 64 and
-// 128); else through registers (load_elements).
-// Not at 16 warps a block (GQA over 8): that kernel is at 128 registers
-// already, and the widening spilled 312 bytes there (ptxas).
-template <int kThreads>
-__device__ inline bool exact_rows_staged(const PagedTensor& cache) {
-  return kThreads <= 256 && (reinterpret_cast<uintptr_t>(cache.exact) & 15u) == 0;
-}
-
-template <int kPerWord>
-__device__ inline void stage_exact_unit(ElementType element, const uint8_t* in, float* out) {
-  static_assert(kPerWord * 2 % 16 == 0, "whole 16-byte copies of 2-byte elements");
-  const int bytes = kPerWord * static_cast<int>(element_bytes(element));
-  uint8_t* staged = reinterpret_cast<uint8_t*>(out) + kPerWord * 4 - bytes;
-#pragma unroll
-  for (int i = 0; i < kPerWord * 4; i += 16) {
-    if (i < bytes) copy_async<16>(staged + i, in + i);
-  }
-}
-
 // How a tile's quantized units find their affines; one choice per tensor,
 // made once per tile (the grouping is the layout's), not per element.
 enum class UnitAffine : int32_t {
@@ -328,9 +293,7 @@ __device__ inline HeadPageOffsets head_page_offsets(const TensorPageLayout& l, i
 // flight together, before any element is made. The affine is found once per
 // unit where the grouping allows (UnitAffine): kvquant's per-channel keys
 // and per-token values had spent a third of their instructions on a switch
-// over the grouping and its loads for every element. Exact units are
-// staged (stage_exact_unit): the caller commits and waits for the copies,
-// then widen_staged_exact_units finishes them.
+// over the grouping and its loads for every element.
 template <int D, int kBits, int kThreads>
 __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& dq, const float* levels, int32_t slot,
                                 const int32_t* page_row, int64_t tokens, int64_t first, int count, int head,
@@ -346,7 +309,6 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   const TileReading reading(spec, tokens);
   const UnitAffine affine_kind = unit_affine(spec, dq, kPerWord);
   const HeadPageOffsets offsets = head_page_offsets<D>(l, head);
-  const bool stage_exact = exact_rows_staged<kThreads>(cache);
   // Units in batches of two at 2 bits; one at 4 (a batch of two spilled
   // there, 164 bytes at head_dim 128).
   constexpr int kBatch = kBits == 2 && kUnits >= 2 ? 2 : 1;
@@ -394,10 +356,6 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       if (page_id[u] < 0) {  // an exact token
         const uint8_t* in =
             cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, exact_row_of(l, reading, first + j));
-        if (stage_exact) {
-          stage_exact_unit<kPerWord>(spec.element, in + d0 * element, out);
-          continue;
-        }
         float x[kPerWord];
         load_elements<kPerWord>(spec.element, in + d0 * element, x);
         store_floats(out, x);
@@ -445,37 +403,6 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
         if (c % 4 == 3) reinterpret_cast<float4*>(out)[c / 4] = make_float4(x[c - 3], x[c - 2], x[c - 1], x[c]);
       }
     }
-  }
-}
-
-// The thread's exact units of a tile that dequantize_tile staged (2-byte
-// elements), widened in place to floats; after copy_async_wait, before the
-// block's barrier.
-template <int D, int kBits, int kThreads>
-__device__ void widen_staged_exact_units(const PagedTensor& cache, int64_t tokens, int64_t first, int count,
-                                         float* tile, int stride) {
-  constexpr int kPerWord = 32 / kBits;
-  constexpr int kWords = D / kPerWord;
-  constexpr int kUnits = (kTileTokens * kWords + kThreads - 1) / kThreads;
-  const TensorLayoutSpec& spec = cache.layout.spec;
-  if (spec.element == ElementType::kFloat32 || !exact_rows_staged<kThreads>(cache)) return;  // landed as they are, or not staged
-  const TileReading reading(spec, tokens);
-  const auto tile_first = static_cast<int32_t>(first);
-  if (tile_first >= reading.begin && tile_first + count <= reading.end) return;  // no exact token
-#pragma unroll
-  for (int i = 0; i < kUnits; ++i) {
-    const int unit = static_cast<int>(threadIdx.x) + i * kThreads;
-    if (unit >= count * kWords) break;
-    const int32_t token = tile_first + unit / kWords;
-    if (token >= reading.begin && token < reading.end) continue;  // a quantized unit
-    float* out = tile + (unit / kWords) * stride + (unit % kWords) * kPerWord;
-    uint4 raw[kPerWord / 8];  // the elements, 8 per 16 bytes, in the unit's upper half
-#pragma unroll
-    for (int r = 0; r < kPerWord / 8; ++r) raw[r] = reinterpret_cast<const uint4*>(out + kPerWord / 2)[r];
-    float x[kPerWord];
-#pragma unroll
-    for (int r = 0; r < kPerWord / 8; ++r) widen_eight(spec.element, raw[r], x + 8 * r);
-    store_floats(out, x);
   }
 }
 
@@ -851,11 +778,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
       read_outlier_rows<D>(warp == 0 ? p.key_cache : p.value_cache, warp, slot, page_row, tokens, tile_first, count,
                            kv_head, outlier_rows);
     }
-    // Both tensors' staged exact units in flight together: one round trip.
-    copy_async_commit();
-    copy_async_wait<0>();
-    widen_staged_exact_units<D, kBits, kThreads>(p.key_cache, tokens, tile_first, count, keys, kKeyStride);
-    widen_staged_exact_units<D, kBits, kThreads>(p.value_cache, tokens, tile_first, count, values, D);
     __syncthreads();
     if (outliers) {
       put_back_outlier_entries<D>(p.key_cache, 0, slot, kv_head, outlier_rows, keys, kKeyStride);
