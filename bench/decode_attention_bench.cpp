@@ -28,10 +28,11 @@
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
-// with --int8-wide-steps, where the int8 kernel's 64-token steps read the
-// layout (kernels::Int8Steps), their time with three and with four stages
-// a warp against the default's in the same run (steps64_stages3_time_us,
-// _splits, _speedup_vs_sdpa; steps64_stages4_*).
+// with --int8-other-steps, where the int8 kernel's 64-token steps read the
+// layout (kernels::Int8Steps), the time of its step choices other than the
+// default's in the same run: 32-token steps (steps32_time_us, _splits,
+// _speedup_vs_sdpa) and 64-token steps with three stages a warp
+// (steps64_stages3_*; the default takes four).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -189,10 +190,10 @@ int run(int argc, char** argv) {
   bool bf16_tensor_cores = false;
   app.add_flag("--bf16-tensor-cores", bf16_tensor_cores,
                "also time the bf16 tensor-core kernel where the int8 one is the default (bf16_tc_* columns)");
-  bool int8_wide_steps = false;
-  app.add_flag("--int8-wide-steps", int8_wide_steps,
-               "also time the int8 kernel's 64-token steps (three and four stages) where they read the layout "
-               "(steps64_stages3_*, steps64_stages4_* columns)");
+  bool int8_other_steps = false;
+  app.add_flag("--int8-other-steps", int8_other_steps,
+               "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
+               "default's (steps32_*, steps64_stages3_*, steps64_stages4_* columns)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -452,13 +453,14 @@ int run(int argc, char** argv) {
             bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;
             time_choice(bf16_params, "bf16_tc");
           }
-          if (int8_wide_steps && plan.int8 && kernels::int8_wide_steps_supported(params)) {
-            for (const auto& [steps, prefix] :
-                 {std::pair{kernels::Int8Steps::kSteps64Stages3, "steps64_stages3"},
-                  std::pair{kernels::Int8Steps::kSteps64Stages4, "steps64_stages4"}}) {
-              kernels::DecodeParams wide = params;
-              wide.int8_steps = steps;
-              time_choice(wide, prefix);
+          if (int8_other_steps && plan.int8 && kernels::int8_wide_steps_supported(params)) {
+            for (const auto& [steps, prefix] : {std::pair{kernels::Int8Steps::kSteps32, "steps32"},
+                                                std::pair{kernels::Int8Steps::kSteps64Stages3, "steps64_stages3"},
+                                                std::pair{kernels::Int8Steps::kSteps64Stages4, "steps64_stages4"}}) {
+              if (steps == plan.int8_steps) continue;  // the row's own time
+              kernels::DecodeParams other = params;
+              other.int8_steps = steps;
+              time_choice(other, prefix);
             }
           }
           const auto fi = flashinfer.find({context, batch});

@@ -412,6 +412,10 @@ bool int8_wide_steps_supported(const DecodeParams& p) {
          p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
 }
 
+Int8Steps default_int8_steps(const DecodeParams& p) {
+  return int8_wide_steps_supported(p) ? Int8Steps::kSteps64Stages4 : Int8Steps::kSteps32;
+}
+
 namespace {
 
 // resident_blocks(int8, steps): blocks per multiprocessor of the kernel;
@@ -425,7 +429,7 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   // Enough blocks for a few per multiprocessor, from the longest sequence.
   const int64_t per_split = std::max<int64_t>(1, static_cast<int64_t>(p.batch.count) * k.kv_heads);
   plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
-  if (plan.int8) plan.int8_steps = p.int8_steps == Int8Steps::kAuto ? Int8Steps::kSteps32 : p.int8_steps;
+  if (plan.int8) plan.int8_steps = p.int8_steps != Int8Steps::kAuto ? p.int8_steps : default_int8_steps(p);
   const int64_t step_tokens = plan.int8_steps == Int8Steps::kSteps32 ? device::kInt8StepTokens : 2 * device::kInt8StepTokens;
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {

@@ -60,6 +60,9 @@ bool int8_decode_supported(const DecodeParams& params);
 // with one scale group per key and value row (all-heads, or per_token groups
 // of head_dim), no key or value outliers, at most 4 query heads per KV head.
 bool int8_wide_steps_supported(const DecodeParams& params);
+// Int8Steps::kAuto's choice for the layout: kSteps64Stages4 where
+// int8_wide_steps_supported, else kSteps32.
+Int8Steps default_int8_steps(const DecodeParams& params);
 
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);

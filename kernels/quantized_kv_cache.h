@@ -56,10 +56,12 @@ struct CacheOptions {
   // kernel at 2 bits, docs/runtime-layout.md 6.5); kBf16TensorCores or
   // kGeneral to compare. The CPU reference ignores it.
   DecodeKernel decode_kernel = DecodeKernel::kAuto;
-  // The int8 kernel's softmax steps (DecodeParams::int8_steps): kAuto its
-  // default; kSteps64Stages3 or kSteps64Stages4 its 64-token steps, for the
-  // layouts they read (int8_wide_steps_supported; others are refused at
-  // decode). The CPU reference ignores it.
+  // The int8 kernel's softmax steps (DecodeParams::int8_steps): kAuto the
+  // 64-token steps with four stages where they read the layout, else 32
+  // (default_int8_steps); kSteps32, kSteps64Stages3 or kSteps64Stages4 to
+  // compare (64-token steps only for the layouts they read,
+  // int8_wide_steps_supported; others are refused at decode). The CPU
+  // reference ignores it.
   Int8Steps int8_steps = Int8Steps::kAuto;
   // Which CUDA append kernel (AppendParams::kernel): kAuto the token-parallel
   // one where the layout allows it; kPerSequence to compare.

@@ -425,8 +425,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_TRUE(plan.int8) << c.name;
       EXPECT_EQ(plan.int8_steps, c.int8_steps) << c.name;
     }
-    if (plan.int8 && c.int8_steps == kernels::Int8Steps::kAuto) {  // the default's steps
-      EXPECT_EQ(plan.int8_steps, kernels::Int8Steps::kSteps32) << c.name;
+    if (plan.int8 && c.int8_steps == kernels::Int8Steps::kAuto) {  // the default's steps: 64 tokens where they read it
+      EXPECT_EQ(plan.int8_steps, kernels::int8_wide_steps_supported(on_device) ? kernels::Int8Steps::kSteps64Stages4
+                                                                              : kernels::Int8Steps::kSteps32)
+          << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
