@@ -2,7 +2,9 @@
 // Llama-3-8B's attention shapes (32 query heads on 8 KV heads of 128), one
 // layer, against bf16 SDPA on the same context in the same run, and the
 // bytes it must read against the device's measured copy bandwidth (issue 10):
-//   for each method and bits, batch and context: fill a QuantizedKVCache
+//   for each method and bits (int2-rot with its per-head key and value
+//   rotations, as `kvforge rotate` writes them; random orthogonal matrices
+//   here), batch and context: fill a QuantizedKVCache
 //   (CudaBackend) with random tokens through the append kernel, then time
 //   launch_decode_attention (planned once: DecodeParams built, slots and
 //   lengths uploaded) and one decode-step append (one token per sequence,
@@ -53,6 +55,8 @@
 #include "bench/busy_wait.h"
 #include "calib/quantizer_fit.h"
 #include "formats/hf_config.h"
+#include "formats/kv_rotation.h"
+#include "formats/quantizer_config.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
@@ -124,8 +128,43 @@ ModelConfig attention_shapes() {
   return config;
 }
 
+// The rotations `kvforge rotate` writes for int2-rot (rotation/rotation_fit:
+// post-RoPE keys as a dense matrix per KV head with a centre, values as a
+// dense matrix): here random orthogonal matrices, which cost the kernels
+// what learned ones do (the queries rotated in the split kernels, the
+// output rotated back in the merge). The activations are rotated before
+// the fit, as rotate refits the quantizers in the rotated basis; returns
+// the layer's rotation and sets the configuration's settings.
+LayerRotation int2rot_rotations(QuantizerConfig& config, LayerActivations& a) {
+  const auto orthogonal = [] {
+    return std::get<0>(at::linalg_qr(at::randn({kKvHeads, kHeadDim, kHeadDim}, at::kDouble))).to(at::kFloat);
+  };
+  const at::Tensor keys = orthogonal(), values = orthogonal();
+  const at::Tensor centre = at::randn({kKvHeads, kHeadDim}) * 0.3;
+  const auto array = [](const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    return Float32Array{std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+                        std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+  };
+  RotationSettings settings;
+  settings.keys = RotationForm::kMatrix;
+  settings.values = RotationForm::kMatrix;
+  settings.key_centred = true;
+  settings.steps = 0;
+  config.rotation = settings;
+  // [batch, kv_heads, T, D] x [kv_heads, D, D]: x' = x R per head.
+  a.keys = at::matmul(a.keys - centre.unsqueeze(1), keys);
+  a.values = at::matmul(a.values, values);
+  LayerRotation rotation;
+  rotation.keys.matrix = array(keys);
+  rotation.keys.centre = array(centre);
+  rotation.values.matrix = array(values);
+  return rotation;
+}
+
 // One layer's configuration fitted by calib on random activations with a
-// few outlier channels (the benchmark measures bytes and time, not quality).
+// few outlier channels (the benchmark measures bytes and time, not quality);
+// int2-rot with its rotations (int2rot_rotations).
 QuantizerConfig bench_config(const std::string& method, int bits) {
   FitOptions fit;
   const std::optional<QuantMethod> parsed = parse_method(method);
@@ -144,7 +183,10 @@ QuantizerConfig bench_config(const std::string& method, int bits) {
     a.fisher_keys = at::ones_like(a.keys);
     a.fisher_values = at::ones_like(a.values);
   }
+  std::optional<LayerRotation> rotation;
+  if (fit.method == QuantMethod::kInt2Rot) rotation = int2rot_rotations(config, a);
   config.layers.push_back(fit_layer(config.settings, a, fit));
+  if (rotation) config.layers.back().rotation = *rotation;
   return config;
 }
 
