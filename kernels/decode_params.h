@@ -171,7 +171,7 @@ enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 
 // scale per 64 tokens instead of per 32) with one or two stages in flight;
 // layouts of one scale group per key and value row, without outliers, of at
 // most 4 query heads per KV head (int8_wide_steps_supported). kAuto:
-// kSteps64Stages4 where the layout allows it (on the H200 10-12% less
+// kSteps64Stages4 where the layout allows it (on the H200 10-13% less
 // decode time than kSteps32 at 32K and 128K tokens, batch 1 to 32;
 // bench/README.md), else kSteps32 (default_int8_steps). A 64-token request
 // that the layout or the kernel choice cannot take is refused.
