@@ -46,17 +46,14 @@
 #include <functional>
 #include <iostream>
 #include <map>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bench/busy_wait.h"
-#include "calib/quantizer_fit.h"
+#include "bench/decode_bench_config.h"
 #include "formats/hf_config.h"
-#include "formats/kv_rotation.h"
-#include "formats/quantizer_config.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
@@ -125,68 +122,6 @@ ModelConfig attention_shapes() {
   config.num_kv_heads = kKvHeads;
   config.head_dim = kHeadDim;
   config.rope = {RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
-  return config;
-}
-
-// The rotations `kvforge rotate` writes for int2-rot (rotation/rotation_fit:
-// post-RoPE keys as a dense matrix per KV head with a centre, values as a
-// dense matrix): here random orthogonal matrices, which cost the kernels
-// what learned ones do (the queries rotated in the split kernels, the
-// output rotated back in the merge). The activations are rotated before
-// the fit, as rotate refits the quantizers in the rotated basis; returns
-// the layer's rotation and sets the configuration's settings.
-LayerRotation int2rot_rotations(QuantizerConfig& config, LayerActivations& a) {
-  const auto orthogonal = [] {
-    return std::get<0>(at::linalg_qr(at::randn({kKvHeads, kHeadDim, kHeadDim}, at::kDouble))).to(at::kFloat);
-  };
-  const at::Tensor keys = orthogonal(), values = orthogonal();
-  const at::Tensor centre = at::randn({kKvHeads, kHeadDim}) * 0.3;
-  const auto array = [](const at::Tensor& t) {
-    const at::Tensor c = t.contiguous();
-    return Float32Array{std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
-                        std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
-  };
-  RotationSettings settings;
-  settings.keys = RotationForm::kMatrix;
-  settings.values = RotationForm::kMatrix;
-  settings.key_centred = true;
-  settings.steps = 0;
-  config.rotation = settings;
-  // [batch, kv_heads, T, D] x [kv_heads, D, D]: x' = x R per head.
-  a.keys = at::matmul(a.keys - centre.unsqueeze(1), keys);
-  a.values = at::matmul(a.values, values);
-  LayerRotation rotation;
-  rotation.keys.matrix = array(keys);
-  rotation.keys.centre = array(centre);
-  rotation.values.matrix = array(values);
-  return rotation;
-}
-
-// One layer's configuration fitted by calib on random activations with a
-// few outlier channels (the benchmark measures bytes and time, not quality);
-// int2-rot with its rotations (int2rot_rotations).
-QuantizerConfig bench_config(const std::string& method, int bits) {
-  FitOptions fit;
-  const std::optional<QuantMethod> parsed = parse_method(method);
-  if (!parsed) throw std::invalid_argument("--methods " + method + ": expected kvquant, kivi, int2-rot or rtn");
-  fit.method = *parsed;
-  fit.bits = bits;
-  QuantizerConfig config;
-  config.name = method + "-" + std::to_string(bits) + "bit";
-  config.settings = resolve_settings(fit, kHeadDim);
-  const at::Tensor channel = at::arange(kHeadDim, at::kFloat);
-  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kFloat);
-  LayerActivations a;
-  a.keys = at::randn({2, kKvHeads, 512, kHeadDim}) * scale;
-  a.values = at::randn({2, kKvHeads, 512, kHeadDim});
-  if (config.settings.fisher_weighted) {
-    a.fisher_keys = at::ones_like(a.keys);
-    a.fisher_values = at::ones_like(a.values);
-  }
-  std::optional<LayerRotation> rotation;
-  if (fit.method == QuantMethod::kInt2Rot) rotation = int2rot_rotations(config, a);
-  config.layers.push_back(fit_layer(config.settings, a, fit));
-  if (rotation) config.layers.back().rotation = *rotation;
   return config;
 }
 
@@ -299,7 +234,7 @@ int run(int argc, char** argv) {
     }
     for (const std::string& method : methods) {
       for (const int b : bits) {
-        const QuantizerConfig config = bench_config(method, b);
+        const QuantizerConfig config = decode_bench_config(method, b, kKvHeads, kHeadDim);
         kernels::CacheOptions options;
         options.max_sequences = batch;
         options.max_context = contexts.back() + 1024;  // the append measurements add tokens

@@ -1,0 +1,75 @@
+#include "bench/decode_bench_config.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "calib/quantizer_fit.h"
+#include "formats/kv_rotation.h"
+
+namespace kvforge {
+namespace {
+
+Float32Array float32_array(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
+}
+
+// int2-rot's rotations (rotation/rotation_fit's forms for post-RoPE keys),
+// random orthogonal per KV head; the activations are rotated before the fit,
+// as rotate refits the quantizers in the rotated basis. Sets the
+// configuration's rotation settings and returns the layer's rotation.
+LayerRotation int2rot_rotations(QuantizerConfig& config, LayerActivations& a, int64_t kv_heads, int64_t head_dim) {
+  const auto orthogonal = [&] {
+    return std::get<0>(at::linalg_qr(at::randn({kv_heads, head_dim, head_dim}, at::kDouble))).to(at::kFloat);
+  };
+  const at::Tensor keys = orthogonal(), values = orthogonal();
+  const at::Tensor centre = at::randn({kv_heads, head_dim}) * 0.3;
+  RotationSettings settings;
+  settings.keys = RotationForm::kMatrix;
+  settings.values = RotationForm::kMatrix;
+  settings.key_centred = true;
+  settings.steps = 0;
+  config.rotation = settings;
+  // [batch, kv_heads, T, D] x [kv_heads, D, D]: x' = x R per head.
+  a.keys = at::matmul(a.keys - centre.unsqueeze(1), keys);
+  a.values = at::matmul(a.values, values);
+  LayerRotation rotation;
+  rotation.keys.matrix = float32_array(keys);
+  rotation.keys.centre = float32_array(centre);
+  rotation.values.matrix = float32_array(values);
+  return rotation;
+}
+
+}  // namespace
+
+QuantizerConfig decode_bench_config(const std::string& method, int bits, int64_t kv_heads, int64_t head_dim) {
+  FitOptions fit;
+  const std::optional<QuantMethod> parsed = parse_method(method);
+  if (!parsed) throw std::invalid_argument("--methods " + method + ": expected kvquant, kivi, int2-rot or rtn");
+  fit.method = *parsed;
+  fit.bits = bits;
+  QuantizerConfig config;
+  config.name = method + "-" + std::to_string(bits) + "bit";
+  config.settings = resolve_settings(fit, head_dim);
+  const at::Tensor channel = at::arange(head_dim, at::kFloat);
+  const at::Tensor scale = 1 + 3 * (channel.remainder(11) == 0).to(at::kFloat);
+  LayerActivations a;
+  a.keys = at::randn({2, kv_heads, 512, head_dim}) * scale;
+  a.values = at::randn({2, kv_heads, 512, head_dim});
+  if (config.settings.fisher_weighted) {
+    a.fisher_keys = at::ones_like(a.keys);
+    a.fisher_values = at::ones_like(a.values);
+  }
+  std::optional<LayerRotation> rotation;
+  if (fit.method == QuantMethod::kInt2Rot) rotation = int2rot_rotations(config, a, kv_heads, head_dim);
+  config.layers.push_back(fit_layer(config.settings, a, fit));
+  if (rotation) config.layers.back().rotation = *rotation;
+  return config;
+}
+
+}  // namespace kvforge
