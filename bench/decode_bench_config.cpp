@@ -7,17 +7,13 @@
 #include <tuple>
 #include <vector>
 
+#include "calib/float32_array.h"
 #include "calib/quantizer_fit.h"
 #include "formats/kv_rotation.h"
 
 namespace kvforge {
 namespace {
 
-Float32Array float32_array(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kFloat).contiguous();
-  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
-          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
-}
 
 // int2-rot's rotations (rotation/rotation_fit's forms for post-RoPE keys),
 // random orthogonal per KV head; the activations are rotated before the fit,

@@ -11,6 +11,7 @@
 #include "calib/calibration_stats.h"
 #include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"
+#include "calib/float32_array.h"
 #include "calib/grid_fit.h"
 #include "calib/group_quantizer.h"
 #include "calib/outlier_thresholds.h"
@@ -21,14 +22,6 @@
 
 namespace kvforge {
 namespace {
-
-Float32Array to_array(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
-  Float32Array array;
-  array.shape.assign(c.sizes().begin(), c.sizes().end());
-  array.values.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
-  return array;
-}
 
 void check_group(const char* option, const TensorQuantizerSettings& tensor, int64_t head_dim) {
   if (tensor.grouping == Grouping::kPerChannelOffline || tensor.grouping == Grouping::kPerTokenAllHeads) return;
@@ -113,11 +106,11 @@ TensorQuantizer fit_tensor_quantizer(const QuantizerSettings& settings, const Te
   const double fraction = tensor.outlier_fraction;
   if (tensor.grouping == Grouping::kPerChannelOffline) {
     const ChannelThresholds thresholds = fit_channel_thresholds(span, fraction);
-    quantizer.channel_offset = to_array(thresholds.offset);
-    quantizer.channel_scale = to_array(thresholds.scale);
+    quantizer.channel_offset = float32_array(thresholds.offset);
+    quantizer.channel_scale = float32_array(thresholds.scale);
     if (fraction > 0) {
-      quantizer.outlier_low = to_array(thresholds.low);
-      quantizer.outlier_high = to_array(thresholds.high);
+      quantizer.outlier_low = float32_array(thresholds.low);
+      quantizer.outlier_high = float32_array(thresholds.high);
     }
   } else if (tensor.outlier_rule == OutlierRule::kTokenTau) {
     quantizer.outlier_tau = static_cast<float>(fit_outlier_tau(span, fraction));

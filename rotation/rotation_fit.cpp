@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "calib/float32_array.h"
 #include "calib/kv_rotation.h"
 #include "log/log.h"
 #include "model/rope.h"
@@ -18,14 +19,6 @@
 
 namespace kvforge {
 namespace {
-
-Float32Array to_array(const at::Tensor& t) {
-  const at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-  Float32Array array;
-  array.shape.assign(c.sizes().begin(), c.sizes().end());
-  array.values.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
-  return array;
-}
 
 std::vector<double> to_vector(const at::Tensor& t) {
   const at::Tensor c = t.detach().to(at::kCPU, at::kDouble).contiguous();
@@ -117,11 +110,11 @@ TensorRotation tensor_rotation(RotationForm form, const at::Tensor& matrices, co
                                const at::Tensor& centre, RotationBasis basis, const std::vector<bool>& learned) {
   TensorRotation rotation;
   if (form == RotationForm::kPairAngles) {
-    rotation.angles = to_array(angles);
+    rotation.angles = float32_array(angles);
   } else {
-    rotation.matrix = to_array(matrices);
+    rotation.matrix = float32_array(matrices);
   }
-  if (centre.defined()) rotation.centre = to_array(centre.squeeze(1));
+  if (centre.defined()) rotation.centre = float32_array(centre.squeeze(1));
   rotation.basis.assign(learned.size(), basis);
   rotation.learned = learned;
   return rotation;

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "calib/float32_array.h"
 #include "calib/kv_rotation.h"
 
 namespace kvforge::testing {
@@ -39,11 +40,6 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
   return a;
 }
 
-Float32Array array_of(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kFloat).contiguous();
-  return {std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
-          std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
-}
 
 std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed) {
   std::mt19937 generator(seed);
@@ -65,12 +61,12 @@ LayerQuantizers fit_randomly_rotated_layer(const QuantizerSettings& settings, co
   const auto orthogonal = [&] { return std::get<0>(at::linalg_qr(at::randn({kv_heads, head_dim, head_dim}, at::kDouble))); };
   LayerRotation rotation;
   if (key_rotation == RotationForm::kMatrix) {
-    rotation.keys.matrix = array_of(orthogonal());
-    if (key_centre) rotation.keys.centre = array_of(at::randn({kv_heads, head_dim}, at::kDouble) * 0.3);
+    rotation.keys.matrix = float32_array(orthogonal());
+    if (key_centre) rotation.keys.centre = float32_array(at::randn({kv_heads, head_dim}, at::kDouble) * 0.3);
   } else if (key_rotation == RotationForm::kPairAngles) {
-    rotation.keys.angles = array_of((at::rand({kv_heads, head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
+    rotation.keys.angles = float32_array((at::rand({kv_heads, head_dim / 2}, at::kDouble) * 2 - 1) * std::numbers::pi);
   }
-  if (value_rotation == RotationForm::kMatrix) rotation.values.matrix = array_of(orthogonal());
+  if (value_rotation == RotationForm::kMatrix) rotation.values.matrix = float32_array(orthogonal());
   LayerActivations a;
   a.keys = (settings.keys_pre_rope ? calibration.keys_pre : calibration.keys).to(at::kDouble);
   a.values = calibration.values.to(at::kDouble);

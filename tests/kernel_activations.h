@@ -30,8 +30,6 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
                                         double layer_scale, kernels::ElementType element,
                                         const RotaryEmbedding& rope);
 
-Float32Array array_of(const at::Tensor& t);  // float32, its shape kept
-
 // A batch's sequence lengths: `count` of them spread log-uniformly over
 // 1..longest, 1 and `longest` included when count > 1 (one uniform draw for
 // count 1), in an order shuffled by a std::mt19937 seeded with `seed`.

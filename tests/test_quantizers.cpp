@@ -17,6 +17,7 @@
 #include "calib/calibration_stats.h"
 #include "calib/effective_bits.h"
 #include "calib/fingerprint_rope.h"
+#include "calib/float32_array.h"
 #include "calib/group_quantizer.h"
 #include "calib/outlier_thresholds.h"
 #include "calib/quantize_simulation.h"
@@ -32,6 +33,17 @@
 
 namespace kvforge {
 namespace {
+
+// A stored array is float32, row-major in the tensor's logical order (a
+// transposed view included) and keeps the shape: what the artifact's
+// readers index by.
+TEST(Float32Array, IsRowMajorFloat32OfTheLogicalShape) {
+  const at::Tensor t = at::arange(6, at::kDouble).reshape({2, 3}).t() + 0.25;  // [3, 2], not contiguous
+  const Float32Array a = float32_array(t);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(a.values, (std::vector<float>{0.25f, 3.25f, 1.25f, 4.25f, 2.25f, 5.25f}));
+  EXPECT_EQ(float32_array(at::ones({0, 4})).values.size(), 0u);
+}
 
 // ---- float64 references ---------------------------------------------------
 

@@ -190,7 +190,6 @@ using testing::make_kernel_case;
 
 constexpr int64_t kKvHeads = 2, kLayers = 2;
 
-using testing::array_of;
 using testing::to_element;
 using Activations = testing::KernelActivations;
 Activations synthetic(int64_t windows, int64_t tokens, int64_t dim, double layer_scale, ElementType element,
