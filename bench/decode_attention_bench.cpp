@@ -53,17 +53,15 @@
 
 #include "bench/busy_wait.h"
 #include "bench/decode_bench_config.h"
-#include "formats/hf_config.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
-#include "model/rope.h"
 
 namespace kvforge {
 namespace {
 
-constexpr int64_t kHeads = 32, kKvHeads = 8, kHeadDim = 128;
+constexpr int64_t kHeads = kDecodeBenchHeads, kKvHeads = kDecodeBenchKvHeads, kHeadDim = kDecodeBenchHeadDim;
 
 // The middle element (the upper one of an even count).
 double median(std::vector<double> values) {
@@ -114,16 +112,6 @@ double median_wall_us(const std::function<void()>& work, int repeats) {
 
 // Decoding steps whose appends the throughput measurement queues back to back.
 constexpr int kAppendRun = 16;
-
-ModelConfig attention_shapes() {
-  ModelConfig config;
-  config.num_layers = 1;
-  config.num_heads = kHeads;
-  config.num_kv_heads = kKvHeads;
-  config.head_dim = kHeadDim;
-  config.rope = {RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
-  return config;
-}
 
 struct Row {
   nlohmann::json json;
@@ -204,12 +192,7 @@ int run(int argc, char** argv) {
     at::Tensor dst = at::empty_like(src);
     copy_bandwidth = 2.0 * static_cast<double>(n) / (median_us([&] { dst.copy_(src); }, repeats) * 1e-6);
   }
-  const ModelConfig model = attention_shapes();
-  kernels::ModelDimensions dims{1, kHeads, kKvHeads, kHeadDim, {}};
-  {
-    const at::Tensor f = rope_inverse_frequencies(model.rope, kHeadDim).to(at::kFloat).contiguous();
-    dims.rope_inverse_frequencies.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-  }
+  const kernels::ModelDimensions dims = decode_bench_dimensions();
   nlohmann::json rows = nlohmann::json::array();
   for (const int64_t batch : batches) {
     // SDPA per context, once per batch, after a quarter second of SDPA at
@@ -234,7 +217,7 @@ int run(int argc, char** argv) {
     }
     for (const std::string& method : methods) {
       for (const int b : bits) {
-        const QuantizerConfig config = decode_bench_config(method, b, kKvHeads, kHeadDim);
+        const QuantizerConfig config = decode_bench_config(method, b);
         kernels::CacheOptions options;
         options.max_sequences = batch;
         options.max_context = contexts.back() + 1024;  // the append measurements add tokens

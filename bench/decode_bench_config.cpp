@@ -9,11 +9,12 @@
 
 #include "calib/float32_array.h"
 #include "calib/quantizer_fit.h"
+#include "formats/hf_config.h"
 #include "formats/kv_rotation.h"
+#include "model/rope.h"
 
 namespace kvforge {
 namespace {
-
 
 // int2-rot's rotations (rotation/rotation_fit's forms for post-RoPE keys),
 // random orthogonal per KV head; the activations are rotated before the fit,
@@ -43,7 +44,15 @@ LayerRotation int2rot_rotations(QuantizerConfig& config, LayerActivations& a, in
 
 }  // namespace
 
-QuantizerConfig decode_bench_config(const std::string& method, int bits, int64_t kv_heads, int64_t head_dim) {
+kernels::ModelDimensions decode_bench_dimensions() {
+  kernels::ModelDimensions dims{1, kDecodeBenchHeads, kDecodeBenchKvHeads, kDecodeBenchHeadDim, {}};
+  const RopeConfig llama3{RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
+  dims.rope_inverse_frequencies = float32_array(rope_inverse_frequencies(llama3, kDecodeBenchHeadDim)).values;
+  return dims;
+}
+
+QuantizerConfig decode_bench_config(const std::string& method, int bits) {
+  constexpr int64_t kv_heads = kDecodeBenchKvHeads, head_dim = kDecodeBenchHeadDim;
   FitOptions fit;
   const std::optional<QuantMethod> parsed = parse_method(method);
   if (!parsed) throw std::invalid_argument("--methods " + method + ": expected kvquant, kivi, int2-rot or rtn");

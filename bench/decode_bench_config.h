@@ -11,11 +11,19 @@
 #include <string>
 
 #include "formats/quantizer_config.h"
+#include "kernels/quantized_kv_cache.h"
 
 namespace kvforge {
 
-// `method`: kvquant, kivi, int2-rot or rtn (std::invalid_argument naming
-// --methods otherwise); `bits`: 2 or 4.
-QuantizerConfig decode_bench_config(const std::string& method, int bits, int64_t kv_heads, int64_t head_dim);
+// Llama-3-8B's attention: 32 query heads on 8 KV heads of 128.
+inline constexpr int64_t kDecodeBenchHeads = 32, kDecodeBenchKvHeads = 8, kDecodeBenchHeadDim = 128;
+
+// One layer of those shapes with Llama 3's RoPE frequencies (what pre-RoPE
+// keys are rotated with).
+kernels::ModelDimensions decode_bench_dimensions();
+
+// A configuration at those shapes. `method`: kvquant, kivi, int2-rot or rtn
+// (std::invalid_argument naming --methods otherwise); `bits`: 2 or 4.
+QuantizerConfig decode_bench_config(const std::string& method, int bits);
 
 }  // namespace kvforge

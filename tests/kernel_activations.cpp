@@ -40,7 +40,6 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
   return a;
 }
 
-
 std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed) {
   std::mt19937 generator(seed);
   std::uniform_real_distribution<double> exponent(0.0, std::log(static_cast<double>(longest)));
