@@ -26,7 +26,7 @@
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general) and `splits`, `exact_splits`, `exact_first` and
-// `wide_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
+// `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
@@ -376,6 +376,7 @@ int run(int argc, char** argv) {
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_first", plan.exact_first},
                                 {"wide_merge", plan.wide_merge},
+                                {"merge_heads", plan.merge_heads},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},

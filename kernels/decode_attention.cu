@@ -339,10 +339,15 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
   if (plan.wide_merge) {
-    launch(device::decode_merge_kernel<D, device::kMergeMaxParts>, grid,
+    launch(device::decode_merge_kernel<D, device::kMergeMaxParts, 1>, grid,
            device::merge_threads<D, device::kMergeMaxParts>(), 0, stream, true, p, workspace);
+  } else if (plan.merge_heads == device::kMergeGroupHeads) {
+    constexpr int kHeads = device::kMergeGroupHeads;
+    const dim3 group_grid(static_cast<unsigned>(p.num_heads / kHeads), static_cast<unsigned>(p.batch.count));
+    launch(device::decode_merge_kernel<D, 1, kHeads>, group_grid, device::merge_threads<D, 1, kHeads>(), 0, stream,
+           true, p, workspace);
   } else {
-    launch(device::decode_merge_kernel<D, 1>, grid, device::merge_threads<D, 1>(), 0, stream, true, p, workspace);
+    launch(device::decode_merge_kernel<D, 1, 1>, grid, device::merge_threads<D, 1>(), 0, stream, true, p, workspace);
   }
 }
 
@@ -458,6 +463,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.states = plan.splits + plan.exact_splits;
   plan.wide_merge = wide_merge(plan.states, static_cast<int64_t>(p.num_heads) * p.batch.count, multiprocessors,
                                device::merge_per_part<1>());
+  plan.merge_heads = merge_heads(p.value_rotation.kind == RotationKind::kMatrix, plan.wide_merge,
+                                 p.num_heads / k.kv_heads, device::kMergeGroupHeads);
   return plan;
 }
 

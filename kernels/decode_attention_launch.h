@@ -39,6 +39,10 @@ struct DecodePlan {
   // one group of 8 states' rows, blocks small enough for batch 32's in one
   // wave.
   bool wide_merge = false;
+  // Query heads per merge block: 4 where the output is rotated back, the
+  // blocks one-group and the GQA group a multiple of 4 (split_plan.h's
+  // merge_heads), so that they read each row of R_v once; else 1.
+  int32_t merge_heads = 1;
 };
 
 // Whether the configuration's layout is one the tensor-core kernel reads:

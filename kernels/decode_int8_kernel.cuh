@@ -293,6 +293,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   constexpr int kKeyWords = kNibbles ? int8_mma::nibble_key_words(D) : int8_mma::key_words(D);
   static_assert(int8_mma::key_mmas(D) == D / 32, "one key mma per 32 channels");
   constexpr int kRowChunks = Stage::kRowBytes / 16;
+  // The query rotation's rows in flight (rotate_group_queries): at most 4
+  // blocks a multiprocessor leave 128 registers a thread, free before the
+  // step loop: 64 rows, two round trips to L2 at head_dim 128 instead of 8.
+  constexpr int kQueryRowsInFlight = 64;
   // Raw bytes: a __shared__ variable is never constructed, and the
   // struct's members have default initializers (Affine's).
   __shared__ __align__(16) uint8_t shared_bytes[sizeof(Shared)];
@@ -341,10 +345,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
   if constexpr (kGeneral) {
-    load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
+    load_group_queries<D, kQueryRowsInFlight>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
                           value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
   } else {  // the raw queries over the stages: no copy has started
-    load_group_queries<D>(p, state_base, group, kv_head, shared.query,
+    load_group_queries<D, kQueryRowsInFlight>(p, state_base, group, kv_head, shared.query,
                           *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
   }
 

@@ -266,8 +266,9 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
 // The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
 // the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
 // are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
-// block's threads together, synchronized on return.
-template <int D>
+// block's threads together, synchronized on return. kRowsInFlight:
+// rotate_group_queries's.
+template <int D, int kRowsInFlight = 16>
 __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_base, int group, int kv_head,
                                           float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
                                           float* out, int out_count) {
@@ -277,7 +278,8 @@ __device__ inline void load_group_queries(const DecodeParams& p, int64_t state_b
   }
   for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
   __syncthreads();
-  rotate_group_queries<D>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0], &query[0][0]);
+  rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
+                                         &query[0][0]);
   __syncthreads();
 }
 

@@ -46,4 +46,13 @@ inline bool wide_merge(int64_t states, int64_t blocks, int64_t multiprocessors, 
   return states > round_states && blocks <= multiprocessors;
 }
 
+// Query heads per merge block (DecodePlan::merge_heads): `group_heads`
+// (kMergeGroupHeads, 4) heads of one KV head share a one-group block where
+// the output is rotated back (R_v of the KV head read from L2 once for
+// them, not once per head) and `group` (query heads per KV head) is a
+// multiple of them; else one.
+inline int32_t merge_heads(bool rotated_output, bool wide, int64_t group, int32_t group_heads) {
+  return rotated_output && !wide && group % group_heads == 0 ? group_heads : 1;
+}
+
 }  // namespace kvforge::kernels

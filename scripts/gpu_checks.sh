@@ -231,14 +231,19 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
   fi
   if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer > /dev/null; then
     step "kernels: compute-sanitizer memcheck and racecheck on the test sizes"
-    # Small cases of both kernels: decode on three layouts (outliers and
-    # pre-RoPE keys, sliding window and sink, plain); append on seven (the
+    # Small cases of both kernels: decode on six layouts (outliers and
+    # pre-RoPE keys, sliding window and sink, plain, and int2-rot's rotated
+    # sink and window beside the 64-token steps: the exact blocks, the
+    # rotated merge of four heads a block; one case with an int8 split left
+    # empty by a short sequence); append on seven (the
     # same three, int2-rot's rotations, the exhausted outlier pool, the
     # pipelined asynchronous appends, rtn and int2-rot through the
     # block-per-sequence kernel as well as the token-parallel one); and the
     # matrix's batches of 8 mixed lengths (1 to 8192 tokens) on both decode
     # kernels. SANITIZER_TOOLS narrows the tools (default memcheck racecheck).
     decode_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4'
+    decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_2bit_d128_gqa4:*int8_steps64x3_int2rot_rotated_4bit_d128_gqa4"
+    decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_merge_heads_2bit_d128_gqa4"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.

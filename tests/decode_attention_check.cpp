@@ -443,6 +443,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.tokens_per_split, plan.tokens_per_split) << c.name;
       EXPECT_EQ(planned.states, plan.states) << c.name;
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
+      EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
     }
     kernels::launch_decode_attention(on_device, nullptr);
@@ -491,13 +492,14 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::printf("[ %s ] %s kernel, splits of %lld tokens, %lld states merged by %s\n", c.name.c_str(),
+  std::printf("[ %s ] %s kernel, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
-              plan.wide_merge ? "four thread groups" : "one thread group");
+              plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
+              plan.merge_heads == 1 ? "" : "s");
   if (check.print_timing) {
     std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "
                 "worst |cuda - float64| %.2e of max||v|| and %.3f of its bound (cpu %.1f s, gpu %.2f s)\n",

@@ -124,6 +124,15 @@ std::vector<Case> cases() {
     split512.tokens_per_split = 512;
     split512.lengths = {65, 700, 2049, 3001};
     all.push_back(split512);
+    // Few states (8: 3 splits and the exact ranges' 5), so that the merge
+    // takes one thread group a head and, the output rotated back, four
+    // query heads a block (DecodePlan::merge_heads).
+    Case merge_heads =
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_merge_heads_2bit_d128_gqa4", 2,
+                                                          128, 8)),
+              k4);
+    merge_heads.lengths = {700, 65, 300};
+    all.push_back(merge_heads);
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
@@ -195,7 +204,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 12);
+  EXPECT_EQ(int8_cases, 13);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -230,7 +239,28 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 5);
+  EXPECT_EQ(wide_cases, 6);
+}
+
+// On the GPU: the merge takes four query heads a block where the output is
+// rotated back (int2-rot's GQA 4 and 8) and its blocks are one-group, one
+// head elsewhere (split_plan.h's merge_heads, tested on the CPU, wired into
+// the plan), so that the int2-rot cases above check both merges.
+TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int grouped = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.kernel = c.kernel;
+      params.int8_steps = c.int8_steps;
+      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      const bool rotated = params.value_rotation.kind == kernels::RotationKind::kMatrix;
+      const int64_t group = params.num_heads / params.key_cache.layout.spec.kv_heads;
+      EXPECT_EQ(plan.merge_heads, rotated && !plan.wide_merge && group % 4 == 0 ? 4 : 1) << c.name;
+      if (plan.merge_heads == 4) ++grouped;
+    });
+  }
+  EXPECT_GE(grouped, 1);
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {

@@ -30,6 +30,17 @@ TEST(SplitPlan, FourGroupMergeAtBatchOneWithManySplitsOnly) {
   EXPECT_FALSE(kernels::wide_merge(64, 133, 132, 8));
 }
 
+// Four query heads a merge block only where the output is rotated back, in
+// one-group blocks, and the GQA group is a multiple of four.
+TEST(SplitPlan, MergeBlocksShareTheValueRotationAcrossFourHeads) {
+  EXPECT_EQ(kernels::merge_heads(true, false, 4, 4), 4);   // int2-rot, Llama-3-8B's GQA 4
+  EXPECT_EQ(kernels::merge_heads(true, false, 8, 4), 4);   // GQA 8: two blocks per KV head
+  EXPECT_EQ(kernels::merge_heads(true, false, 1, 4), 1);   // multi-head attention
+  EXPECT_EQ(kernels::merge_heads(true, false, 2, 4), 1);
+  EXPECT_EQ(kernels::merge_heads(true, true, 4, 4), 1);    // batch 1's four-group blocks
+  EXPECT_EQ(kernels::merge_heads(false, false, 4, 4), 1);  // nothing to rotate back
+}
+
 TEST(SplitPlan, Batch32FillsOneWaveWithTwoSplits) {
   // 256 blocks per split: one split, 1 wave of 32768 + 512; two, 1 wave of
   // 16384 + 512; three, 2 waves (768 blocks) of 10923 + 512.
