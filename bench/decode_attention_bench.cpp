@@ -25,7 +25,7 @@
 // and the decode launch's host side with and without a DecodePlanner's
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
-// tensor_cores, general) and `splits`, `exact_splits`, `exact_first`, `exact_fused` and
+// tensor_cores, general) and `splits`, `exact_splits`, `exact_first` and
 // `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
@@ -375,7 +375,6 @@ int run(int argc, char** argv) {
                                 {"splits", plan.splits},
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_first", plan.exact_first},
-                                {"exact_fused", plan.exact_fused},
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},

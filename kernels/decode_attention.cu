@@ -244,13 +244,8 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
                   static_cast<unsigned>(p.batch.count));
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    device::TensorCoreSplits splits;
-    splits.tokens_per_split = plan.tokens_per_split;
-    if (plan.exact_fused) {
-      splits.exact_chunks = plan.exact_splits;
-      splits.exact_first_state = plan.splits;
-    }
-    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace, splits);
+    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
+           device::TensorCoreSplits{plan.tokens_per_split});
   });
 }
 
@@ -317,7 +312,7 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
         launch_int8<D>(p, workspace, plan, stream, true);
       } else {
         launch_int8<D>(p, workspace, plan, stream, false);
-        if (plan.exact_splits > 0 && !plan.exact_fused) {
+        if (plan.exact_splits > 0) {
           launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
         }
       }
@@ -451,11 +446,7 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
     // blocks (DecodePlan::exact_first) take a slot each from the int8
     // kernel's (a general block needs fewer registers than an int8 one).
-    // The 64-token steps' blocks walk the exact ranges themselves
-    // (DecodePlan::exact_fused): no exact blocks of their own.
-    plan.exact_fused = plan.int8 && plan.int8_steps != Int8Steps::kSteps32 && plan.exact_splits > 0 &&
-                       p.num_heads / k.kv_heads <= device::kInt8Warps;
-    const int64_t exact_blocks = plan.exact_fused ? 0 : static_cast<int64_t>(plan.exact_splits) * per_split;
+    const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
     const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.int8_steps);
     plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
     const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;

@@ -697,80 +697,100 @@ __device__ inline void wait_for_prerequisite_grid() {
 #endif
 }
 
-// The split kernel's walk over tokens [first, last) of KV head `kv_head`
-// of batch entry `entry` (also the int8 kernel's over the exact ranges,
-// decode_int8_kernel.cuh), in tiles of kTileTokens tokens dequantized into
-// `tiles` (outliers put back, RoPE applied to pre-RoPE keys): warp w < group
-// scores query head kv_head * group + w with row w of `query` (rotated,
-// float32, rows 16-byte aligned) and writes that head's state `state`
-// (max, sum, acc[D]). The block's kWarps warps together; it starts with a
-// __syncthreads, so the caller may still have read `tiles` before.
-// An empty split's state `state` for the group's heads: a max of -inf,
-// which the merge skips (threads [0, group) of the block).
-__device__ inline void write_empty_split_state(const DecodeParams& p, const SplitWorkspace& workspace, int entry,
-                                               int kv_head, int group, int state) {
-  if (static_cast<int>(threadIdx.x) < group) {
-    const int64_t index =
-        (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + threadIdx.x) * workspace.max_splits + state;
-    workspace.max_sum[2 * index] = -INFINITY;
-  }
-}
-
-template <int D>
-constexpr int split_key_stride() {
+// Residency: 24 warps per multiprocessor (80 registers at 4 and 8 warps a
+// block). Unbounded, ptxas took 96 registers at head_dim 128 (20 warps) and
+// 128 at 64 (16), which cost kvquant 8-10% at batch 8 and 32, where the grid
+// runs many waves; 32 warps (64 registers) spilled at head_dim 64.
+template <int D, int kBits, int kWarps>
+__global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
+    decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
+  // Launched as the int8 kernel's dependent (the exact ranges), it reads
+  // nothing that kernel writes, and waits for it before it exits, so that
+  // its completion (what the merge waits for) implies the int8 kernel's;
+  // launched first (DecodePlan::exact_first), the int8 kernel may start
+  // once every block of this one runs.
+  allow_dependent_launch();
   // Lane j reads key row j in 16-byte loads: rows 16-byte aligned and 4
   // banks apart, so that the 8 lanes of a load's phase hit 8 different
   // groups of 4 banks.
-  return D + 4;
-}
-struct SplitTiles {
-  float* keys;    // kTileTokens rows of split_key_stride<D>() floats
-  float* values;  // kTileTokens rows of D floats
-  const float* key_levels;
-  const float* value_levels;
-  const float* rope_frequencies;  // pre-RoPE keys: the model's inv_freq
-  TileOutlierRows* outlier_rows;  // with outliers
-};
-template <int D, int kBits, int kWarps>
-__device__ inline void attend_split_range(const DecodeParams& p, const SplitWorkspace& workspace, const SplitTiles& tiles,
-                                          const float* query, int64_t first, int64_t last, int64_t tokens,
-                                          int32_t slot, const int32_t* page_row, int kv_head, int entry, int group,
-                                          int state, bool outliers) {
-  constexpr int kKeyStride = split_key_stride<D>();
+  constexpr int kKeyStride = D + 4;
   // Lane l accumulates channels [kPerLane l, kPerLane (l + 1)) of its
   // head's output (one 16- or 8-byte load of a value row per token).
   constexpr int kPerLane = D / kWarpSize;
   static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  __shared__ __align__(16) float keys[kTileTokens * kKeyStride];
+  __shared__ __align__(16) float values[kTileTokens * D];
+  __shared__ __align__(16) float query[kWarps * D];
+  static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
+  float* raw_query = values;  // before the first tile
+  __shared__ float key_levels[kMaxLevels], value_levels[kMaxLevels];
+  __shared__ __align__(16) float rope_frequencies[D / 2];  // pre-RoPE keys: the model's inv_freq
+  __shared__ TileOutlierRows outlier_rows;
+  const bool outliers = p.key_cache.layout.outlier_spans > 0 || p.value_cache.layout.outlier_spans > 0;
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t tokens = p.batch.lengths[entry];
+  int64_t first, last;
+  split_tokens(p, assignment, tokens, split, first, last);
+  const int kv_heads = p.key_cache.layout.spec.kv_heads;
+  const int group = p.num_heads / kv_heads;
+  const int state = assignment.first_state + split;
+  if (first >= last) {  // an empty split: a state the merge skips
+    if (threadIdx.x < group) {
+      const int64_t index = (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + threadIdx.x) *
+                                workspace.max_splits + state;
+      workspace.max_sum[2 * index] = -INFINITY;
+    }
+    wait_for_prerequisite_grid();
+    return;
+  }
+  const int32_t slot = p.batch.slots[entry];
+  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
+
+  // Level tables and the GQA group's queries, rotated by the keys' rotation.
+  if (threadIdx.x < (1 << kBits)) {
+    key_levels[threadIdx.x] = p.key_dequantization.levels[threadIdx.x];
+    value_levels[threadIdx.x] = p.value_dequantization.levels[threadIdx.x];
+  }
+  if (p.keys_pre_rope) {
+    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_frequencies[i] = p.rope_inverse_frequencies[i];
+  }
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    raw_query[i] = load_io(p.io, p.queries, (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + g) * D + d);
+  }
+  __syncthreads();
+  // 32 rows at a time: the preamble's registers are free (80 a thread).
+  rotate_group_queries<D, 32>(p.key_rotation, kv_head, group, group, raw_query, query);
+
   const bool scoring = warp < group;
   float running_max = -INFINITY, running_sum = 0.0f;
   float acc[kPerLane];
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) acc[k] = 0.0f;
   const float* q = query + warp * D;
-  float* const keys = tiles.keys;
-  float* const values = tiles.values;
 
   for (int64_t tile_first = first; tile_first < last; tile_first += kTileTokens) {
     const int count = static_cast<int>(last - tile_first < kTileTokens ? last - tile_first : kTileTokens);
     __syncthreads();  // the previous tile is consumed (and the queries written)
     constexpr int kThreads = kWarps * kWarpSize;
-    dequantize_tile<D, kBits, kThreads>(p.key_cache, p.key_dequantization, tiles.key_levels, slot, page_row, tokens,
+    dequantize_tile<D, kBits, kThreads>(p.key_cache, p.key_dequantization, key_levels, slot, page_row, tokens,
                                         tile_first, count, kv_head, keys, kKeyStride);
-    dequantize_tile<D, kBits, kThreads>(p.value_cache, p.value_dequantization, tiles.value_levels, slot, page_row, tokens,
+    dequantize_tile<D, kBits, kThreads>(p.value_cache, p.value_dequantization, value_levels, slot, page_row, tokens,
                                         tile_first, count, kv_head, values, D);
     if (outliers && warp < 2) {
       read_outlier_rows<D>(warp == 0 ? p.key_cache : p.value_cache, warp, slot, page_row, tokens, tile_first, count,
-                           kv_head, *tiles.outlier_rows);
+                           kv_head, outlier_rows);
     }
     __syncthreads();
     if (outliers) {
-      put_back_outlier_entries<D>(p.key_cache, 0, slot, kv_head, *tiles.outlier_rows, keys, kKeyStride);
-      put_back_outlier_entries<D>(p.value_cache, 1, slot, kv_head, *tiles.outlier_rows, values, D);
+      put_back_outlier_entries<D>(p.key_cache, 0, slot, kv_head, outlier_rows, keys, kKeyStride);
+      put_back_outlier_entries<D>(p.value_cache, 1, slot, kv_head, outlier_rows, values, D);
     }
     if (p.keys_pre_rope) {
       __syncthreads();
-      rope_tile<D>(tiles.rope_frequencies, tile_first, count, keys, kKeyStride);
+      rope_tile<D>(rope_frequencies, tile_first, count, keys, kKeyStride);
     }
     __syncthreads();
     if (!scoring) continue;
@@ -822,66 +842,6 @@ __device__ inline void attend_split_range(const DecodeParams& p, const SplitWork
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + kPerLane * lane + k] = acc[k];
   }
-}
-
-// Residency: 24 warps per multiprocessor (80 registers at 4 and 8 warps a
-// block). Unbounded, ptxas took 96 registers at head_dim 128 (20 warps) and
-// 128 at 64 (16), which cost kvquant 8-10% at batch 8 and 32, where the grid
-// runs many waves; 32 warps (64 registers) spilled at head_dim 64.
-template <int D, int kBits, int kWarps>
-__global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
-    decode_split_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
-  // Launched as the int8 kernel's dependent (the exact ranges), it reads
-  // nothing that kernel writes, and waits for it before it exits, so that
-  // its completion (what the merge waits for) implies the int8 kernel's;
-  // launched first (DecodePlan::exact_first), the int8 kernel may start
-  // once every block of this one runs.
-  allow_dependent_launch();
-  constexpr int kKeyStride = split_key_stride<D>();
-  __shared__ __align__(16) float keys[kTileTokens * kKeyStride];
-  __shared__ __align__(16) float values[kTileTokens * D];
-  __shared__ __align__(16) float query[kWarps * D];
-  static_assert(kWarps <= kTileTokens, "the raw queries are staged in the value tile");
-  float* raw_query = values;  // before the first tile
-  __shared__ float key_levels[kMaxLevels], value_levels[kMaxLevels];
-  __shared__ __align__(16) float rope_frequencies[D / 2];  // pre-RoPE keys: the model's inv_freq
-  __shared__ TileOutlierRows outlier_rows;
-  const bool outliers = p.key_cache.layout.outlier_spans > 0 || p.value_cache.layout.outlier_spans > 0;
-
-  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
-  const int64_t tokens = p.batch.lengths[entry];
-  int64_t first, last;
-  split_tokens(p, assignment, tokens, split, first, last);
-  const int kv_heads = p.key_cache.layout.spec.kv_heads;
-  const int group = p.num_heads / kv_heads;
-  const int state = assignment.first_state + split;
-  if (first >= last) {  // an empty split: a state the merge skips
-    write_empty_split_state(p, workspace, entry, kv_head, group, state);
-    wait_for_prerequisite_grid();
-    return;
-  }
-  const int32_t slot = p.batch.slots[entry];
-  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
-
-  // Level tables and the GQA group's queries, rotated by the keys' rotation.
-  if (threadIdx.x < (1 << kBits)) {
-    key_levels[threadIdx.x] = p.key_dequantization.levels[threadIdx.x];
-    value_levels[threadIdx.x] = p.value_dequantization.levels[threadIdx.x];
-  }
-  if (p.keys_pre_rope) {
-    for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_frequencies[i] = p.rope_inverse_frequencies[i];
-  }
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int g = i / D, d = i % D;
-    raw_query[i] = load_io(p.io, p.queries, (static_cast<int64_t>(entry) * p.num_heads + kv_head * group + g) * D + d);
-  }
-  __syncthreads();
-  // 32 rows at a time: the preamble's registers are free (80 a thread).
-  rotate_group_queries<D, 32>(p.key_rotation, kv_head, group, group, raw_query, query);
-
-  const SplitTiles tiles{keys, values, key_levels, value_levels, rope_frequencies, &outlier_rows};
-  attend_split_range<D, kBits, kWarps>(p, workspace, tiles, query, first, last, tokens, slot, page_row, kv_head, entry,
-                                       group, state, outliers);
   wait_for_prerequisite_grid();
 }
 

@@ -32,11 +32,6 @@ struct DecodePlan {
   // the int8 kernel's, whose splits are planned for the slots they leave;
   // else the int8 kernel launches first and their blocks fill its last wave.
   bool exact_first = false;
-  // int8 with 64-token steps (at most 4 query heads per KV head): the int8
-  // kernel's blocks walk the exact ranges' chunks after their own split
-  // (chunk c by the block of split c % splits), in its wave, with the
-  // queries they already rotated; no exact blocks are launched.
-  bool exact_fused = false;
   int64_t states = 0;            // split states per query head: splits + exact_splits
   // The merge's blocks take four groups of head_dim threads, each loading
   // 16 states' rows at once: many states (over 8) and at most one such

@@ -32,9 +32,7 @@
 //   - outlier entries correct the scores and outputs by q'_d (x - deq) and
 //     p (x - deq) (float32, as the bf16 kernel); the sink, the windows and
 //     every token not quantized for both keys and values are the general
-//     kernel's (its "exact ranges" mode), merged with these states; with
-//     64-token steps this kernel's blocks walk them with the general
-//     kernel's arithmetic after their split (attend_exact_chunks).
+//     kernel's (its "exact ranges" mode), merged with these states.
 //
 // Operand layouts: kernels/int8_mma_fragments.h (tested on the CPU through
 // an emulation of the PTX fragments). One block of four warps per (context
@@ -158,18 +156,9 @@ constexpr int int8_channel_pairs_bytes(int pair_bytes) {
   return kInt8Warps * kInt8Stages * D * pair_bytes;
 }
 
-// The exact ranges' walk in the wide steps' blocks (attend_exact_chunks):
-// a key and a value tile of float32 rows and the two level tables, over
-// the stages once the block's state is written.
-template <int D>
-constexpr int int8_exact_tile_bytes() {
-  return static_cast<int>(sizeof(float)) * (kTileTokens * (split_key_stride<D>() + D) + 2 * kMaxLevels);
-}
-
 // The stages, the channel pairs (channel_pair_bytes: a per_channel_tokens
 // key pair's bytes, else 0), then (value outliers) the output rows. The
-// wide steps' layouts have neither channel pairs nor outliers; their
-// stages hold at least the exact ranges' tiles.
+// wide steps' layouts have neither channel pairs nor outliers.
 template <int D, int VG, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
 constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_bytes) {
   static_assert(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() >= static_cast<int>(sizeof(Int8Out<D>)),
@@ -177,62 +166,8 @@ constexpr int int8_dynamic_shared_bytes(bool value_outliers, int channel_pair_by
   static_assert(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() >=
                     static_cast<int>(sizeof(float[kMaxTensorCoreGroup][D])),
                 "the stages hold the raw queries");
-  constexpr int kStageBytes = int8_stage_bytes<D, VG, kBits, kStepStages, kStages>();
-  if constexpr (kStepStages > 1) {
-    return kStageBytes > int8_exact_tile_bytes<D>() ? kStageBytes : int8_exact_tile_bytes<D>();
-  }
-  return kStageBytes + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
+  return int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) +
          (value_outliers ? static_cast<int>(sizeof(Int8Out<D>)) : 0);
-}
-
-// The block's exact chunks (TensorCoreSplits::exact_chunks; the wide steps'
-// layouts): chunk c = split, split + gridDim.x, ... of split_tokens's exact
-// ranges, by the split kernel's walk (attend_split_range) with the block's
-// rotated queries, into state exact_first_state + c. The separate exact
-// blocks had run as one latency-bound wave after the int8 kernel's (ncu at
-// 32K tokens, batch 8: 26.7 us for 320 blocks of 64 tokens, each rotating
-// its group's queries again); here they ride in the int8 kernel's wave.
-// `buffer`: int8_exact_tile_bytes<D>() of shared memory, free to overwrite
-// (attend_split_range synchronizes first).
-// Not inlined: inlined (twice: the empty splits' path too), its walk made
-// the kernel spill (756 bytes at head_dim 128, 2 bits); called, the kernel
-// keeps to its registers and the call saves and restores about 110 of them
-// (ptxas: 440 bytes), once per chunk. The kernel's parameters are
-// __grid_constant__, so that the reference to them needs no copy (a 928-byte
-// stack frame without).
-template <int D, int kBits>
-__device__ __noinline__ void attend_exact_chunks(const DecodeParams& p, const SplitWorkspace& workspace,
-                                           const TensorCoreSplits& splits, int split, int kv_head, int entry, int group,
-                                           const float* query, uint8_t* buffer) {
-  float* keys = reinterpret_cast<float*>(buffer);
-  float* values = keys + kTileTokens * split_key_stride<D>();
-  float* key_levels = values + kTileTokens * D;
-  float* value_levels = key_levels + kMaxLevels;
-  // Levels for the tokens one tensor quantizes and the other keeps exact
-  // (windows of different lengths): the walk's dequantization reads them.
-  __syncthreads();  // the caller's reads of the buffer are done
-  if (static_cast<int>(threadIdx.x) < (1 << kBits)) {
-    key_levels[threadIdx.x] = p.key_dequantization.levels[threadIdx.x];
-    value_levels[threadIdx.x] = p.value_dequantization.levels[threadIdx.x];
-  }
-  const SplitTiles tiles{keys, values, key_levels, value_levels, nullptr, nullptr};
-  const int64_t tokens = p.batch.lengths[entry];
-  const int32_t slot = p.batch.slots[entry];
-  const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
-  SplitAssignment exact;
-  exact.exact_ranges = true;
-  exact.first_state = splits.exact_first_state;
-  for (int chunk = split; chunk < splits.exact_chunks; chunk += static_cast<int>(gridDim.x)) {
-    int64_t first, last;
-    split_tokens(p, exact, tokens, chunk, first, last);
-    const int state = splits.exact_first_state + chunk;
-    if (first >= last) {
-      write_empty_split_state(p, workspace, entry, kv_head, group, state);
-      continue;
-    }
-    attend_split_range<D, kBits, kInt8Warps>(p, workspace, tiles, query, first, last, tokens, slot, page_row, kv_head,
-                                             entry, group, state, false);
-  }
 }
 
 // 2^x on the special-function unit (relative error about 2^-22; 0 at -inf):
@@ -316,7 +251,7 @@ constexpr int int8_blocks_per_multiprocessor() {
     return kBits == 2 ? (VG == 1 ? 4 : 3) : (VG == 1 ? 3 : 2);
   } else {
     constexpr int kBlockBytes = static_cast<int>(sizeof(Int8WideShared<D, kStepStages>)) +
-                                int8_dynamic_shared_bytes<D, VG, kBits, kStepStages, kStages>(false, 0) + 1024;
+                                int8_stage_bytes<D, VG, kBits, kStepStages, kStages>() + 1024;
     constexpr int kFit = 228 * 1024 / kBlockBytes;
     return kFit < 4 ? kFit : 4;
   }
@@ -324,8 +259,7 @@ constexpr int int8_blocks_per_multiprocessor() {
 template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                                   (int8_blocks_per_multiprocessor<D, VG, kBits, kStepStages, kStages>()))
-    decode_int8_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ SplitWorkspace workspace,
-                       const __grid_constant__ TensorCoreSplits splits) {
+    decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
   static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
   constexpr bool kNibbles = kBits == 4;
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
@@ -389,15 +323,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
-    if constexpr (!kGeneral) {
-      if (split < splits.exact_chunks) {  // the block's exact chunks still need the queries
-        load_group_queries<D, kQueryRowsInFlight>(p, state_base, group, kv_head, shared.query,
-                                                  *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared),
-                                                  nullptr, 0);
-        attend_exact_chunks<D, kBits>(p, workspace, splits, split, kv_head, entry, group, &shared.query[0][0],
-                                      dynamic_shared);
-      }
-    }
     wait_for_prerequisite_grid();
     return;
   }
@@ -1207,12 +1132,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   __syncthreads();
 
   write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
-  if constexpr (!kGeneral) {
-    if (split < splits.exact_chunks) {
-      attend_exact_chunks<D, kBits>(p, workspace, splits, split, kv_head, entry, group, &shared.query[0][0],
-                                    dynamic_shared);
-    }
-  }
   wait_for_prerequisite_grid();
 }
 

@@ -328,12 +328,6 @@ __device__ inline void write_block_state(const SplitWorkspace& workspace, int64_
 
 struct TensorCoreSplits {
   int64_t tokens_per_split = 0;  // a multiple of kTensorCoreWarps * kTileRows
-  // The int8 kernel's 64-token steps also walk the exact ranges
-  // (DecodePlan::exact_fused): chunk c of split_tokens's exact_chunks (the
-  // sink's and the window's kExactChunk tokens) by the block of split
-  // c % gridDim.x, as state exact_first_state + c. 0: no exact chunks.
-  int32_t exact_chunks = 0;
-  int32_t exact_first_state = 0;
 };
 
 // The quantized tokens [first, last) of a tensor-core block (context split

@@ -242,29 +242,6 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
   EXPECT_EQ(wide_cases, 6);
 }
 
-// On the GPU: the 64-token steps' blocks walk the exact ranges themselves
-// (DecodePlan::exact_fused) wherever a layout has a sink or a window, so
-// that the cases above check that path against the reference (the int2-rot
-// cases: a sink and a window; split512's 65-token sequence: an int8 split
-// without quantized tokens, whose block still walks its exact chunk); the
-// 32-token steps and the other kernels keep exact blocks of their own.
-TEST(DecodeAttentionCudaInt8Layouts, WideStepsWalkTheExactRangesInTheirOwnBlocks) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  int fused = 0;
-  for (const Case& c : cases()) {
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.tokens_per_split = c.tokens_per_split;
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
-      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
-      const bool wide = plan.int8 && plan.int8_steps != kernels::Int8Steps::kSteps32;
-      EXPECT_EQ(plan.exact_fused, wide && plan.exact_splits > 0) << c.name;
-      if (plan.exact_fused) ++fused;
-    });
-  }
-  EXPECT_GE(fused, 2);
-}
-
 // On the GPU: the merge takes four query heads a block where the output is
 // rotated back (int2-rot's GQA 4 and 8) and its blocks are one-group, one
 // head elsewhere (split_plan.h's merge_heads, tested on the CPU, wired into
