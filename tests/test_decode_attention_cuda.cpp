@@ -124,9 +124,10 @@ std::vector<Case> cases() {
     split512.tokens_per_split = 512;
     split512.lengths = {65, 700, 2049, 3001};
     all.push_back(split512);
-    // Few states (8: 3 splits and the exact ranges' 5), so that the merge
-    // takes one thread group a head and, the output rotated back, four
-    // query heads a block (DecodePlan::merge_heads).
+    // Few states (at most a round of 8; 5 on the H200: the splits and the
+    // exact ranges'), so that the merge takes one thread group a head and,
+    // the output rotated back, four query heads a block
+    // (DecodePlan::merge_heads).
     Case merge_heads =
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_merge_heads_2bit_d128_gqa4", 2,
                                                           128, 8)),
