@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 # GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
 # binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
 # SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
-# SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, SKIP_PROFILE,
+# SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
+# COMPARE_ARGS, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
 # PROFILE_LAUNCHES, PROFILE_APPEND and
 # BUILD_TARGETS (each explained where it is read below).
@@ -94,6 +95,19 @@ else
 fi
 # BUILD_TARGETS: only these (a benchmark-only call).
 [ -z "${BUILD_TARGETS:-}" ] || targets="--target $BUILD_TARGETS"
+# BASELINE_TAR (kernels mode): a `git archive` of another commit, carried
+# (e.g. in .carry/); its decode benchmark builds beside this tree's, and
+# after the checks both run alternately with COMPARE_ARGS (compare_commits:
+# the same-run comparisons of bench/README.md).
+baseline_build=""
+if [ "${GPU_CHECKS_ONLY:-}" = kernels ] && [ -n "${BASELINE_TAR:-}" ]; then
+  rm -rf /tmp/kvforge-base && mkdir -p /tmp/kvforge-base && tar -xf "$BASELINE_TAR" -C /tmp/kvforge-base
+  (cmake -S /tmp/kvforge-base -B /tmp/kvforge-base/build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+     -DTORCH_CUDA_ARCH_LIST=9.0 -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" &&
+   cmake --build /tmp/kvforge-base/build -j "$(nproc)" --target kvforge_bench_decode_attention) \
+    > "$LOGS/baseline_build.log" 2>&1 &
+  baseline_build=$!
+fi
 cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
 KV=build-gpu/tools/kvforge
 MODEL=$KVFORGE_SHARED/models/pyllama-16m
@@ -244,6 +258,7 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     decode_filter='*rtn_2bit_d128_gqa1:*kivi_sliding_sink*:*kvquant_2bit_d128_gqa4'
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_2bit_d128_gqa4:*int8_steps64x3_int2rot_rotated_4bit_d128_gqa4"
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_merge_heads_2bit_d128_gqa4"
+    decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1:*int2rot_window_fp32_rows_4bit_d128_gqa8"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.
@@ -264,8 +279,40 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     done
   fi
 }
+# This tree's decode benchmark and BASELINE_TAR's, alternately, twice each
+# (COMPARE_ARGS: the benchmark's flags), into one file: $OUT/decode-compare.json.
+compare_commits() {
+  step "decode attention: this tree against BASELINE_TAR, alternately (${COMPARE_ARGS:-})"
+  if ! wait "$baseline_build"; then
+    echo "FAILED: the baseline's build"; grep -E 'error|FAILED' -A5 "$LOGS/baseline_build.log" | head -30; status=1; return
+  fi
+  local files=""
+  for round in 1 2; do
+    for which in new base; do
+      local bin=./build-gpu/bench/kvforge_bench_decode_attention
+      [ $which = base ] && bin=/tmp/kvforge-base/build/bench/kvforge_bench_decode_attention
+      $bin ${COMPARE_ARGS:-} --commit "$which" --out "/tmp/compare_${which}_$round.json" > "$LOGS/compare_${which}_$round.log" 2>&1 ||
+        { tail -5 "$LOGS/compare_${which}_$round.log"; status=1; }
+      files="$files /tmp/compare_${which}_$round.json"
+    done
+  done
+  python3 - "$OUT/decode-compare.json" $files <<'PY'
+import json, sys
+runs = [{"file": f, **json.load(open(f))} for f in sys.argv[2:]]
+json.dump({"runs": runs}, open(sys.argv[1], "w"), indent=1)
+table = {}
+for run in runs:
+    for r in run["rows"]:
+        key = (r["method"], r["bits"], r["context"], r["batch"])
+        table.setdefault(key, {}).setdefault(run["commit"], []).append(r["time_us"])
+print("method bits context batch: new us (rounds) | base us (rounds)")
+for key, t in sorted(table.items()):
+    print(*key, ":", " ".join(f"{x:.1f}" for x in t.get("new", [])), "|", " ".join(f"{x:.1f}" for x in t.get("base", [])))
+PY
+}
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   kernel_checks
+  [ -z "$baseline_build" ] || compare_commits
   [ -n "${SKIP_BASELINES:-}" ] || { step "decode baselines: SDPA bf16, FlashInfer (if installed), copy bandwidth"
   timeout 300 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" ${DECODE_BASELINES_ARGS:-} > "$LOGS/decode_baselines.log" 2>&1 \
     || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
