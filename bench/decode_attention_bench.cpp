@@ -25,8 +25,8 @@
 // and the decode launch's host side with and without a DecodePlanner's
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
-// tensor_cores, general) and `splits`, `exact_splits`, `exact_first` and
-// `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
+// tensor_cores, general) and `splits`, `exact_splits`, `exact_first`,
+// `exact_kernel`, `rotate_queries_first`, `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
@@ -375,6 +375,8 @@ int run(int argc, char** argv) {
                                 {"splits", plan.splits},
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_first", plan.exact_first},
+                                {"exact_kernel", plan.exact_kernel},
+                                {"rotate_queries_first", plan.rotate_queries_first},
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},

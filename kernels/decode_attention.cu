@@ -12,6 +12,7 @@
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_attention_launch.h"
+#include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_int8_kernel.cuh"
 #include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
@@ -119,6 +120,62 @@ void launch_general(const DecodeParams& p, const device::SplitWorkspace& workspa
     launch_splits<D, kBits, 8>(p, workspace, assignment, blocks, stream, dependent);
   } else {
     launch_splits<D, kBits, 16>(p, workspace, assignment, blocks, stream, dependent);
+  }
+}
+
+// Whether decode_exact_kernel reads the exact ranges (else the general
+// kernel does): every token of them exact in both tensors
+// (same_quantized_ranges), one element type, both stores 16-byte aligned
+// (every row is then: D elements of 2 or 4 bytes), at most 8 query heads per
+// KV head (the tensor-core kernels' limit).
+bool exact_kernel_reads(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  const auto aligned = [](const void* at) { return (reinterpret_cast<uintptr_t>(at) & 15u) == 0; };
+  return same_quantized_ranges(k, v) && k.element == v.element && aligned(p.key_cache.exact) &&
+         aligned(p.value_cache.exact) && p.num_heads / k.kv_heads <= 8;
+}
+
+template <int D, int kHeads, ElementType E>
+void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                         const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
+                         bool dependent) {
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+                  static_cast<unsigned>(p.batch.count));
+  launch(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
+         dependent, p, workspace, assignment);
+}
+
+template <int D, int kHeads>
+void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                        const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
+                        bool dependent) {
+  switch (p.key_cache.layout.spec.element) {
+    case ElementType::kFloat16:
+      launch_exact_kernel<D, kHeads, ElementType::kFloat16>(p, workspace, assignment, blocks, stream, dependent);
+      return;
+    case ElementType::kBFloat16:
+      launch_exact_kernel<D, kHeads, ElementType::kBFloat16>(p, workspace, assignment, blocks, stream, dependent);
+      return;
+    case ElementType::kFloat32:
+      launch_exact_kernel<D, kHeads, ElementType::kFloat32>(p, workspace, assignment, blocks, stream, dependent);
+      return;
+  }
+}
+
+// The exact ranges' blocks (plan.exact_splits per KV head and sequence, their
+// states after the tensor-core kernel's): decode_exact_kernel where
+// DecodePlan::exact_kernel, else the general kernel. `dependent` as launch's.
+template <int D, int kBits>
+void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                         cudaStream_t stream, bool dependent) {
+  const device::SplitAssignment assignment{0, true, plan.splits};
+  if (!plan.exact_kernel) {
+    launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
+  } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
+    launch_exact_heads<D, 4>(p, workspace, assignment, plan.exact_splits, stream, dependent);
+  } else {
+    launch_exact_heads<D, 8>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   }
 }
 
@@ -296,32 +353,41 @@ int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, Int8
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
 }
 
+// The queries rotated once for the call (DecodePlan::rotate_queries_first).
+template <int D>
+void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
+  const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
+  const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
+  launch(device::rotate_group_queries_kernel<D>, grid, (group + 3) / 4 * D, 0, stream, false, p, workspace);
+}
+
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
   if (plan.tensor_cores) {
+    if (plan.rotate_queries_first) launch_rotate_queries<D>(p, workspace, stream);
     if (plan.int8) {
       // Both orders make the second kernel the first's programmatic
       // dependent: it reads nothing the first writes, and waits for it
       // before it exits (so that the merge, which waits for the second,
       // finds both done). Few exact blocks first, beside the int8 kernel's
       // from the start; else the int8 kernel first, the exact blocks
-      // filling its last wave instead of starting after it.
-      if (plan.exact_first) {
-        launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
+      // filling its last wave instead of starting after it. With the
+      // queries rotated first, the int8 kernel is the rotation's dependent
+      // and always first (it waits for the queries, then lets the exact
+      // blocks launch: load_group_queries); at batch 1 its blocks, planned
+      // for the slots the exact ones leave, are all running by then.
+      if (plan.exact_first && !plan.rotate_queries_first) {
+        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
         launch_int8<D>(p, workspace, plan, stream, true);
       } else {
-        launch_int8<D>(p, workspace, plan, stream, false);
-        if (plan.exact_splits > 0) {
-          launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream, true);
-        }
+        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first);
+        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
     }
     launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
-    if (plan.exact_splits > 0) {
-      launch_general<D, kBits>(p, workspace, {0, true, plan.splits}, plan.exact_splits, stream);
-    }
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
   } else {
     launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream);
   }
@@ -368,9 +434,13 @@ int multiprocessor_count() {
   return count;
 }
 
+// The split states (max and sum, then acc), then the rotated queries where
+// the plan rotates them first.
 int64_t workspace_bytes_for(const DecodeParams& p, const DecodePlan& plan) {
   const int64_t states = static_cast<int64_t>(p.batch.count) * p.num_heads * plan.states;
-  return states * (p.key_cache.layout.spec.head_dim + 2) * static_cast<int64_t>(sizeof(float));
+  const int64_t queries = plan.rotate_queries_first ? static_cast<int64_t>(p.batch.count) * p.num_heads : 0;
+  return (states * (p.key_cache.layout.spec.head_dim + 2) + queries * p.key_cache.layout.spec.head_dim) *
+         static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace
@@ -441,6 +511,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
     plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
                                              ceil_div64(ring, device::kExactChunk));
+    plan.exact_kernel = plan.exact_splits > 0 && exact_kernel_reads(p);
+    plan.rotate_queries_first = p.key_rotation.kind == RotationKind::kMatrix;
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
@@ -533,6 +605,7 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   workspace.max_sum = static_cast<float*>(memory);
   workspace.acc = workspace.max_sum + 2 * states;
   workspace.max_splits = static_cast<int32_t>(plan.states);
+  if (plan.rotate_queries_first) workspace.queries = workspace.acc + states * params.key_cache.layout.spec.head_dim;
   if (params.key_cache.layout.spec.head_dim == 64) {
     launch_for_head_dim<64>(params, workspace, plan, stream);
   } else {

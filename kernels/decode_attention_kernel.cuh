@@ -629,6 +629,11 @@ struct SplitWorkspace {
   float* max_sum = nullptr;
   float* acc = nullptr;
   int32_t max_splits = 0;
+  // [sequence][query head][D]: the queries rotated by the keys' matrix
+  // (rotate_group_queries_kernel, DecodePlan::rotate_queries_first), once
+  // per decode call instead of once per block; null: each block rotates its
+  // own (decode_split_kernel always does).
+  float* queries = nullptr;
 };
 
 // Tokens per block of the exact ranges: two tiles, so that the sink and a

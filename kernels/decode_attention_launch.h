@@ -26,12 +26,22 @@ struct DecodePlan {
   Int8Steps int8_steps = Int8Steps::kSteps32;  // int8: its steps (DecodeParams::int8_steps resolved)
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
   int32_t splits = 0;            // its blocks per (KV head, sequence)
-  int32_t exact_splits = 0;      // tensor cores: the general kernel's blocks over the exact ranges
+  int32_t exact_splits = 0;      // tensor cores: blocks over the exact ranges per (KV head, sequence)
+  // They are decode_exact_kernel's (every token of the ranges exact in both
+  // tensors: same_quantized_ranges, one element type, aligned stores), else
+  // the general kernel's.
+  bool exact_kernel = false;
   // int8: the exact ranges' blocks are few (at most an eighth of the int8
   // kernel's resident blocks: batch 1), so they launch first and run beside
   // the int8 kernel's, whose splits are planned for the slots they leave;
   // else the int8 kernel launches first and their blocks fill its last wave.
   bool exact_first = false;
+  // Tensor cores with a matrix key rotation: the queries are rotated once for
+  // the call (rotate_group_queries_kernel, into the workspace) before the
+  // kernels that read them, not once per block; the int8 kernel then
+  // launches first also where exact_first holds (its blocks leave the
+  // exact ones their slots all the same).
+  bool rotate_queries_first = false;
   int64_t states = 0;            // split states per query head: splits + exact_splits
   // The merge's blocks take four groups of head_dim threads, each loading
   // 16 states' rows at once: many states (over 8) and at most one such

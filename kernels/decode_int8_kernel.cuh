@@ -314,10 +314,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // Lanes that write a head's per-lane state.
   const bool head_writer = g == 0;
   // The exact ranges' kernel, launched behind this one as its dependent,
-  // may start as soon as every block of this one runs; launched behind it
-  // (DecodePlan::exact_first), this one waits for it before it exits, so
-  // that its completion (what the merge waits for) implies theirs.
-  allow_dependent_launch();
+  // may start as soon as every block of this one runs (with the queries
+  // rotated beforehand, once it has them: load_group_queries); launched
+  // behind it (DecodePlan::exact_first), this one waits for it before it
+  // exits, so that its completion (what the merge waits for) implies theirs.
+  if (workspace.queries == nullptr) allow_dependent_launch();
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
@@ -345,10 +346,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
   if constexpr (kGeneral) {
-    load_group_queries<D, kQueryRowsInFlight>(p, state_base, group, kv_head, shared.query, shared.raw_query, &out[0][0][0],
+    load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
+                                              shared.raw_query, &out[0][0][0],
                           value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
   } else {  // the raw queries over the stages: no copy has started
-    load_group_queries<D, kQueryRowsInFlight>(p, state_base, group, kv_head, shared.query,
+    load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
                           *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
   }
 

@@ -267,20 +267,62 @@ __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, 
 // the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
 // are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
 // block's threads together, synchronized on return. kRowsInFlight:
-// rotate_group_queries's.
+// rotate_group_queries's. With `rotated` (SplitWorkspace::queries) the
+// queries are rotate_group_queries_kernel's: the kernel, launched as its
+// programmatic dependent, waits for it here, and lets its own dependent
+// launch only then (that one reads them too, without waiting: its
+// prerequisite is this kernel).
 template <int D, int kRowsInFlight = 16>
-__device__ inline void load_group_queries(const DecodeParams& p, int64_t state_base, int group, int kv_head,
-                                          float (&query)[kMaxTensorCoreGroup][D], float (&raw)[kMaxTensorCoreGroup][D],
-                                          float* out, int out_count) {
+__device__ inline void load_group_queries(const DecodeParams& p, const float* rotated, int64_t state_base, int group,
+                                          int kv_head, float (&query)[kMaxTensorCoreGroup][D],
+                                          float (&raw)[kMaxTensorCoreGroup][D], float* out, int out_count) {
+  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
+  if (rotated != nullptr) {
+    wait_for_prerequisite_grid();
+    allow_dependent_launch();
+    for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+      const int h = i / D, d = i % D;
+      query[h][d] = h < group ? rotated[(state_base + h) * D + d] : 0.0f;
+    }
+    __syncthreads();
+    return;
+  }
   for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
   }
-  for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
   __syncthreads();
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
                                          &query[0][0]);
   __syncthreads();
+}
+
+// The keys' matrix rotation of every query of the batch, once per decode
+// call (DecodePlan::rotate_queries_first): one block per (KV head,
+// sequence), a thread per output element of four heads (the group's rounded
+// up to 4: D or 2 D threads), into SplitWorkspace::queries. The tensor-core
+// kernels' blocks had each rotated their group's queries, 64 KB of the
+// matrix from L2 and 64 K fmas per block of 4 heads at head_dim 128: at 32K
+// tokens and batch 8 some 500 blocks, 11% of the int8 kernel's
+// instructions (bench/results/ncu-decode-int2rot-rotated-h200-2026-12-02.txt).
+// The kernel behind it may launch at once and waits for it before it reads
+// the queries (load_group_queries).
+template <int D>
+__global__ void __launch_bounds__(2 * D) rotate_group_queries_kernel(const DecodeParams p, const SplitWorkspace workspace) {
+  allow_dependent_launch();
+  __shared__ __align__(16) float raw[kMaxTensorCoreGroup][D];
+  __shared__ __align__(16) float query[kMaxTensorCoreGroup][D];
+  const int kv_head = blockIdx.x, entry = blockIdx.y;
+  const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
+  const int64_t first = static_cast<int64_t>(entry) * p.num_heads + kv_head * group;
+  const int rows = (group + 3) / 4 * 4;  // rotate_group_queries reads whole fours of rows
+  for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
+    raw[i / D][i % D] = i < group * D ? load_io(p.io, p.queries, first * D + i) : 0.0f;
+  }
+  __syncthreads();
+  rotate_group_queries<D, 32>(p.key_rotation, kv_head, group, group, &raw[0][0], &query[0][0]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) workspace.queries[first * D + i] = query[i / D][i % D];
 }
 
 // The block's split state from its kWarps warps' (max and sum in log2
@@ -439,7 +481,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int key_groups = D / key_group_channels, value_groups = D / value_group_channels;
   const int key_pairs_per_head = D / key_group_channels, value_pairs_per_head = D / value_group_channels;
 
-  load_group_queries<D>(p, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
+  load_group_queries<D>(p, workspace.queries, state_base, group, kv_head, shared.query, shared.raw_query, &shared.out[0][0][0],
                         kTensorCoreWarps * kMaxTensorCoreGroup * D);
 
   // This warp's tiles: a contiguous run of the split's.

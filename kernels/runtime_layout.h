@@ -145,6 +145,22 @@ KVFORGE_HOST_DEVICE inline int64_t quantized_end(const TensorLayoutSpec& s, int6
   return end;
 }
 
+// Whether keys `k` and values `v` quantize the same tokens at every context
+// (quantized_begin and quantized_end equal for all T): the same sink, window
+// rule and residual, and the same token groups where the sliding window's
+// end is rounded to them. Then a token outside the tensor-core kernels'
+// range (the later of the begins to the earlier of the ends) is exact in
+// both tensors, and the decode's exact blocks read no codes
+// (decode_exact_kernel.cuh); KIVI's block-flushed keys with sliding values
+// do not.
+KVFORGE_HOST_DEVICE inline bool same_quantized_ranges(const TensorLayoutSpec& k, const TensorLayoutSpec& v) {
+  const auto rounding = [](const TensorLayoutSpec& s) {
+    return s.window_rule != WindowRule::kBlockFlush && s.grouping == ScaleGrouping::kPerChannelTokens ? s.group : 1;
+  };
+  return k.sink_tokens == v.sink_tokens && k.window_rule == v.window_rule &&
+         k.residual_tokens == v.residual_tokens && rounding(k) == rounding(v);
+}
+
 // Byte offsets inside a page of the token slot `in_page` (0..page_size-1).
 KVFORGE_HOST_DEVICE inline int64_t code_row_offset(const TensorPageLayout& l, int64_t head, int64_t in_page) {
   return (head * l.spec.page_size + in_page) * l.row_bytes;

@@ -444,6 +444,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.states, plan.states) << c.name;
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
       EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
+      EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
+      EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
     }
     kernels::launch_decode_attention(on_device, nullptr);
@@ -492,11 +494,15 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::printf("[ %s ] %s kernel, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
+  std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
+              plan.rotate_queries_first ? "queries rotated first, " : "",
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",
+              plan.exact_splits == 0 ? ""
+              : plan.exact_kernel    ? " and the exact kernel's ranges"
+                                     : " and the general kernel's exact ranges",
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
               plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
               plan.merge_heads == 1 ? "" : "s");

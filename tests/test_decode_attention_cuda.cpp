@@ -134,6 +134,26 @@ std::vector<Case> cases() {
               k4);
     merge_heads.lengths = {700, 65, 300};
     all.push_back(merge_heads);
+    // decode_exact_kernel over chunks that reach all four of its warps (the
+    // other cases' sink of 4 and window of 16 fill one warp's 16 tokens):
+    // a sink of 40 and a window of 100 (chunks of 40, 64 and 36; the ring's
+    // rows wrap) in bf16 rows at GQA 1 (head_dim 64, its heads padded to 4),
+    // int2-rot's own sink of 64 and window of 256 in float32 rows at GQA 8
+    // (head_dim 128, with the bf16 tensor cores).
+    Case bf16_rows =
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1", 2, 64, 2)), k4);
+    bf16_rows.element = ElementType::kBFloat16;
+    bf16_rows.fit.sink_tokens = 40;
+    bf16_rows.fit.residual_tokens = 100;
+    bf16_rows.lengths = {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000};
+    all.push_back(bf16_rows);
+    Case fp32_rows =
+        with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16);
+    fp32_rows.element = ElementType::kFloat32;
+    fp32_rows.fit.sink_tokens = 64;
+    fp32_rows.fit.residual_tokens = 256;
+    fp32_rows.lengths = {1, 64, 65, 320, 321, 700, 4099};
+    all.push_back(fp32_rows);
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
@@ -201,11 +221,11 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
                             c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
                             c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
                             c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12" ||
-                            c.name == "general_kivi_2bit_d128_gqa4";
+                            c.name == "general_kivi_2bit_d128_gqa4" || c.name == "int2rot_window_fp32_rows_4bit_d128_gqa8";
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 13);
+  EXPECT_EQ(int8_cases, 14);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -240,7 +260,7 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 6);
+  EXPECT_EQ(wide_cases, 7);
 }
 
 // On the GPU: the merge takes four query heads a block where the output is
@@ -262,6 +282,38 @@ TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
     });
   }
   EXPECT_GE(grouped, 1);
+}
+
+TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
+  // decode_exact_kernel takes the exact ranges where keys and values
+  // quantize the same tokens (int2-rot's sink and window); KIVI's
+  // block-flushed keys with sliding values leave tokens quantized in one
+  // tensor only, which the general kernel reads.
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int exact_kernel = 0, general = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.kernel = c.kernel;
+      params.int8_steps = c.int8_steps;
+      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      // The queries of a matrix key rotation are rotated once for the call
+      // wherever tensor cores read the layout.
+      EXPECT_EQ(plan.rotate_queries_first,
+                plan.tensor_cores && params.key_rotation.kind == kernels::RotationKind::kMatrix)
+          << c.name;
+      if (!plan.tensor_cores || plan.exact_splits == 0) {
+        EXPECT_FALSE(plan.exact_kernel) << c.name;
+        return;
+      }
+      const bool same = kernels::same_quantized_ranges(params.key_cache.layout.spec, params.value_cache.layout.spec);
+      EXPECT_EQ(plan.exact_kernel, same) << c.name;
+      if (plan.int8 && c.name.find("int2rot") != std::string::npos) EXPECT_TRUE(plan.exact_kernel) << c.name;
+      if (c.name.rfind("int8_kivi_sliding_sink", 0) == 0) EXPECT_FALSE(plan.exact_kernel) << c.name;
+      ++(plan.exact_kernel ? exact_kernel : general);
+    });
+  }
+  EXPECT_GE(exact_kernel, 3);
+  EXPECT_GE(general, 1);
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {

@@ -182,6 +182,48 @@ TEST(RuntimeLayout, WindowsFollowTheArtifactRule) {
   }
 }
 
+TEST(RuntimeLayout, SameQuantizedRangesHoldsExactlyWhereEveryContextsRangesAgree) {
+  // Every pair of a few specs: same_quantized_ranges against the ranges
+  // compared at every T (brute force). Where it holds, the decode's exact
+  // blocks read no codes; where it says no although the ranges agreed at
+  // every T tried, only a slower kernel is chosen (allowed but counted: the
+  // rule is exact on these specs).
+  std::vector<kernels::TensorLayoutSpec> specs;
+  for (auto [grouping, group] : {std::pair{kernels::ScaleGrouping::kPerToken, 128},
+                                 std::pair{kernels::ScaleGrouping::kPerToken, 32},
+                                 std::pair{kernels::ScaleGrouping::kPerChannelTokens, 32},
+                                 std::pair{kernels::ScaleGrouping::kPerChannelTokens, 16}}) {
+    for (auto rule : {kernels::WindowRule::kSliding, kernels::WindowRule::kBlockFlush}) {
+      for (int32_t sink : {0, 3}) {
+        for (int32_t residual : {0, 64, 128}) {
+          auto s = spec(grouping, group);
+          s.window_rule = rule;
+          s.sink_tokens = sink;
+          s.residual_tokens = residual;
+          if (rule == kernels::WindowRule::kBlockFlush && residual == 0) continue;  // a flush needs R > 0
+          specs.push_back(s);
+        }
+      }
+    }
+  }
+  int agreeing_pairs = 0;
+  for (const auto& k : specs) {
+    for (const auto& v : specs) {
+      bool agree = true;
+      for (int64_t t = 0; t < 700 && agree; ++t) {
+        agree = kernels::quantized_begin(k, t) == kernels::quantized_begin(v, t) &&
+                kernels::quantized_end(k, t) == kernels::quantized_end(v, t);
+      }
+      ASSERT_EQ(kernels::same_quantized_ranges(k, v), agree)
+          << "sink " << k.sink_tokens << "/" << v.sink_tokens << ", residual " << k.residual_tokens << "/"
+          << v.residual_tokens << ", rule " << static_cast<int>(k.window_rule) << "/" << static_cast<int>(v.window_rule)
+          << ", group " << k.group << "/" << v.group;
+      agreeing_pairs += agree ? 1 : 0;
+    }
+  }
+  EXPECT_GT(agreeing_pairs, static_cast<int>(specs.size()));  // not only each spec with itself
+}
+
 // ------------------------------------------------------------ configurations
 
 // The layouts: tests/kernel_cases.h (the CUDA append test runs them too).
