@@ -356,9 +356,8 @@ int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, Int8
 // The queries rotated once for the call (DecodePlan::rotate_queries_first).
 template <int D>
 void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
-  const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
   const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
-  launch(device::rotate_group_queries_kernel<D>, grid, (group + 3) / 4 * D, 0, stream, false, p, workspace);
+  launch(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
 }
 
 template <int D, int kBits>
@@ -372,12 +371,10 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // before it exits (so that the merge, which waits for the second,
       // finds both done). Few exact blocks first, beside the int8 kernel's
       // from the start; else the int8 kernel first, the exact blocks
-      // filling its last wave instead of starting after it. With the
-      // queries rotated first, the int8 kernel is the rotation's dependent
-      // and always first (it waits for the queries, then lets the exact
-      // blocks launch: load_group_queries); at batch 1 its blocks, planned
-      // for the slots the exact ones leave, are all running by then.
-      if (plan.exact_first && !plan.rotate_queries_first) {
+      // filling its last wave instead of starting after it, and, with the
+      // queries rotated first, the rotation's dependent (it waits for the
+      // queries, then lets the exact blocks launch: load_group_queries).
+      if (plan.exact_first) {
         launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
         launch_int8<D>(p, workspace, plan, stream, true);
       } else {
@@ -512,7 +509,6 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
                                              ceil_div64(ring, device::kExactChunk));
     plan.exact_kernel = plan.exact_splits > 0 && exact_kernel_reads(p);
-    plan.rotate_queries_first = p.key_rotation.kind == RotationKind::kMatrix;
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
@@ -521,6 +517,7 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
     const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.int8_steps);
     plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
+    plan.rotate_queries_first = p.key_rotation.kind == RotationKind::kMatrix && !plan.exact_first;
     const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));

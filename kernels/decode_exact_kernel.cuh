@@ -141,6 +141,16 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     for (int i = 0; i < kKeyWords; ++i) key_words[i] = 0;
   }
 
+  // The warp's value rows on their way to L2 (a lane a half row: 128 bytes
+  // at head_dim 128 and 16-bit elements), read after the scores.
+  const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_row(vl, t)) : 0;
+  if (valid) {
+    constexpr int kHalfRowBytes = D * kBytes / 2;
+    const uint8_t* half_row = p.value_cache.exact + slot * vl.exact_slot_bytes + value_row + half * kHalfRowBytes;
+#pragma unroll
+    for (int b = 0; b < kHalfRowBytes; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(half_row + b));
+  }
+
   // The group's queries, rotated by the keys' rotation: rotated beforehand
   // (SplitWorkspace::queries; complete when this kernel starts, since it
   // launches behind the int8 kernel, whose blocks let it launch only once
@@ -162,7 +172,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   // The warp's value rows, in flight during the scores (loaded before the
   // rotation with the keys, they cost its rows in flight registers: spills).
   const uint8_t* value_rows = p.value_cache.exact + slot * vl.exact_slot_bytes + lane * kPerLane * kBytes;
-  const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_row(vl, t)) : 0;
   uint32_t value_words[kExactWarpTokens][kValueWords];
 #pragma unroll
   for (int i = 0; i < kExactWarpTokens; ++i) {
