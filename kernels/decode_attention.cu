@@ -136,12 +136,26 @@ bool exact_kernel_reads(const DecodeParams& p) {
          aligned(p.value_cache.exact) && p.num_heads / k.kv_heads <= 8;
 }
 
+// Kernels whose blocks share multiprocessors with the int8 kernel's (the
+// exact blocks beside them at batch 1, the query rotation before them) ask
+// for the largest shared-memory carveout: a multiprocessor configures its
+// L1/shared split for the first kernel it runs, and a small kernel's own
+// choice (12 KB a block) leaves no room for the int8 blocks' 55 KB until
+// it drains (int2-rot at 128K batch 1: 47 -> 55 us with the exact kernel,
+// which asked for less than the general kernel's 36 KB).
+template <typename Kernel>
+void prefer_max_shared_carveout(Kernel kernel) {
+  KVFORGE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+}
+
 template <int D, int kHeads, ElementType E>
 void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
                          const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
                          bool dependent) {
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
                   static_cast<unsigned>(p.batch.count));
+  prefer_max_shared_carveout(device::decode_exact_kernel<D, kHeads, E>);
   launch(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
          dependent, p, workspace, assignment);
 }
@@ -357,6 +371,7 @@ int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, Int8
 template <int D>
 void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
+  prefer_max_shared_carveout(device::rotate_group_queries_kernel<D>);
   launch(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
 }
 
