@@ -106,6 +106,18 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   int32_t page_id = 0;
   if (quantized) page_id = page_of(s / l.spec.page_size);
 
+  // A matrix rotation's rows (the lane's channels of each) on their way to
+  // L2 while the token loads: the fma chain below keeps only ~5 rows' loads
+  // in flight (ptxas pipelines them so, whatever the unrolling), and the
+  // matrices leave L2 between decoding steps, so each of its ~26 batches had
+  // been a round trip to memory: ~10 us of int2-rot's 16 us append step
+  // on the H200 (bench/README.md, seventeenth session).
+  if (t.rotation.kind == RotationKind::kMatrix) {
+    const float* rows = t.rotation.matrix + static_cast<int64_t>(head) * kDim * kDim + first;
+#pragma unroll 8
+    for (int i = 0; i < kDim; ++i) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + i * kDim));
+  }
+
   const int64_t width = static_cast<int64_t>(l.spec.kv_heads) * kDim;
   const int64_t in_bytes = element_bytes(input_type);
   const auto* input = static_cast<const uint8_t*>(t.input) + ((row * width) + head * kDim + first) * in_bytes;
