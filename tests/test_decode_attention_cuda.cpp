@@ -140,20 +140,21 @@ std::vector<Case> cases() {
     // rows wrap) in bf16 rows at GQA 1 (head_dim 64, its heads padded to 4),
     // int2-rot's own sink of 64 and window of 256 in float32 rows at GQA 8
     // (head_dim 128, with the bf16 tensor cores).
-    Case bf16_rows =
-        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1", 2, 64, 2)), k4);
-    bf16_rows.element = ElementType::kBFloat16;
-    bf16_rows.fit.sink_tokens = 40;
-    bf16_rows.fit.residual_tokens = 100;
-    bf16_rows.lengths = {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000};
-    all.push_back(bf16_rows);
-    Case fp32_rows =
-        with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16);
-    fp32_rows.element = ElementType::kFloat32;
-    fp32_rows.fit.sink_tokens = 64;
-    fp32_rows.fit.residual_tokens = 256;
-    fp32_rows.lengths = {1, 64, 65, 320, 321, 700, 4099};
-    all.push_back(fp32_rows);
+    const auto exact_rows = [](Case c, ElementType element, int64_t sink, int64_t residual,
+                               std::vector<int64_t> lengths) {
+      c.element = element;
+      c.fit.sink_tokens = sink;
+      c.fit.residual_tokens = residual;
+      c.lengths = std::move(lengths);
+      return c;
+    };
+    all.push_back(exact_rows(
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1", 2, 64, 2)),
+              k4),
+        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000}));
+    all.push_back(exact_rows(
+        with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16),
+        ElementType::kFloat32, 64, 256, {1, 64, 65, 320, 321, 700, 4099}));
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
