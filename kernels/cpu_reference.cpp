@@ -431,7 +431,7 @@ bool read_head(const PagedTensor& cache, const Dequantization& dq, int32_t slot,
   const int64_t dim = spec.head_dim, element = element_bytes(spec.element);
   const int64_t begin = quantized_begin(spec, tokens), end = quantized_end(spec, tokens);
   if (token < begin || token >= end) {
-    const int64_t row = token < begin ? token : spec.sink_tokens + (token - spec.sink_tokens) % l.ring_capacity;
+    const int32_t row = exact_store_row(l, static_cast<int32_t>(token));
     const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, row);
     tally(read_tally, in, dim * element);
     for (int64_t d = 0; d < dim; ++d) out[d] = load_element(spec.element, in + d * element);

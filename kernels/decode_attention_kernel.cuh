@@ -170,13 +170,6 @@ struct TileReading {
         page_size(static_cast<uint32_t>(spec.page_size)) {}
 };
 
-// The exact store row of a token outside the quantized range: a sink
-// token's own row, a window token's row in the ring (32 bits: a
-// sequence's tokens are under 2^31).
-__device__ inline int64_t exact_row_of(const TensorPageLayout& l, const TileReading& r, int64_t token) {
-  if (token < r.begin) return token;
-  return l.spec.sink_tokens + static_cast<int32_t>(token - l.spec.sink_tokens) % l.ring_capacity;
-}
 
 // Slot s's page-table entry and its row in that page (s < 2^31: a
 // sequence's slots).
@@ -355,8 +348,8 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
       const int j = unit / kWords, word_index = unit % kWords, d0 = word_index * kPerWord;
       float* out = tile + j * stride + d0;  // 16-byte aligned (the tiles' rows are, and d0 is a multiple of 8)
       if (page_id[u] < 0) {  // an exact token
-        const uint8_t* in =
-            cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, exact_row_of(l, reading, first + j));
+        const int32_t row = exact_store_row(l, static_cast<int32_t>(first + j));
+        const uint8_t* in = cache.exact + slot * l.exact_slot_bytes + exact_row_offset(l, head, row);
         float x[kPerWord];
         load_elements<kPerWord>(spec.element, in + d0 * element, x);
         store_floats(out, x);

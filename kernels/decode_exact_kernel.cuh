@@ -16,10 +16,12 @@
 // most of it after the int8 kernel's last wave. Here warp w takes the
 // chunk's tokens [16 w, 16 w + 16): lanes j and j + 16 hold the two halves of
 // token j's key row in registers (loaded before the query rotation, which
-// hides their latency; the value rows load during the scores), score all the group's
-// heads at once, and the warp's softmax and value sums need no shared tile;
-// the four warps' states are joined in shared memory.
+// hides their latency; the value rows are prefetched to L2 then and loaded
+// during the scores), score all the group's heads at once, and the warp's
+// softmax and value sums need no shared tile; the four warps' states are
+// joined as the tensor-core kernels' are (write_block_state).
 #include "kernels/decode_attention_kernel.cuh"
+#include "kernels/decode_tensor_core_kernel.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -63,30 +65,24 @@ __device__ inline float word_element(const uint32_t (&words)[N], int i) {
   }
 }
 
-// The exact store row of token t (< T) outside the quantized range:
-// exact_row_of, the quantized range beginning at the sink.
-__device__ inline int32_t exact_row(const TensorPageLayout& l, int32_t t) {
-  const int32_t sink = l.spec.sink_tokens;
-  if (t < sink || l.ring_capacity <= 0) return t;
-  return sink + (t - sink) % l.ring_capacity;
-}
-
+// The warps' states in write_block_state's shapes (heads up to
+// kMaxTensorCoreGroup; those past kHeads unused).
 template <int D, int kHeads>
 struct ExactShared {
   union {
-    float raw_query[kHeads * D];          // the group's queries as read (heads past the group: 0)
-    float acc[kExactWarps][kHeads][D];    // the warps' value sums, after the queries are rotated
+    float raw_query[kHeads * D];                     // the group's queries as read (heads past the group: 0)
+    float acc[kExactWarps][kMaxTensorCoreGroup][D];  // the warps' value sums, after the queries are rotated
   };
-  float query[kHeads * D];                // rotated by the keys' rotation
+  float query[kHeads * D];  // rotated by the keys' rotation
   float weight[kExactWarps][kExactWarpTokens][kHeads];
-  float max[kExactWarps][kHeads], sum[kExactWarps][kHeads];
+  float max[kExactWarps][kMaxTensorCoreGroup], sum[kExactWarps][kMaxTensorCoreGroup];  // log2 units
 };
 
 // Residency: 4 blocks a multiprocessor with 16-bit rows (128 registers, an
 // int8 block's: at batch 1 the plan counts an exact block as one int8 slot,
-// DecodePlan::exact_first; ptxas spills 8 bytes at GQA 4 and head_dim 128,
-// 52 at GQA 8, for the values' words and weights in flight; unbounded it
-// took 190); float32 rows hold twice the words.
+// DecodePlan::exact_first; ptxas spills a few bytes, 16 at GQA 4 and
+// head_dim 128, for the values' words and weights in flight; unbounded it
+// took 168-190); float32 rows hold twice the words.
 template <ElementType E>
 constexpr int exact_min_blocks() {
   return E == ElementType::kFloat32 ? 2 : 4;
@@ -115,9 +111,9 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   split_tokens(p, assignment, tokens, split, first, last);
   const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
   const int64_t query_row = static_cast<int64_t>(entry) * p.num_heads + kv_head * group;  // the group's first head
-  const int64_t first_index = query_row * workspace.max_splits + assignment.first_state + split;  // + h max_splits
+  const int state = assignment.first_state + split;
   if (first >= last) {  // an empty chunk: a state the merge skips
-    if (threadIdx.x < group) workspace.max_sum[2 * (first_index + threadIdx.x * workspace.max_splits)] = -INFINITY;
+    write_empty_state(workspace, BlockTokens{first, last, query_row, group}, state);
     wait_for_prerequisite_grid();
     return;
   }
@@ -134,7 +130,8 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   const int32_t t = static_cast<int32_t>(first) + warp * kExactWarpTokens + j;
   uint32_t key_words[kKeyWords];
   if (valid) {
-    const uint8_t* row = p.key_cache.exact + slot * kl.exact_slot_bytes + exact_row_offset(kl, kv_head, exact_row(kl, t));
+    const uint8_t* row =
+        p.key_cache.exact + slot * kl.exact_slot_bytes + exact_row_offset(kl, kv_head, exact_store_row(kl, t));
     load_words(row + half * (D / 2) * kBytes, key_words);
   } else {
 #pragma unroll
@@ -143,7 +140,7 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
 
   // The warp's value rows on their way to L2 (a lane a half row: 128 bytes
   // at head_dim 128 and 16-bit elements), read after the scores.
-  const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_row(vl, t)) : 0;
+  const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_store_row(vl, t)) : 0;
   if (valid) {
     constexpr int kHalfRowBytes = D * kBytes / 2;
     const uint8_t* half_row = p.value_cache.exact + slot * vl.exact_slot_bytes + value_row + half * kHalfRowBytes;
@@ -201,17 +198,20 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
       dot[h] = __fmaf_rn(x.w, k3, __fmaf_rn(x.z, k2, __fmaf_rn(x.y, k1, __fmaf_rn(x.x, k0, dot[h]))));
     }
   }
-  // The warp's softmax over its tokens, per head (the xor shuffles below 16
-  // stay in a half; both halves hold every token's score).
+  // The warp's softmax over its tokens, per head, in base 2 (the scale
+  // times log2(e), as the tensor-core kernels': write_block_state turns the
+  // maxima back); the xor shuffles below 16 stay in a half, and both halves
+  // hold every token's score.
+  const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
   float warp_max[kHeads], warp_sum[kHeads];
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
     const float total = dot[h] + __shfl_xor_sync(0xffffffffu, dot[h], kExactWarpTokens);
-    const float score = valid ? __fmul_rn(total, p.softmax_scale) : -INFINITY;
+    const float score = valid ? __fmul_rn(total, log2e_scale) : -INFINITY;
     float m = score;
 #pragma unroll
     for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    const float w = valid ? expf(score - m) : 0.0f;  // valid: m is finite
+    const float w = valid ? exp2f(score - m) : 0.0f;  // valid: m is finite
     float l = w;
 #pragma unroll
     for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
@@ -250,8 +250,9 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     }
   }
 
-  // The four warps' states joined (a warp without tokens has max -inf and
-  // adds nothing; warp 0 has the chunk's first token).
+  // The four warps' states joined by write_block_state (a warp without
+  // tokens has max -inf and adds nothing; warp 0 has the chunk's first
+  // token).
   if (lane == 0) {
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) s.max[warp][h] = warp_max[h], s.sum[warp][h] = warp_sum[h];
@@ -266,25 +267,7 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kExactWarps; ++w) m = fmaxf(m, s.max[w][h]);
-    float o = 0.0f, l = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kExactWarps; ++w) {
-      const float f = expf(s.max[w][h] - m);
-      o = __fmaf_rn(s.acc[w][h][d], f, o);
-      l = __fmaf_rn(s.sum[w][h], f, l);
-    }
-    const int64_t index = first_index + h * workspace.max_splits;
-    workspace.acc[index * D + d] = o;
-    if (d == 0) {
-      workspace.max_sum[2 * index] = m;
-      workspace.max_sum[2 * index + 1] = l;
-    }
-  }
+  write_block_state<D, kExactWarps>(workspace, query_row, state, group, s.max, s.sum, s.acc);
   wait_for_prerequisite_grid();
 }
 

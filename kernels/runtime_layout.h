@@ -233,6 +233,13 @@ KVFORGE_HOST_DEVICE inline int64_t outlier_value_offset(const TensorPageLayout& 
 }
 // The exact store of one sequence: sink token t at row t, window token t at
 // row sink + (t - sink) mod ring_capacity; each row [kv_heads][...] per head.
+// exact_store_row: the row of token t (< T) outside the quantized range (32
+// bits: a sequence's tokens are under 2^31, and the kernels' 64-bit modulo
+// is a subroutine call).
+KVFORGE_HOST_DEVICE inline int32_t exact_store_row(const TensorPageLayout& l, int32_t token) {
+  const int32_t sink = l.spec.sink_tokens;
+  return token < sink || l.ring_capacity <= 0 ? token : sink + (token - sink) % l.ring_capacity;
+}
 KVFORGE_HOST_DEVICE inline int64_t exact_row_offset(const TensorPageLayout& l, int64_t head, int64_t row) {
   const int64_t rows = l.spec.sink_tokens + l.ring_capacity;
   return (head * rows + row) * l.spec.head_dim * element_bytes(l.spec.element);
