@@ -181,7 +181,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     }
   }
 
-
   // Scores: each lane its half of the dot products, fma chains in channel
   // order, the halves added (the same sum in both lanes).
   float dot[kHeads];
