@@ -76,6 +76,12 @@ void check_params(const DecodeParams& p) {
   }
 }
 
+// The split kernels' grid: `blocks` per (KV head, sequence).
+dim3 split_grid(const DecodeParams& p, int32_t blocks) {
+  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
+              static_cast<unsigned>(p.batch.count));
+}
+
 // Launches `kernel` on `stream`; `dependent`: with programmatic stream
 // serialization (sm_90), so that its blocks may start while the kernel
 // before it still runs (device::allow_dependent_launch): the kernel must
@@ -100,8 +106,7 @@ void launch(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes,
 template <int D, int kBits, int kWarps>
 void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace,
                    const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream, bool dependent) {
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
+  const dim3 grid = split_grid(p, blocks);
   launch(device::decode_split_kernel<D, kBits, kWarps>, grid, kWarps * device::kWarpSize, 0, stream, dependent, p,
          workspace, assignment);
 }
@@ -153,8 +158,7 @@ template <int D, int kHeads, ElementType E>
 void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
                          const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
                          bool dependent) {
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
+  const dim3 grid = split_grid(p, blocks);
   prefer_max_shared_carveout(device::decode_exact_kernel<D, kHeads, E>);
   launch(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
          dependent, p, workspace, assignment);
@@ -228,8 +232,7 @@ bool grouped_channels(const TensorLayoutSpec& spec) {
 template <int D, int kBits>
 void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                          cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
+  const dim3 grid = split_grid(p, plan.splits);
   const device::TensorCoreSplits splits{plan.tokens_per_split};
   if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
     launch_tensor_core_kernel<D, kBits, 4, 4>(p, workspace, splits, grid, stream);
@@ -311,8 +314,7 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                  cudaStream_t stream, bool dependent) {
-  const dim3 grid(static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.key_cache.layout.spec.kv_heads),
-                  static_cast<unsigned>(p.batch.count));
+  const dim3 grid = split_grid(p, plan.splits);
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
     launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
