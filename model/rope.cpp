@@ -1,6 +1,7 @@
 #include "model/rope.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <numbers>
@@ -37,7 +38,41 @@ at::Tensor rope_inverse_frequencies(const RopeConfig& rope, int64_t head_dim) {
 RotaryEmbedding::RotaryEmbedding(const RopeConfig& rope, int64_t head_dim, c10::Device device)
     : inv_freq_(rope_inverse_frequencies(rope, head_dim).to(device)) {}
 
+namespace {
+
+// On the CPU, cos and sin of each float32 angle in float64, rounded once: the
+// correctly rounded table, the same on every processor. at::cos/at::sin are
+// not used there: ATen hands float tensors to MKL's vector math in chunks of
+// 2048 across OpenMP threads, and the first such call in a process has come
+// back with the second thread's chunk accurate to only ~1e-4 (positions 16
+// and up of a 32 x 128 table; about one process in a hundred on a loaded
+// 2-core machine), which made two captures of the same text differ.
+RopeTables cpu_tables(const at::Tensor& inv_freq, int64_t start, int64_t length, c10::ScalarType dtype) {
+  const at::Tensor frequencies = inv_freq.contiguous();
+  const float* inverse = frequencies.data_ptr<float>();
+  const int64_t half = frequencies.numel();
+  at::Tensor cos = at::empty({length, 2 * half}, at::kFloat);
+  at::Tensor sin = at::empty({length, 2 * half}, at::kFloat);
+  float* c = cos.data_ptr<float>();
+  float* s = sin.data_ptr<float>();
+  at::parallel_for(0, length, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float position = static_cast<float>(start + t);
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = position * inverse[i];  // the float32 product, as HF's fp32 matmul
+        const int64_t at = t * 2 * half + i;
+        c[at] = c[at + half] = static_cast<float>(std::cos(angle));
+        s[at] = s[at + half] = static_cast<float>(std::sin(angle));
+      }
+    }
+  });
+  return {cos.to(dtype), sin.to(dtype)};
+}
+
+}  // namespace
+
 RopeTables RotaryEmbedding::tables(int64_t start, int64_t length, c10::ScalarType dtype) const {
+  if (inv_freq_.is_cpu()) return cpu_tables(inv_freq_, start, length, dtype);
   const auto positions =
       at::arange(start, start + length, at::TensorOptions().dtype(at::kLong).device(inv_freq_.device()))
           .to(at::kFloat);

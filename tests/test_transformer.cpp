@@ -632,6 +632,42 @@ TEST(Rope, InverseFrequenciesMatchFloat64Formulas) {
   EXPECT_GT(high, 0);
 }
 
+// The CPU tables are cos and sin of the float32 angle p * inv_freq (HF's
+// float32 product) rounded once to float32: within half a float32 ulp of a
+// long double evaluation (plus the float64 evaluation's own ~1e-16, far below
+// that). A 32 x 128 table first: the size whose upper half came back ~1e-4
+// off from ATen's cos on a loaded machine; then positions past 100K, where
+// the argument reduction matters.
+TEST(Rope, CpuTablesAreCorrectlyRoundedAtEveryPosition) {
+  RopeConfig rope;
+  rope.theta = 500000.0;
+  const RotaryEmbedding embedding(rope, 128, c10::Device(c10::kCPU));
+  const at::Tensor inverse = rope_inverse_frequencies(rope, 128);
+  for (const auto& [start, length] : {std::pair<int64_t, int64_t>{0, 32}, {131000, 72}}) {
+    const RopeTables tables = embedding.tables(start, length, at::kFloat);
+    ASSERT_EQ(tables.cos.sizes(), (at::IntArrayRef{length, 128}));
+    int64_t checked = 0;
+    for (int64_t t = 0; t < length; ++t) {
+      for (int64_t j = 0; j < 128; ++j) {
+        const float angle = static_cast<float>(start + t) * inverse[j % 64].item<float>();
+        for (const auto& [table, reference] :
+             {std::pair{tables.cos, std::cos(static_cast<long double>(angle))},
+              std::pair{tables.sin, std::sin(static_cast<long double>(angle))}}) {
+          const double expected = static_cast<double>(reference);
+          const double half_ulp = expected == 0 ? 0 : std::ldexp(1.0, std::ilogb(expected) - 24);
+          ASSERT_LE(std::fabs(table[t][j].item<float>() - expected), half_ulp + 1e-15)
+              << "position " << start + t << " channel " << j;
+          ++checked;
+        }
+      }
+    }
+    EXPECT_EQ(checked, 2 * length * 128);
+  }
+  // The model dtype is the float32 table rounded.
+  const RopeTables bf16 = embedding.tables(7, 9, at::kBFloat16);
+  EXPECT_TRUE(bf16.sin.equal(embedding.tables(7, 9, at::kFloat).sin.to(at::kBFloat16)));
+}
+
 TEST(Rope, InvertUndoesApply) {
   RopeConfig rope;
   const RotaryEmbedding embedding(rope, 16, c10::Device(c10::kCPU));
