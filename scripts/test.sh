@@ -7,4 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build
-ctest --test-dir build --output-on-failure -j "$(nproc)" "$@"
+status=0
+ctest --test-dir build --output-on-failure -j "$(nproc)" "$@" || status=$?
+if [[ $status -ne 0 ]]; then
+  echo "==== why the failed tests failed (their output is also above, where each ended) ===="
+  scripts/failed_test_output.sh build
+fi
+exit "$status"
