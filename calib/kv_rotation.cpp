@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/cpu_vector_math.h"
+
 namespace kvforge {
 namespace {
 
@@ -27,6 +29,7 @@ at::Tensor tensor_of(const Float32Array& array, const at::TensorOptions& options
 }  // namespace
 
 at::Tensor pair_rotation_matrices(const at::Tensor& angles) {
+  prepare_cpu_vector_math();
   const at::Tensor cos = at::cos(angles), sin = at::sin(angles);
   // Blocks of the matrix, each diagonal [..., pairs, pairs]: R = [[C, S], [-S, C]]
   // with x' = x R: x'_j = x_j cos - x_{j+P} sin, x'_{j+P} = x_j sin + x_{j+P} cos.

@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/cpu_vector_math.h"
+
 namespace kvforge {
 namespace {
 
@@ -122,6 +124,7 @@ at::Tensor token_deviation_ratio(const at::Tensor& x) {
   const at::Tensor xd = x.to(at::kDouble);
   const at::Tensor mean = xd.mean(-1, true);
   const at::Tensor deviation = (xd - mean).abs();
+  prepare_cpu_vector_math();  // sqrt
   const at::Tensor std = (xd - mean).square().mean(-1, true).sqrt();
   return at::where(std > 0, deviation / std, at::zeros_like(deviation));
 }

@@ -9,6 +9,7 @@
 
 #include "calib/group_quantizer.h"
 #include "calib/kv_rotation.h"
+#include "model/cpu_vector_math.h"
 
 namespace kvforge {
 
@@ -83,6 +84,7 @@ at::Tensor outlier_mask(const TensorQuantizerSettings& tensor, const TensorQuant
       return top_bottom_mask(span, tensor.outlier_fraction);
     case OutlierRule::kTokenTau: {
       const at::Tensor mean = span.mean(-1, true);
+      prepare_cpu_vector_math();  // sqrt
       const at::Tensor std = (span - mean).square().mean(-1, true).sqrt();
       return (span - mean).abs() > std * static_cast<double>(quantizer.outlier_tau);
     }

@@ -14,6 +14,7 @@
 #include "eval/cache_policy_factory.h"
 #include "log/log.h"
 #include "log/progress.h"
+#include "model/cpu_vector_math.h"
 
 namespace kvforge {
 namespace {
@@ -96,6 +97,7 @@ NextTokenComparison compare_next_token(const at::Tensor& reference_logits, const
   const int64_t positions = logits.size(0);
   const int64_t slice = std::max<int64_t>(1, slice_elements / std::max<int64_t>(1, logits.size(1)));
   std::vector<at::Tensor> kl, same;
+  prepare_cpu_vector_math();  // exp below
   for (int64_t begin = 0; begin < positions; begin += slice) {
     const int64_t count = std::min(slice, positions - begin);
     const at::Tensor p_logits = reference_logits.narrow(0, begin, count);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "model/cpu_vector_math.h"
 #include "model/rope.h"
 
 namespace kvforge {
@@ -62,6 +63,7 @@ RotationLayerData RotationLayerData::to(const at::Device& device, at::ScalarType
 
 AttentionObjective::AttentionObjective(const RotationLayerData& data, int64_t last_queries) {
   check_data(data);
+  prepare_cpu_vector_math();  // the probabilities' exp
   const int64_t n = data.keys.size(0), kv_heads = data.keys.size(1), tokens = data.keys.size(2),
                 dim = data.keys.size(3), heads = data.queries.size(1), group = heads / kv_heads;
   query_count_ = last_queries > 0 && last_queries < tokens ? last_queries : tokens;
