@@ -41,12 +41,10 @@ RotaryEmbedding::RotaryEmbedding(const RopeConfig& rope, int64_t head_dim, c10::
 namespace {
 
 // On the CPU, cos and sin of each float32 angle in float64, rounded once: the
-// correctly rounded table, the same on every processor. at::cos/at::sin are
-// not used there: ATen hands float tensors to MKL's vector math in chunks of
-// 2048 across OpenMP threads, and the first such call in a process has come
-// back with the second thread's chunk accurate to only ~1e-4 (positions 16
-// and up of a 32 x 128 table; about one process in a hundred on a loaded
-// 2-core machine), which made two captures of the same text differ.
+// correctly rounded table, the same on every processor, where ATen's cos/sin
+// (MKL's vector math) are within an ulp, and a process's first call to them
+// can be far off (model/cpu_vector_math.h: this table, positions 16 and up,
+// in one capture of a hundred on a loaded 2-core machine).
 RopeTables cpu_tables(const at::Tensor& inv_freq, int64_t start, int64_t length, c10::ScalarType dtype) {
   const at::Tensor frequencies = inv_freq.contiguous();
   const float* inverse = frequencies.data_ptr<float>();
