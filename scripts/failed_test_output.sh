@@ -9,15 +9,15 @@ set -euo pipefail
 log="${1:?usage: $0 BUILD_DIR}/Testing/Temporary/LastTest.log"
 [[ -f "$log" ]] || exit 0
 awk '
-  function flush(   n, i, shown) {
+  function flush(   i, shown) {
     if (!failed) return
     print "---- " name
     shown = 0
     for (i = 1; i <= count && shown < 60; ++i) if (mark[i]) { print lines[i]; ++shown }
     if (shown == 0) for (i = (count > 60 ? count - 59 : 1); i <= count; ++i) print lines[i]
   }
-  /^[0-9]+\/[0-9]+ Testing: / { flush(); name = substr($0, index($0, "Testing: ") + 9); count = 0; failed = 0; after = 0; next }
-  /^<end of output>$/ { inside = 0; next }
+  /^[0-9]+\/[0-9]+ Testing: / { flush(); name = substr($0, index($0, "Testing: ") + 9); count = 0; failed = 0; after = 0; inside = 0; next }
+  /<end of output>$/ { inside = 0; next }
   /^Output:$/ { inside = 1; getline; next }
   /^Test Failed/ { failed = 1; next }
   inside {
