@@ -9,36 +9,44 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <string>
 
 #include "model/cpu_vector_math.h"
 
 namespace {
 
-long double reference(const std::string& function, long double x) {
-  if (function == "cos") return std::cos(x);
-  if (function == "sin") return std::sin(x);
-  if (function == "log") return std::log(x);
-  if (function == "sqrt") return std::sqrt(x);
-  return std::exp(x);
-}
+// Each function once: its name, ATen's call and the long double reference.
+struct Function {
+  const char* name;
+  bool float64;  // over doubles, else floats
+  at::Tensor (*aten)(const at::Tensor&);
+  long double (*reference)(long double);
+};
+
+constexpr Function kFunctions[] = {
+    {"cos", false, [](const at::Tensor& x) { return x.cos(); }, [](long double x) { return std::cos(x); }},
+    {"sin", false, [](const at::Tensor& x) { return x.sin(); }, [](long double x) { return std::sin(x); }},
+    {"log", false, [](const at::Tensor& x) { return x.log(); }, [](long double x) { return std::log(x); }},
+    {"sqrt", false, [](const at::Tensor& x) { return x.sqrt(); }, [](long double x) { return std::sqrt(x); }},
+    {"exp64", true, [](const at::Tensor& x) { return x.exp(); }, [](long double x) { return std::exp(x); }},
+};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) return 2;
-  const std::string function = argv[1];
+  const Function* function = nullptr;
+  for (const Function& f : kFunctions) {
+    if (argc > 1 && std::strcmp(argv[1], f.name) == 0) function = &f;
+  }
+  if (function == nullptr) {
+    std::fprintf(stderr, "usage: vector_math_probe cos|sin|log|sqrt|exp64 [--prepared]\n");
+    return 2;
+  }
   if (argc > 2 && std::strcmp(argv[2], "--prepared") == 0) kvforge::prepare_cpu_vector_math();
   at::Tensor a = at::randn({32, 512}), w = at::randn({512, 512});
   for (int i = 0; i < 5; ++i) a = at::linear(a, w) / 20;
-  const bool float64 = function == "exp64";
+  const bool float64 = function->float64;
   const at::Tensor x = float64 ? at::linspace(-15, 15, 8192, at::kDouble) : at::linspace(0.5, 30, 8192, at::kFloat);
-  const at::Tensor y = (function == "cos"   ? x.cos()
-                        : function == "sin" ? x.sin()
-                        : function == "log" ? x.log()
-                        : function == "sqrt" ? x.sqrt()
-                                             : x.exp())
-                           .to(at::kDouble);
+  const at::Tensor y = function->aten(x).to(at::kDouble);
   const at::Tensor x64 = x.to(at::kDouble);
   const double* got = y.data_ptr<double>();
   const double* in = x64.data_ptr<double>();
@@ -46,14 +54,14 @@ int main(int argc, char** argv) {
   double worst = 0;
   int64_t worst_at = 0;
   for (int64_t i = 0; i < x.numel(); ++i) {
-    const long double expected = reference(function, in[i]);
+    const long double expected = function->reference(in[i]);
     // cos and sin near their zeros: against the function's scale, 1.
     const long double scale = std::fabs(expected) < 1 ? 1.0L : std::fabs(expected);
     const double error = static_cast<double>(std::fabs(got[i] - expected) / scale) / ulp;
     if (error > worst) worst = error, worst_at = i;
   }
   if (worst > 2) {
-    std::printf("%s: element %lld of 8192 off by %.3g ulps\n", function.c_str(), static_cast<long long>(worst_at), worst);
+    std::printf("%s: element %lld of 8192 off by %.3g ulps\n", function->name, static_cast<long long>(worst_at), worst);
     return 1;
   }
   return 0;
