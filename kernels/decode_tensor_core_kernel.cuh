@@ -43,6 +43,7 @@
 
 #include <cstdint>
 
+#include "kernels/async_copy.cuh"
 #include "kernels/decode_attention_kernel.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
@@ -131,37 +132,6 @@ __device__ inline uint32_t value_codes(const uint32_t* words, int tile, int g) {
 
 __device__ inline float shfl(float x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
 
-// Asynchronous global -> shared copies (sm_80+), so that a tile's bytes are
-// in flight while the previous tiles are computed.
-template <int kBytes>
-__device__ inline void copy_async(void* shared, const void* global) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(address), "l"(global), "n"(kBytes) : "memory");
-  }
-}
-// The same to a 32-bit shared-memory address, skipped where !copy: the
-// int8 kernel's walk keeps its destinations as such addresses (no generic-
-// to-shared conversion per copy) and predicates its copies rather than
-// branching around them.
-template <int kBytes>
-__device__ inline void copy_async_to(uint32_t shared, const void* global, bool copy) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (kBytes == 16) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(shared),
-        "l"(global), "r"(static_cast<int>(copy))
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], %3;\n}\n" ::"r"(shared),
-        "l"(global), "r"(static_cast<int>(copy)), "n"(kBytes)
-        : "memory");
-  }
-}
-
 // The online softmax's rescale of C fragments (columns 2c, 2c + 1 in
 // registers 0/2 and 1/3) by their heads' alphas.
 template <int kTiles>
@@ -173,11 +143,6 @@ __device__ inline void rescale_columns(float (&acc)[kTiles][4], const float (&al
     acc[t][2] *= alpha[0];
     acc[t][3] *= alpha[1];
   }
-}
-__device__ inline void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ inline void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---------------------------------------------------------------- addressing
