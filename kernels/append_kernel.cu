@@ -4,6 +4,7 @@
 // token-parallel kernel (append_token_kernel.cuh) where both kinds' tokens
 // are quantized on their own.
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -127,13 +128,16 @@ void launch_tensor(const TensorAppendArgs& args, const InlineBatchArrays& arrays
 }
 
 // Whether the token-parallel kernel takes this kind: per-token groups of
-// whole lanes' channels, no outliers, no rotation or a matrix one, head_dim
-// 64, 128 or 256 (two, four or eight channels a lane).
+// whole lanes' channels, no outliers, no rotation or a matrix one (its rows
+// 16-byte aligned: they are copied 16 bytes at a time), head_dim 64, 128 or
+// 256 (two, four or eight channels a lane).
 bool token_parallel(const PagedTensor& cache, const Quantization& q, const Rotation& r) {
   const TensorLayoutSpec& s = cache.layout.spec;
   const int32_t per_lane = s.head_dim / 32;
   return s.grouping == ScaleGrouping::kPerToken && cache.layout.outlier_spans == 0 &&
-         q.outliers == OutlierSelection::kNone && (r.kind == RotationKind::kNone || r.kind == RotationKind::kMatrix) &&
+         q.outliers == OutlierSelection::kNone &&
+         (r.kind == RotationKind::kNone ||
+          (r.kind == RotationKind::kMatrix && reinterpret_cast<std::uintptr_t>(r.matrix) % 16 == 0)) &&
          (s.head_dim == 64 || s.head_dim == 128 || s.head_dim == 256) && s.group % per_lane == 0;
 }
 
@@ -141,23 +145,32 @@ append_device::TokenTensorArgs token_args(const TensorAppendArgs& args) {
   return {args.cache, args.quantization, args.rotation, args.input};
 }
 
+// The rotated kernel where a kind has a matrix rotation (its rows staged
+// once for a block of rows), else a block per row and kTokenWarps heads.
+template <int kE, int kBits, ElementType kElement>
+void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
+                     int32_t kv_heads, cudaStream_t stream) {
+  using append_device::kTokenWarps;
+  constexpr int threads = 32 * kTokenWarps;
+  const bool rotated = args.kinds[0].rotation.kind == RotationKind::kMatrix ||
+                       args.kinds[1].rotation.kind == RotationKind::kMatrix;
+  if (rotated) {
+    const dim3 grid(static_cast<unsigned>((rows + kTokenWarps - 1) / kTokenWarps), static_cast<unsigned>(kv_heads), 2);
+    append_device::append_token_rotated_kernel<kE, kBits, kElement><<<grid, threads, 0, stream>>>(args, arrays);
+  } else {
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((kv_heads + kTokenWarps - 1) / kTokenWarps), 2);
+    append_device::append_token_kernel<kE, kBits, kElement><<<grid, threads, 0, stream>>>(args, arrays);
+  }
+}
+
 template <int kE, int kBits>
 void launch_token(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
                   int32_t kv_heads, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(rows),
-                  static_cast<unsigned>((kv_heads + append_device::kTokenWarps - 1) / append_device::kTokenWarps), 2);
-  constexpr int threads = 32 * append_device::kTokenWarps;
   using E = ElementType;
   switch (args.kinds[0].cache.layout.spec.element) {
-    case E::kFloat16:
-      append_device::append_token_kernel<kE, kBits, E::kFloat16><<<grid, threads, 0, stream>>>(args, arrays);
-      break;
-    case E::kBFloat16:
-      append_device::append_token_kernel<kE, kBits, E::kBFloat16><<<grid, threads, 0, stream>>>(args, arrays);
-      break;
-    case E::kFloat32:
-      append_device::append_token_kernel<kE, kBits, E::kFloat32><<<grid, threads, 0, stream>>>(args, arrays);
-      break;
+    case E::kFloat16: launch_token_on<kE, kBits, E::kFloat16>(args, arrays, rows, kv_heads, stream); break;
+    case E::kBFloat16: launch_token_on<kE, kBits, E::kBFloat16>(args, arrays, rows, kv_heads, stream); break;
+    case E::kFloat32: launch_token_on<kE, kBits, E::kFloat32>(args, arrays, rows, kv_heads, stream); break;
   }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
@@ -185,6 +198,7 @@ bool launch_token_parallel(const TensorAppendArgs& keys, const TensorAppendArgs&
   args.batch = params.batch;
   args.token_offsets = params.token_offsets;
   args.page_table = params.page_table;
+  args.rows = params.rows;
   const InlineBatchArrays& arrays = params.inline_arrays;
   switch (k.head_dim) {
     case 64: launch_token_bits<2>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;

@@ -17,11 +17,12 @@
 #include <cstdint>
 
 #include "kernels/append_kernel.cuh"
+#include "kernels/async_copy.cuh"
 #include "kernels/element_extreme.h"
 
 namespace kvforge::kernels::append_device {
 
-inline constexpr int kTokenWarps = 4;  // warps (KV heads) per block
+inline constexpr int kTokenWarps = 4;  // warps per block: KV heads, or rows where a kind is rotated
 
 // One tensor kind's view: its pools, quantizers, rotation and input rows.
 struct TokenTensorArgs {
@@ -38,6 +39,7 @@ struct TokenAppendArgs {
   SequenceBatch batch;                     // slots and lengths used when the inline arrays are empty
   const int64_t* token_offsets = nullptr;  // likewise
   int32_t* page_table = nullptr;           // batch.page_table, written: the inline arrays' new pages
+  int64_t rows = 0;                        // input rows
 };
 
 // The batch entry whose new rows hold `row`: offsets ascending, offsets[0]
@@ -81,81 +83,141 @@ __device__ inline void load_rounded(ElementType input_type, const uint8_t* input
   for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, load_element(ElementType::kFloat32, input + 4 * e));
 }
 
-// One warp: token `token` of a sequence (input row `row`), KV head `head`,
-// one kind. Lane l holds channels [l kE, (l + 1) kE) of the head. `stage`:
-// the warp's D doubles of shared memory (the matrix rotation's input).
-// `to_ring`: the token is among the last ring_capacity of its append, so its
-// ring row is written by no later token of the same call.
-// `page_of`: the page id of a token slot's page (the inline new page or the
-// page table's). The cache's element type is a template parameter: with it
-// a runtime value, every element conversion ran all three types' code under
-// predicates (ncu, bench/results/ncu-append-h200-2026-12-01.md).
-template <int kE, int kBits, ElementType kElement, class PageOf>
-__device__ void append_token_head(const TokenTensorArgs& t, ElementType input_type, PageOf&& page_of, int32_t slot,
-                                  int64_t row, int64_t token, bool to_ring, int32_t head, double* stage) {
+// The shared-memory ring that stages a matrix rotation's rows for a block
+// (the kinds' matrices are [kv_heads][D][D] float32, row i of a head
+// contiguous): kChunks chunks of kRows rows in flight at once, the block's
+// threads copying each chunk together (cp.async, 16 bytes a copy), every
+// warp of the block reading them for its own token. Its lanes' loads from
+// global memory had kept ~5 rows in flight (ptxas pipelines the fma chain
+// so, whatever the unrolling): ~26 round trips to L2 a token, ~10 us of
+// int2-rot's 16 us append step on the H200 (bench/README.md).
+template <int kDim>
+struct RotationRing {
+  static constexpr int kChunks = 4;
+  static constexpr int kChunkFloats = 2048;  // 8 KB
+  static constexpr int kRows = kChunkFloats / kDim;
+  static constexpr int kSteps = kDim / kRows;  // chunks of a matrix
+  static_assert(kRows * kDim == kChunkFloats && kSteps * kRows == kDim, "whole rows a chunk, whole chunks a matrix");
+  float rows[kChunks][kChunkFloats];
+};
+
+// Chunk `chunk` of `matrix` (the head's) into its ring slot, by all the
+// block's threads, and the copy group committed (an empty one past the
+// matrix's end, so that every thread counts the same groups).
+template <int kDim>
+__device__ inline void stage_rotation_chunk(RotationRing<kDim>& ring, const float* matrix, int chunk) {
+  using Ring = RotationRing<kDim>;
+  if (chunk < Ring::kSteps) {
+    const float* from = matrix + static_cast<int64_t>(chunk) * Ring::kChunkFloats;
+    float* to = ring.rows[chunk % Ring::kChunks];
+    for (int i = 4 * static_cast<int>(threadIdx.x); i < Ring::kChunkFloats; i += 4 * static_cast<int>(blockDim.x)) {
+      copy_async<16>(to + i, from + i);
+    }
+  }
+  copy_async_commit();
+}
+
+// The lane's kE channels [first, first + kE) of row `r` of a staged chunk
+// (16-byte aligned: first is a multiple of kE).
+template <int kE>
+__device__ inline void load_row_part(const float* row, int first, float (&m)[kE]) {
+  if constexpr (kE % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < kE; e += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(row + first + e);
+      m[e] = v.x;
+      m[e + 1] = v.y;
+      m[e + 2] = v.z;
+      m[e + 3] = v.w;
+    }
+  } else {
+    static_assert(kE == 2, "two, four or eight channels a lane");
+    const float2 v = *reinterpret_cast<const float2*>(row + first);
+    m[0] = v.x;
+    m[1] = v.y;
+  }
+}
+
+// Where one warp's token goes: its sequence's slot, its position, whether
+// it also lands in the ring (the token is among the last ring_capacity of
+// its append, so no later token of the same call writes its ring row), and
+// its page (token slot's page; 0 within the sink).
+struct TokenTarget {
+  int32_t slot = 0;
+  int64_t token = 0;
+  bool to_ring = false;
+  int32_t page_id = 0;
+};
+
+// The target of input row `row`, for the KV head `head` of kind `kind`; the
+// warp of the entry's first row, keys, head 0 writes the page the call opens
+// for the entry (read from the launch) into the table, for the calls after
+// this one.
+__device__ inline TokenTarget token_target(const TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t row,
+                                           int kind, int32_t head) {
+  const bool in_params = arrays.count > 0;
+  const int64_t* offsets = in_params ? arrays.token_offsets : args.token_offsets;
+  const int32_t count = args.batch.count;
+  const int32_t entry = entry_of_row(offsets, count, row);
+  const TensorPageLayout& l = args.kinds[kind].cache.layout;
+  TokenTarget target;
+  target.slot = in_params ? arrays.slots[entry] : args.batch.slots[entry];
+  const int64_t length = in_params ? arrays.lengths[entry] : args.batch.lengths[entry];
+  target.token = length + (row - offsets[entry]);
+  const int32_t ring = l.ring_capacity;
+  // A chunk longer than the ring: only its last ring tokens stay there.
+  target.to_ring = ring > 0 && offsets[entry + 1] - row <= ring;
+  const int64_t row_base = static_cast<int64_t>(target.slot) * args.batch.page_table_stride;
+  const int32_t new_page = in_params ? arrays.new_page_plus_one[entry] - 1 : -1;
+  const int32_t new_index = new_page_index(args.kinds[0].cache.layout.spec, length);
+  if (new_page >= 0 && row == offsets[entry] && kind == 0 && head == 0 && threadIdx.x % 32 == 0) {
+    args.page_table[row_base + new_index] = new_page;
+  }
+  const int32_t sink = l.spec.sink_tokens;
+  if (target.token >= sink) {
+    const int32_t index = static_cast<int32_t>(target.token - sink) / l.spec.page_size;
+    target.page_id = index == new_index && new_page >= 0 ? new_page : args.batch.page_table[row_base + index];
+  }
+  return target;
+}
+
+// The lane's kE input elements of (row, head): channels [l kE, (l + 1) kE)
+// of the head, as cache-element numbers.
+template <int kE, ElementType kElement>
+__device__ inline void load_token_part(const TokenTensorArgs& t, ElementType input_type, int64_t row, int32_t head,
+                                       double (&y)[kE]) {
   constexpr int kDim = 32 * kE;
+  const int lane = threadIdx.x % 32;
+  const int64_t width = static_cast<int64_t>(t.cache.layout.spec.kv_heads) * kDim;
+  const int64_t in_bytes = element_bytes(input_type);
+  const auto* input = static_cast<const uint8_t*>(t.input) + ((row * width) + head * kDim + lane * kE) * in_bytes;
+  load_rounded<kE, kElement>(input_type, input, y);
+}
+
+// The lane's kE elements, rotated where the kind has a matrix and already
+// rounded to the cache's element type, into codes, pairs and exact rows
+// (token `target.token`, KV head `head`).
+template <int kE, int kBits, ElementType kElement>
+__device__ void store_token_part(const TokenTensorArgs& t, const TokenTarget& target, int32_t head,
+                                 const double (&y)[kE]) {
   constexpr int per_word = 32 / kBits;
   constexpr int lanes_per_word = per_word / kE;
   const int lane = threadIdx.x % 32;
   const TensorPageLayout& l = t.cache.layout;
   const int32_t sink = l.spec.sink_tokens;
   const int32_t first = lane * kE;  // the lane's first channel in the head
-  // The page first: its load is in flight while the token is prepared.
-  const bool quantized = token >= sink;
-  const auto s = static_cast<int32_t>(token - sink);  // token slot (< 2^31)
-  int32_t page_id = 0;
-  if (quantized) page_id = page_of(s / l.spec.page_size);
-
-  // A matrix rotation's rows (the lane's channels of each) on their way to
-  // L2 while the token loads: the fma chain below keeps only ~5 rows' loads
-  // in flight (ptxas pipelines them so, whatever the unrolling), and the
-  // matrices leave L2 between decoding steps, so each of its ~26 batches had
-  // been a round trip to memory: ~10 us of int2-rot's 16 us append step
-  // on the H200 (bench/README.md, seventeenth session).
-  if (t.rotation.kind == RotationKind::kMatrix) {
-    const float* rows = t.rotation.matrix + static_cast<int64_t>(head) * kDim * kDim + first;
-#pragma unroll 8
-    for (int i = 0; i < kDim; ++i) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + i * kDim));
-  }
-
-  const int64_t width = static_cast<int64_t>(l.spec.kv_heads) * kDim;
-  const int64_t in_bytes = element_bytes(input_type);
-  const auto* input = static_cast<const uint8_t*>(t.input) + ((row * width) + head * kDim + first) * in_bytes;
-  double y[kE];
-  load_rounded<kE, kElement>(input_type, input, y);
-
-  const Rotation& r = t.rotation;
-  if (r.kind == RotationKind::kMatrix) {
-    // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term.
-    const float* centre = r.centre != nullptr ? r.centre + head * kDim : nullptr;
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      stage[first + e] = centre != nullptr ? __dsub_rn(y[e], static_cast<double>(centre[first + e])) : y[e];
-    }
-    __syncwarp();
-    const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim + first;
-    double sum[kE] = {};
-#pragma unroll 8
-    for (int i = 0; i < kDim; ++i) {
-      const double x = stage[i];
-#pragma unroll
-      for (int e = 0; e < kE; ++e) sum[e] = fma(x, static_cast<double>(__ldg(matrix + i * kDim + e)), sum[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, sum[e]);
-  }
-
   constexpr int64_t element_size = kElement == ElementType::kFloat32 ? 4 : 2;
-  uint8_t* exact = t.cache.exact + static_cast<int64_t>(slot) * l.exact_slot_bytes;
+  uint8_t* exact = t.cache.exact + static_cast<int64_t>(target.slot) * l.exact_slot_bytes;
   const auto store_exact = [&](int64_t exact_row) {
     uint8_t* out = exact + exact_row_offset(l, head, exact_row) + first * element_size;
 #pragma unroll
     for (int e = 0; e < kE; ++e) store_element(kElement, y[e], out + e * element_size);
   };
-  if (!quantized) {
-    store_exact(token);
+  if (target.token < sink) {
+    store_exact(target.token);
     return;
   }
+  const auto s = static_cast<int32_t>(target.token - sink);  // token slot (< 2^31)
 
   // The group's range in the reference's order (element_extreme.h): the lane's
   // channels in index order, then the group's lanes pairwise.
@@ -175,7 +237,7 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
   const double min = static_cast<double>(low.value), max = static_cast<double>(high.value);
 
   const int32_t in_page = s % l.spec.page_size;
-  uint8_t* page = t.cache.pages + static_cast<int64_t>(page_id) * l.page_bytes;
+  uint8_t* page = t.cache.pages + static_cast<int64_t>(target.page_id) * l.page_bytes;
   if (lane % lanes_per_group == 0) {
     uint8_t* pair = page + token_pair_offset(l, head, in_page, first / group);
     store_element(kElement, min, pair);
@@ -191,42 +253,102 @@ __device__ void append_token_head(const TokenTensorArgs& t, ElementType input_ty
 #pragma unroll
   for (int offset = lanes_per_word / 2; offset > 0; offset /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
   if (lane % lanes_per_word == 0) store_u32(page + code_row_offset(l, head, in_page) + 4 * (first / per_word), bits);
-  if (to_ring) store_exact(sink + s % l.ring_capacity);
+  if (target.to_ring) store_exact(sink + s % l.ring_capacity);
 }
 
 // Grid: x the input rows, y the KV heads in blocks of kTokenWarps, z the
-// kind (0 keys, 1 values); a warp per (row, head, kind).
+// kind (0 keys, 1 values); a warp per (row, head, kind). For launches
+// without a matrix rotation.
 template <int kE, int kBits, ElementType kElement>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_kernel(const __grid_constant__ TokenAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
-  __shared__ double stages[kTokenWarps][32 * kE];
   const int warp = threadIdx.x / 32;
-  const TokenTensorArgs& t = args.kinds[blockIdx.z];
+  const int kind = static_cast<int>(blockIdx.z);
+  const TokenTensorArgs& t = args.kinds[kind];
   const int32_t head = static_cast<int32_t>(blockIdx.y) * kTokenWarps + warp;
   if (head >= t.cache.layout.spec.kv_heads) return;  // a whole warp
   const int64_t row = blockIdx.x;
-  const bool in_params = arrays.count > 0;
-  const int64_t* offsets = in_params ? arrays.token_offsets : args.token_offsets;
-  const int32_t count = args.batch.count;
-  const int32_t entry = entry_of_row(offsets, count, row);
-  const int32_t slot = in_params ? arrays.slots[entry] : args.batch.slots[entry];
-  const int64_t length = in_params ? arrays.lengths[entry] : args.batch.lengths[entry];
-  const int64_t token = length + (row - offsets[entry]);
-  const int32_t ring = t.cache.layout.ring_capacity;
-  // A chunk longer than the ring: only its last ring tokens stay there.
-  const bool to_ring = ring > 0 && offsets[entry + 1] - row <= ring;
-  const int64_t row_base = static_cast<int64_t>(slot) * args.batch.page_table_stride;
-  const int32_t* page_row = args.batch.page_table + row_base;
-  // The page the call opens for this entry: read from the launch, and
-  // written into the table by one warp (its first row's, keys, head 0) for
-  // the calls after this one.
-  const int32_t new_page = in_params ? arrays.new_page_plus_one[entry] - 1 : -1;
-  const int32_t new_index = new_page_index(args.kinds[0].cache.layout.spec, length);
-  if (new_page >= 0 && row == offsets[entry] && blockIdx.z == 0 && head == 0 && threadIdx.x % 32 == 0) {
-    args.page_table[row_base + new_index] = new_page;
+  // The page first: its load is in flight while the token loads.
+  const TokenTarget target = token_target(args, arrays, row, kind, head);
+  double y[kE];
+  load_token_part<kE, kElement>(t, args.input_type, row, head, y);
+  store_token_part<kE, kBits, kElement>(t, target, head, y);
+}
+
+// Grid: x the input rows in blocks of kTokenWarps, y the KV heads, z the
+// kind; a warp per (row, head, kind) again, but the block's warps share
+// one head and kind, so that a matrix rotation's rows are staged once for
+// kTokenWarps tokens (RotationRing). For launches where a kind has one.
+template <int kE, int kBits, ElementType kElement>
+__global__ void __launch_bounds__(32 * kTokenWarps)
+    append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
+                                const __grid_constant__ InlineBatchArrays arrays) {
+  constexpr int kDim = 32 * kE;
+  using Ring = RotationRing<kDim>;
+  __shared__ double stages[kTokenWarps][kDim];
+  __shared__ __align__(16) Ring ring;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kind = static_cast<int>(blockIdx.z);
+  const TokenTensorArgs& t = args.kinds[kind];
+  const auto head = static_cast<int32_t>(blockIdx.y);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokenWarps + warp;
+  const bool has_row = row < args.rows;
+  const Rotation& r = t.rotation;
+  if (r.kind != RotationKind::kMatrix) {  // the kind without one: as append_token_kernel
+    if (!has_row) return;
+    const TokenTarget target = token_target(args, arrays, row, kind, head);
+    double y[kE];
+    load_token_part<kE, kElement>(t, args.input_type, row, head, y);
+    store_token_part<kE, kBits, kElement>(t, target, head, y);
+    return;
   }
-  const auto page_of = [&](int32_t index) { return index == new_index && new_page >= 0 ? new_page : page_row[index]; };
-  append_token_head<kE, kBits, kElement>(t, args.input_type, page_of, slot, row, token, to_ring, head, stages[warp]);
+  // Every warp takes part in the ring's copies and barriers, with a row or
+  // without.
+  const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim;
+#pragma unroll
+  for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim>(ring, matrix, c);
+  TokenTarget target;
+  const int first = lane * kE;
+  if (has_row) {
+    target = token_target(args, arrays, row, kind, head);
+    double x[kE];
+    load_token_part<kE, kElement>(t, args.input_type, row, head, x);
+    // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term (the
+    // reference's): x - c staged for the warp's lanes.
+    const float* centre = r.centre != nullptr ? r.centre + static_cast<int64_t>(head) * kDim : nullptr;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      stages[warp][first + e] = centre != nullptr ? __dsub_rn(x[e], static_cast<double>(centre[first + e])) : x[e];
+    }
+    __syncwarp();
+  }
+  double sum[kE] = {};
+  for (int c = 0; c < Ring::kSteps; ++c) {
+    copy_async_wait<Ring::kChunks - 1>();  // this thread's copies of chunk c are done
+    __syncthreads();                       // and every thread's
+    if (has_row) {
+      const float* chunk = ring.rows[c % Ring::kChunks];
+#pragma unroll 4
+      for (int i = 0; i < Ring::kRows; ++i) {
+        const double x = stages[warp][c * Ring::kRows + i];
+        float m[kE];
+        load_row_part<kE>(chunk + i * kDim, first, m);
+#pragma unroll
+        for (int e = 0; e < kE; ++e) sum[e] = fma(x, static_cast<double>(m[e]), sum[e]);
+      }
+    }
+    if (c + Ring::kChunks < Ring::kSteps) {
+      __syncthreads();  // every warp is done with the slot before it is refilled
+      stage_rotation_chunk<kDim>(ring, matrix, c + Ring::kChunks);
+    } else {
+      copy_async_commit();  // an empty group: the waits' counts stay the same
+    }
+  }
+  if (!has_row) return;
+  double y[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, sum[e]);
+  store_token_part<kE, kBits, kElement>(t, target, head, y);
 }
 
 }  // namespace kvforge::kernels::append_device

@@ -240,6 +240,10 @@ std::vector<Case> cases() {
     k.long_context = true;
     all.push_back(k);
   }
+  // head_dim 256 (eight channels a lane), rotated: the append's rotation
+  // staged in 32 chunks of 8 rows, four in flight (no decode case: the
+  // decode kernels take head_dim 64 and 128).
+  all.push_back(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d256_gqa2", 2, 256, 4));
   // The token-parallel kernel's layouts again through the block-per-sequence
   // kernel, which keeps serving them on request (and every other layout).
   for (const char* name : {"rtn_2bit_d128_gqa1", "int2rot_rotated_2bit_d128_gqa4", "int2rot_4bit_d64_gqa1_page12",
@@ -259,7 +263,7 @@ std::vector<Case> cases() {
 const std::vector<std::string>& token_parallel_layouts() {
   static const std::vector<std::string> names = {"int2rot_rotated_2bit_d128_gqa4", "int2rot_4bit_d64_gqa1_page12",
                                                  "rtn_2bit_d128_gqa1", "rtn_4bit_d64_gqa4_split64",
-                                                 "int2rot_rotated_long_4bit_d128_gqa4"};
+                                                 "int2rot_rotated_long_4bit_d128_gqa4", "int2rot_rotated_2bit_d256_gqa2"};
   return names;
 }
 
