@@ -86,11 +86,11 @@ __device__ inline void load_rounded(ElementType input_type, const uint8_t* input
 // The shared-memory ring that stages a matrix rotation's rows for a block
 // (the kinds' matrices are [kv_heads][D][D] float32, row i of a head
 // contiguous): kChunks chunks of kRows rows in flight at once, the block's
-// threads copying each chunk together (cp.async, 16 bytes a copy), every
-// warp of the block reading them for its own token. Its lanes' loads from
-// global memory had kept ~5 rows in flight (ptxas pipelines the fma chain
-// so, whatever the unrolling): ~26 round trips to L2 a token, ~10 us of
-// int2-rot's 16 us append step on the H200 (bench/README.md).
+// threads copying each chunk together (cp.async, 16 bytes a copy). A warp's
+// lanes loading the rows from global memory had kept ~5 rows in flight
+// (ptxas pipelines the fma chain so, whatever the unrolling): ~26 round
+// trips to L2 a token, ~6 us of int2-rot's 16 us append step on the H200
+// (bench/README.md).
 template <int kDim>
 struct RotationRing {
   static constexpr int kChunks = 4;
@@ -115,27 +115,6 @@ __device__ inline void stage_rotation_chunk(RotationRing<kDim>& ring, const floa
     }
   }
   copy_async_commit();
-}
-
-// The lane's kE channels [first, first + kE) of row `r` of a staged chunk
-// (16-byte aligned: first is a multiple of kE).
-template <int kE>
-__device__ inline void load_row_part(const float* row, int first, float (&m)[kE]) {
-  if constexpr (kE % 4 == 0) {
-#pragma unroll
-    for (int e = 0; e < kE; e += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(row + first + e);
-      m[e] = v.x;
-      m[e + 1] = v.y;
-      m[e + 2] = v.z;
-      m[e + 3] = v.w;
-    }
-  } else {
-    static_assert(kE == 2, "two, four or eight channels a lane");
-    const float2 v = *reinterpret_cast<const float2*>(row + first);
-    m[0] = v.x;
-    m[1] = v.y;
-  }
 }
 
 // Where one warp's token goes: its sequence's slot, its position, whether
@@ -276,16 +255,27 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
 }
 
 // Grid: x the input rows in blocks of kTokenWarps, y the KV heads, z the
-// kind; a warp per (row, head, kind) again, but the block's warps share
-// one head and kind, so that a matrix rotation's rows are staged once for
-// kTokenWarps tokens (RotationRing). For launches where a kind has one.
+// kind; the block's warps share one head and kind, a row (token) each. With
+// a matrix rotation, its rows are staged once for the block (RotationRing)
+// and thread t sums output channels t + 128 k of every row of the block:
+// each matrix element is read from shared memory and widened to float64
+// once for all of them, and the block's four schedulers share the work. A
+// warp per token, its lanes summing their own channels, had widened every
+// element on one scheduler (F2F.F64.F32, 16 a cycle a multiprocessor):
+// ~2 us a token at head_dim 128, and its chain on top (bench/README.md).
+// For launches where a kind has a matrix rotation.
 template <int kE, int kBits, ElementType kElement>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
                                 const __grid_constant__ InlineBatchArrays arrays) {
   constexpr int kDim = 32 * kE;
+  constexpr int kThreads = 32 * kTokenWarps;
+  // The output channels a thread sums (head_dim 64: threads 64 and up none).
+  constexpr int kColumns = kDim > kThreads ? kDim / kThreads : 1;
   using Ring = RotationRing<kDim>;
-  __shared__ double stages[kTokenWarps][kDim];
+  static_assert(Ring::kRows % 2 == 0, "rows taken two at a time");
+  // Each row's token: x - c, then the rotated y (float64, before rounding).
+  __shared__ __align__(16) double stages[kTokenWarps][kDim];
   __shared__ __align__(16) Ring ring;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kind = static_cast<int>(blockIdx.z);
@@ -294,7 +284,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokenWarps + warp;
   const bool has_row = row < args.rows;
   const Rotation& r = t.rotation;
-  if (r.kind != RotationKind::kMatrix) {  // the kind without one: as append_token_kernel
+  if (r.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
     if (!has_row) return;
     const TokenTarget target = token_target(args, arrays, row, kind, head);
     double y[kE];
@@ -302,8 +292,8 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
     store_token_part<kE, kBits, kElement>(t, target, head, y);
     return;
   }
-  // Every warp takes part in the ring's copies and barriers, with a row or
-  // without.
+  // Every thread takes part in the ring's copies and barriers, with a row
+  // or without.
   const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim;
 #pragma unroll
   for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim>(ring, matrix, c);
@@ -313,41 +303,60 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
     target = token_target(args, arrays, row, kind, head);
     double x[kE];
     load_token_part<kE, kElement>(t, args.input_type, row, head, x);
-    // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term (the
-    // reference's): x - c staged for the warp's lanes.
     const float* centre = r.centre != nullptr ? r.centre + static_cast<int64_t>(head) * kDim : nullptr;
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       stages[warp][first + e] = centre != nullptr ? __dsub_rn(x[e], static_cast<double>(centre[first + e])) : x[e];
     }
-    __syncwarp();
+  } else {  // summed like the others', never stored
+#pragma unroll
+    for (int e = 0; e < kE; ++e) stages[warp][first + e] = 0.0;
   }
-  double sum[kE] = {};
+  // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term (the
+  // reference's order), for j = threadIdx.x + kThreads k and each row w.
+  const bool summing = static_cast<int>(threadIdx.x) < kDim;
+  double sum[kTokenWarps][kColumns] = {};
   for (int c = 0; c < Ring::kSteps; ++c) {
     copy_async_wait<Ring::kChunks - 1>();  // this thread's copies of chunk c are done
-    __syncthreads();                       // and every thread's
-    if (has_row) {
+    __syncthreads();                       // and every thread's (and, first, every x - c)
+    if (summing) {
       const float* chunk = ring.rows[c % Ring::kChunks];
-#pragma unroll 4
-      for (int i = 0; i < Ring::kRows; ++i) {
-        const double x = stages[warp][c * Ring::kRows + i];
-        float m[kE];
-        load_row_part<kE>(chunk + i * kDim, first, m);
+#pragma unroll 2
+      for (int i = 0; i < Ring::kRows; i += 2) {
+        double m0[kColumns], m1[kColumns];
 #pragma unroll
-        for (int e = 0; e < kE; ++e) sum[e] = fma(x, static_cast<double>(m[e]), sum[e]);
+        for (int k = 0; k < kColumns; ++k) {
+          m0[k] = static_cast<double>(chunk[i * kDim + threadIdx.x + kThreads * k]);
+          m1[k] = static_cast<double>(chunk[(i + 1) * kDim + threadIdx.x + kThreads * k]);
+        }
+#pragma unroll
+        for (int w = 0; w < kTokenWarps; ++w) {
+          const double2 x = *reinterpret_cast<const double2*>(&stages[w][c * Ring::kRows + i]);
+#pragma unroll
+          for (int k = 0; k < kColumns; ++k) sum[w][k] = fma(x.y, m1[k], fma(x.x, m0[k], sum[w][k]));
+        }
       }
     }
     if (c + Ring::kChunks < Ring::kSteps) {
-      __syncthreads();  // every warp is done with the slot before it is refilled
+      __syncthreads();  // every thread is done with the slot before it is refilled
       stage_rotation_chunk<kDim>(ring, matrix, c + Ring::kChunks);
     } else {
       copy_async_commit();  // an empty group: the waits' counts stay the same
     }
   }
+  __syncthreads();  // every x read: the stages take the sums
+  if (summing) {
+#pragma unroll
+    for (int w = 0; w < kTokenWarps; ++w) {
+#pragma unroll
+      for (int k = 0; k < kColumns; ++k) stages[w][threadIdx.x + kThreads * k] = sum[w][k];
+    }
+  }
+  __syncthreads();
   if (!has_row) return;
   double y[kE];
 #pragma unroll
-  for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, sum[e]);
+  for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, stages[warp][first + e]);
   store_token_part<kE, kBits, kElement>(t, target, head, y);
 }
 
