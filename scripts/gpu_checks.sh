@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
-# PROFILE_LAUNCHES, PROFILE_APPEND and
+# PROFILE_LAUNCHES, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -364,20 +364,27 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     done
   fi
   # The decode-step append kernel (one token per sequence, batch 1 and 32):
-  # its duration and where its time goes. PROFILE_APPEND=1.
+  # its duration and where its time goes. PROFILE_APPEND=1;
+  # PROFILE_APPEND_METHODS (default rtn; int2-rot: the rotated token kernel)
+  # and PROFILE_APPEND_BATCHES (default "1 32") narrow or widen it.
   if [ -n "${PROFILE_APPEND:-}" ] && command -v ncu > /dev/null; then
-    for batch in 1 32; do
-      step "kernels: ncu profile of the decode-step append kernel (rtn, batch $batch, 2 bits)"
-      timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 --launch-count 1 \
-        --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SourceCounters \
-        --import-source yes -f -o "$LOGS/ncu_append_b$batch" \
-        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches $batch --methods rtn --bits 2 \
-        --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_append_b$batch.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_append_b$batch.run.log"; }
-      ncu -i "$LOGS/ncu_append_b$batch.ncu-rep" --print-summary none > "$LOGS/ncu_append_b$batch.log" 2>&1
-      ncu -i "$LOGS/ncu_append_b$batch.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_append_b$batch.csv" 2>&1
-      gzip -kf "$LOGS/ncu_source_append_b$batch.csv" && cp "$LOGS/ncu_source_append_b$batch.csv.gz" "$OUT/" 2>/dev/null
-      grep -E "append|Duration|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Executed Instructions |Dynamic Shared" "$LOGS/ncu_append_b$batch.log" | head -12
-      cp "$LOGS/ncu_append_b$batch.log" "$OUT/ncu_append_b$batch.txt" 2>/dev/null
+    for method in ${PROFILE_APPEND_METHODS:-rtn}; do
+      for batch in ${PROFILE_APPEND_BATCHES:-1 32}; do
+        name="append_${method}_b$batch"
+        step "kernels: ncu profile of the decode-step append kernel ($method, batch $batch, 2 bits)"
+        timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 --launch-count 1 \
+          --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SchedulerStats \
+          --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
+          --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+          --import-source yes -f -o "$LOGS/ncu_$name" \
+          ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch" --methods "$method" --bits 2 \
+          --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_$name.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$name.run.log"; }
+        ncu -i "$LOGS/ncu_$name.ncu-rep" --print-summary none > "$LOGS/ncu_$name.log" 2>&1
+        ncu -i "$LOGS/ncu_$name.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$name.csv" 2>&1
+        gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null
+        grep -E "append|Duration|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Executed Instructions |Dynamic Shared|Static Shared|Stall|stall|L2 Hit|Issue Slots Busy" "$LOGS/ncu_$name.log" | head -40
+        cp "$LOGS/ncu_$name.log" "$OUT/ncu_$name.txt" 2>/dev/null
+      done
     done
   fi
   finish_mode kernels
