@@ -235,6 +235,18 @@ __device__ void store_token_part(const TokenTensorArgs& t, const TokenTarget& ta
   if (target.to_ring) store_exact(sink + s % l.ring_capacity);
 }
 
+// One warp: input row `row`, KV head `head`, kind `kind`, without a
+// rotation.
+template <int kE, int kBits, ElementType kElement>
+__device__ inline void append_unrotated_token(const TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t row,
+                                              int kind, int32_t head) {
+  // The page first: its load is in flight while the token loads.
+  const TokenTarget target = token_target(args, arrays, row, kind, head);
+  double y[kE];
+  load_token_part<kE, kElement>(args.kinds[kind], args.input_type, row, head, y);
+  store_token_part<kE, kBits, kElement>(args.kinds[kind], target, head, y);
+}
+
 // Grid: x the input rows, y the KV heads in blocks of kTokenWarps, z the
 // kind (0 keys, 1 values); a warp per (row, head, kind). For launches
 // without a matrix rotation.
@@ -246,12 +258,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const TokenTensorArgs& t = args.kinds[kind];
   const int32_t head = static_cast<int32_t>(blockIdx.y) * kTokenWarps + warp;
   if (head >= t.cache.layout.spec.kv_heads) return;  // a whole warp
-  const int64_t row = blockIdx.x;
-  // The page first: its load is in flight while the token loads.
-  const TokenTarget target = token_target(args, arrays, row, kind, head);
-  double y[kE];
-  load_token_part<kE, kElement>(t, args.input_type, row, head, y);
-  store_token_part<kE, kBits, kElement>(t, target, head, y);
+  append_unrotated_token<kE, kBits, kElement>(args, arrays, blockIdx.x, kind, head);
 }
 
 // Grid: x the input rows in blocks of kTokenWarps, y the KV heads, z the
@@ -285,11 +292,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const bool has_row = row < args.rows;
   const Rotation& r = t.rotation;
   if (r.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
-    if (!has_row) return;
-    const TokenTarget target = token_target(args, arrays, row, kind, head);
-    double y[kE];
-    load_token_part<kE, kElement>(t, args.input_type, row, head, y);
-    store_token_part<kE, kBits, kElement>(t, target, head, y);
+    if (has_row) append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
     return;
   }
   // Every thread takes part in the ring's copies and barriers, with a row
