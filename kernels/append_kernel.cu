@@ -148,8 +148,9 @@ append_device::TokenTensorArgs token_args(const TensorAppendArgs& args) {
 // The rotated kernel where a kind has a matrix rotation (its rows staged
 // once for a block of rows), else a block per row and kTokenWarps heads.
 template <int kE, int kBits, ElementType kElement>
-void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
-                     int32_t kv_heads, cudaStream_t stream) {
+void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int32_t kv_heads,
+                     cudaStream_t stream) {
+  const int64_t rows = args.rows;
   using append_device::kTokenWarps;
   constexpr int threads = 32 * kTokenWarps;
   const bool rotated = args.kinds[0].rotation.kind == RotationKind::kMatrix ||
@@ -164,24 +165,24 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
 }
 
 template <int kE, int kBits>
-void launch_token(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
-                  int32_t kv_heads, cudaStream_t stream) {
+void launch_token(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int32_t kv_heads,
+                  cudaStream_t stream) {
   using E = ElementType;
   switch (args.kinds[0].cache.layout.spec.element) {
-    case E::kFloat16: launch_token_on<kE, kBits, E::kFloat16>(args, arrays, rows, kv_heads, stream); break;
-    case E::kBFloat16: launch_token_on<kE, kBits, E::kBFloat16>(args, arrays, rows, kv_heads, stream); break;
-    case E::kFloat32: launch_token_on<kE, kBits, E::kFloat32>(args, arrays, rows, kv_heads, stream); break;
+    case E::kFloat16: launch_token_on<kE, kBits, E::kFloat16>(args, arrays, kv_heads, stream); break;
+    case E::kBFloat16: launch_token_on<kE, kBits, E::kBFloat16>(args, arrays, kv_heads, stream); break;
+    case E::kFloat32: launch_token_on<kE, kBits, E::kFloat32>(args, arrays, kv_heads, stream); break;
   }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int kE>
-void launch_token_bits(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t rows,
-                       int32_t kv_heads, int32_t bits, cudaStream_t stream) {
+void launch_token_bits(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int32_t kv_heads,
+                       int32_t bits, cudaStream_t stream) {
   if (bits == 2) {
-    launch_token<kE, 2>(args, arrays, rows, kv_heads, stream);
+    launch_token<kE, 2>(args, arrays, kv_heads, stream);
   } else {
-    launch_token<kE, 4>(args, arrays, rows, kv_heads, stream);
+    launch_token<kE, 4>(args, arrays, kv_heads, stream);
   }
 }
 
@@ -201,9 +202,9 @@ bool launch_token_parallel(const TensorAppendArgs& keys, const TensorAppendArgs&
   args.rows = params.rows;
   const InlineBatchArrays& arrays = params.inline_arrays;
   switch (k.head_dim) {
-    case 64: launch_token_bits<2>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
-    case 128: launch_token_bits<4>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
-    default: launch_token_bits<8>(args, arrays, params.rows, k.kv_heads, k.bits, stream); break;
+    case 64: launch_token_bits<2>(args, arrays, k.kv_heads, k.bits, stream); break;
+    case 128: launch_token_bits<4>(args, arrays, k.kv_heads, k.bits, stream); break;
+    default: launch_token_bits<8>(args, arrays, k.kv_heads, k.bits, stream); break;
   }
   return true;
 }
