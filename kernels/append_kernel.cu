@@ -146,7 +146,8 @@ append_device::TokenTensorArgs token_args(const TensorAppendArgs& args) {
 }
 
 // The rotated kernel where a kind has a matrix rotation (its rows staged
-// once for a block of rows), else a block per row and kTokenWarps heads.
+// once for a block of rotated_block_rows rows), else a block per row and
+// kTokenWarps heads.
 template <int kE, int kBits, ElementType kElement>
 void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBatchArrays& arrays, int32_t kv_heads,
                      cudaStream_t stream) {
@@ -156,8 +157,13 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
   const bool rotated = args.kinds[0].rotation.kind == RotationKind::kMatrix ||
                        args.kinds[1].rotation.kind == RotationKind::kMatrix;
   if (rotated) {
-    const dim3 grid(static_cast<unsigned>((rows + kTokenWarps - 1) / kTokenWarps), static_cast<unsigned>(kv_heads), 2);
-    append_device::append_token_rotated_kernel<kE, kBits, kElement><<<grid, threads, 0, stream>>>(args, arrays);
+    const int block_rows = rotated_block_rows(rows, kv_heads);
+    const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(kv_heads), 2);
+    switch (block_rows) {
+      case 1: append_device::append_token_rotated_kernel<kE, kBits, kElement, 1><<<grid, threads, 0, stream>>>(args, arrays); break;
+      case 2: append_device::append_token_rotated_kernel<kE, kBits, kElement, 2><<<grid, threads, 0, stream>>>(args, arrays); break;
+      default: append_device::append_token_rotated_kernel<kE, kBits, kElement, 4><<<grid, threads, 0, stream>>>(args, arrays); break;
+    }
   } else {
     const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((kv_heads + kTokenWarps - 1) / kTokenWarps), 2);
     append_device::append_token_kernel<kE, kBits, kElement><<<grid, threads, 0, stream>>>(args, arrays);

@@ -18,4 +18,18 @@ void launch_append(const AppendParams& params, cudaStream_t stream);
 // bits); otherwise one block per sequence and kind.
 bool takes_token_parallel(const AppendParams& params);
 
+// Rows a block of the rotated token kernel takes (1, 2 or 4): the fewest
+// whose blocks (rows / R per KV head and kind) stay within kRotatedBlocks.
+// Each thread sums its channel over the head's matrix once per row of its
+// block, a float64 chain a row, so a block's time grows with its rows while
+// the matrix it reads from L2 stays one: few rows (a decoding step) take
+// one a block, many (prefill) four.
+inline constexpr int64_t kRotatedBlocks = 256;  // about two a multiprocessor of an H100 or H200
+constexpr int rotated_block_rows(int64_t rows, int64_t kv_heads) {
+  for (int r = 1; r < 4; r *= 2) {
+    if ((rows + r - 1) / r * kv_heads * 2 <= kRotatedBlocks) return r;
+  }
+  return 4;
+}
+
 }  // namespace kvforge::kernels

@@ -261,17 +261,21 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   append_unrotated_token<kE, kBits, kElement>(args, arrays, blockIdx.x, kind, head);
 }
 
-// Grid: x the input rows in blocks of kTokenWarps, y the KV heads, z the
-// kind; the block's warps share one head and kind, a row (token) each. With
-// a matrix rotation, its rows are staged once for the block (RotationRing)
-// and thread t sums output channels t + 128 k of every row of the block:
+// Grid: x the input rows in blocks of kBlockRows (1, 2 or 4), y the KV
+// heads, z the kind; the block's warps share one head and kind, warp w < kBlockRows
+// loading and storing row w. With a matrix rotation, its rows are staged once
+// for the block (RotationRing) and thread t sums output channels t + 128 k of
+// every row of the block:
 // each matrix element is read from shared memory and widened to float64
 // once for all of them, and the block's four schedulers share the work. A
 // warp per token, its lanes summing their own channels, had widened every
 // element on one scheduler (F2F.F64.F32, 16 a cycle a multiprocessor):
 // ~2 us a token at head_dim 128, and its chain on top (bench/README.md).
+// Fewer rows a block where the rows are few (a decoding step): each thread's
+// float64 sums are one chain a row, and the block's time is their issue
+// (rotated_block_rows, append_kernel.cu).
 // For launches where a kind has a matrix rotation.
-template <int kE, int kBits, ElementType kElement>
+template <int kE, int kBits, ElementType kElement, int kBlockRows>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
                                 const __grid_constant__ InlineBatchArrays arrays) {
@@ -281,15 +285,16 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   constexpr int kColumns = kDim > kThreads ? kDim / kThreads : 1;
   using Ring = RotationRing<kDim>;
   static_assert(Ring::kRows % 2 == 0, "rows taken two at a time");
+  static_assert(kBlockRows >= 1 && kBlockRows <= kTokenWarps, "a warp per row at most");
   // Each row's token: x - c, then the rotated y (float64, before rounding).
-  __shared__ __align__(16) double stages[kTokenWarps][kDim];
+  __shared__ __align__(16) double stages[kBlockRows][kDim];
   __shared__ __align__(16) Ring ring;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kind = static_cast<int>(blockIdx.z);
   const TokenTensorArgs& t = args.kinds[kind];
   const auto head = static_cast<int32_t>(blockIdx.y);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokenWarps + warp;
-  const bool has_row = row < args.rows;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kBlockRows + warp;
+  const bool has_row = warp < kBlockRows && row < args.rows;
   const Rotation& r = t.rotation;
   if (r.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
     if (has_row) append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
@@ -311,14 +316,14 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
     for (int e = 0; e < kE; ++e) {
       stages[warp][first + e] = centre != nullptr ? __dsub_rn(x[e], static_cast<double>(centre[first + e])) : x[e];
     }
-  } else {  // summed like the others', never stored
+  } else if (warp < kBlockRows) {  // past the last row: summed like the others', never stored
 #pragma unroll
     for (int e = 0; e < kE; ++e) stages[warp][first + e] = 0.0;
   }
   // y_j = sum_i (x_i - c_i) R_ij, i ascending, one fma per term (the
   // reference's order), for j = threadIdx.x + kThreads k and each row w.
   const bool summing = static_cast<int>(threadIdx.x) < kDim;
-  double sum[kTokenWarps][kColumns] = {};
+  double sum[kBlockRows][kColumns] = {};
   for (int c = 0; c < Ring::kSteps; ++c) {
     copy_async_wait<Ring::kChunks - 1>();  // this thread's copies of chunk c are done
     __syncthreads();                       // and every thread's (and, first, every x - c)
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
           m1[k] = static_cast<double>(chunk[(i + 1) * kDim + threadIdx.x + kThreads * k]);
         }
 #pragma unroll
-        for (int w = 0; w < kTokenWarps; ++w) {
+        for (int w = 0; w < kBlockRows; ++w) {
           const double2 x = *reinterpret_cast<const double2*>(&stages[w][c * Ring::kRows + i]);
 #pragma unroll
           for (int k = 0; k < kColumns; ++k) sum[w][k] = fma(x.y, m1[k], fma(x.x, m0[k], sum[w][k]));
@@ -350,7 +355,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   __syncthreads();  // every x read: the stages take the sums
   if (summing) {
 #pragma unroll
-    for (int w = 0; w < kTokenWarps; ++w) {
+    for (int w = 0; w < kBlockRows; ++w) {
 #pragma unroll
       for (int k = 0; k < kColumns; ++k) stages[w][threadIdx.x + kThreads * k] = sum[w][k];
     }

@@ -306,10 +306,13 @@ table = {}
 for run in runs:
     for r in run["rows"]:
         key = (r["method"], r["bits"], r["context"], r["batch"])
-        table.setdefault(key, {}).setdefault(run["commit"], []).append(r["time_us"])
-print("method bits context batch: new us (rounds) | base us (rounds)")
+        table.setdefault(key, {}).setdefault(run["commit"], []).append(
+            (r["time_us"], r.get("append_time_us", 0.0), r.get("append_device_us", 0.0)))
+print("method bits context batch: new decode/append/append-device us (rounds) | base (rounds)")
+def cells(ts):
+    return " ".join(f"{d:.1f}/{a:.1f}/{ad:.1f}" for d, a, ad in ts)
 for key, t in sorted(table.items()):
-    print(*key, ":", " ".join(f"{x:.1f}" for x in t.get("new", [])), "|", " ".join(f"{x:.1f}" for x in t.get("base", [])))
+    print(*key, ":", cells(t.get("new", [])), "|", cells(t.get("base", [])))
 PY
 }
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then

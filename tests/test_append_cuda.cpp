@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <numbers>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -99,7 +100,7 @@ std::vector<Step> schedule(bool long_context) {
   for (int i = 0; i < 4; ++i) steps.push_back({{{0, 1}, {1, 1}}});
   steps.push_back({{{1, 20}, {0, 1}, {2, 33}}});
   for (int i = 0; i < 8; ++i) steps.push_back({{{2, 1}, {0, 1}, {1, 1}}});
-  steps.push_back({{{0, 41}, {2, 1}}});
+  steps.push_back({{{0, 41}, {1, 40}, {2, 39}}});  // 120 rows: the rotated kernel's two-row blocks
   for (int i = 0; i < 6; ++i) steps.push_back({{{0, 1}, {1, 1}, {2, 1}}});
   return steps;
 }
@@ -306,6 +307,20 @@ TEST(AppendCudaCases, TokenParallelKernelTakesThePerTokenLayoutsWithoutOutliers)
     taken += expected ? 1 : 0;
   }
   EXPECT_EQ(taken, static_cast<int>(named.size())) << "every named layout is a case";
+}
+
+// Runs without a GPU: the schedules' appends reach every block size of the
+// rotated token kernel (one, two and four rows a block).
+TEST(AppendCudaCases, SchedulesReachEveryRotatedBlockSize) {
+  std::set<int> reached;
+  for (bool long_context : {false, true}) {
+    for (const Step& step : schedule(long_context)) {
+      int64_t rows = 0;
+      for (auto [seq, n] : step.appends) rows += n;
+      reached.insert(kernels::rotated_block_rows(rows, kKvHeads));
+    }
+  }
+  EXPECT_EQ(reached, (std::set<int>{1, 2, 4}));
 }
 
 // Runs without a GPU: every case is a configuration the runtime serves (so
