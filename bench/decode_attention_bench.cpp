@@ -34,7 +34,10 @@
 // layout (kernels::Int8Steps), the time of its step choices other than the
 // default's in the same run: 32-token steps (steps32_time_us, _splits,
 // _speedup_vs_sdpa) and 64-token steps with three stages a warp
-// (steps64_stages3_*; the default takes four).
+// (steps64_stages3_*; the default takes four); with --tokens-per-split T,...,
+// where a tensor-core kernel runs, the default plan with T tokens a split
+// instead of its own (split_T_time_us, split_T_splits): the planner's split
+// choice against its neighbours in the same run.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -159,6 +162,12 @@ int run(int argc, char** argv) {
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
                "default's (steps32_*, steps64_stages3_*, steps64_stages4_* columns)");
+  std::vector<int64_t> forced_splits;
+  app.add_option("--tokens-per-split", forced_splits,
+                 "where a tensor-core kernel runs, also time the default plan with each of these tokens a split "
+                 "(multiples of 256; split_T_time_us, split_T_splits columns)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -425,6 +434,24 @@ int run(int argc, char** argv) {
               other.int8_steps = steps;
               time_choice(other, prefix);
             }
+          }
+          for (const int64_t forced : forced_splits) {
+            if (!plan.tensor_cores) break;
+            if (forced % 256 != 0) throw std::invalid_argument("--tokens-per-split: expected multiples of 256");
+            kernels::DecodePlan other_plan = plan;
+            other_plan.tokens_per_split = forced;
+            other_plan.splits = static_cast<int32_t>((tokens + forced - 1) / forced);
+            other_plan.states = other_plan.splits + other_plan.exact_splits;
+            kernels::DecodeParams other = params;
+            const int64_t other_bytes = kernels::DecodePlanner::workspace_bytes(other, other_plan);
+            const at::Tensor other_workspace =
+                at::empty({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+            other.workspace = other_workspace.data_ptr();
+            other.workspace_bytes = other_bytes;
+            kernels::DecodePlanner planner;
+            const std::string prefix = "split_" + std::to_string(forced);
+            row[prefix + "_time_us"] = median_us([&] { planner.launch(other, other_plan, nullptr); }, repeats);
+            row[prefix + "_splits"] = other_plan.splits;
           }
           const auto fi = flashinfer.find({context, batch});
           if (fi != flashinfer.end()) {

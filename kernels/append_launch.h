@@ -23,8 +23,11 @@ bool takes_token_parallel(const AppendParams& params);
 // Each thread sums its channel over the head's matrix once per row of its
 // block, a float64 chain a row, so a block's time grows with its rows while
 // the matrix it reads from L2 stays one: few rows (a decoding step) take
-// one a block, many (prefill) four.
-inline constexpr int64_t kRotatedBlocks = 256;  // about two a multiprocessor of an H100 or H200
+// one a block, many (prefill) four. On the H200 (8 KV heads, int2-rot, 2
+// bits), a step's device time at batch 1 / 8 / 32: 8.1 / 8.7 / 9.2 us at
+// four rows, 7.5 / 8.3 us at one, 9.5 at two (bench/README.md); a budget of
+// about a block a multiprocessor keeps batch 32 at four.
+inline constexpr int64_t kRotatedBlocks = 128;
 constexpr int rotated_block_rows(int64_t rows, int64_t kv_heads) {
   for (int r = 1; r < 4; r *= 2) {
     if ((rows + r - 1) / r * kv_heads * 2 <= kRotatedBlocks) return r;

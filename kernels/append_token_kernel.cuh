@@ -101,18 +101,23 @@ struct RotationRing {
   float rows[kChunks][kChunkFloats];
 };
 
-// Chunk `chunk` of `matrix` (the head's) into its ring slot, by all the
-// block's threads, and the copy group committed (an empty one past the
-// matrix's end, so that every thread counts the same groups).
-template <int kDim>
+// Chunk `chunk` of `matrix` (the head's) into its ring slot, by the block's
+// kThreads threads (kCopies 16-byte copies each, unrolled: one shared
+// address and one global pointer a chunk, the copies at constant offsets
+// from them; a loop over blockDim.x had spent a quarter of a decoding step's
+// instructions on its addresses), and the copy group committed (an empty one
+// past the matrix's end, so that every thread counts the same groups).
+template <int kDim, int kThreads>
 __device__ inline void stage_rotation_chunk(RotationRing<kDim>& ring, const float* matrix, int chunk) {
   using Ring = RotationRing<kDim>;
+  constexpr int kCopies = Ring::kChunkFloats / (4 * kThreads);
+  static_assert(kCopies * 4 * kThreads == Ring::kChunkFloats, "whole 16-byte copies a thread");
   if (chunk < Ring::kSteps) {
-    const float* from = matrix + static_cast<int64_t>(chunk) * Ring::kChunkFloats;
-    float* to = ring.rows[chunk % Ring::kChunks];
-    for (int i = 4 * static_cast<int>(threadIdx.x); i < Ring::kChunkFloats; i += 4 * static_cast<int>(blockDim.x)) {
-      copy_async<16>(to + i, from + i);
-    }
+    const int first = 4 * static_cast<int>(threadIdx.x);
+    const float* from = matrix + static_cast<int64_t>(chunk) * Ring::kChunkFloats + first;
+    const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(ring.rows[chunk % Ring::kChunks] + first));
+#pragma unroll
+    for (int k = 0; k < kCopies; ++k) copy_async_to<16>(to + 16 * kThreads * k, from + 4 * kThreads * k, true);
   }
   copy_async_commit();
 }
@@ -304,7 +309,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   // or without.
   const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim;
 #pragma unroll
-  for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim>(ring, matrix, c);
+  for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim, kThreads>(ring, matrix, c);
   TokenTarget target;
   const int first = lane * kE;
   if (has_row) {
@@ -347,7 +352,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
     }
     if (c + Ring::kChunks < Ring::kSteps) {
       __syncthreads();  // every thread is done with the slot before it is refilled
-      stage_rotation_chunk<kDim>(ring, matrix, c + Ring::kChunks);
+      stage_rotation_chunk<kDim, kThreads>(ring, matrix, c + Ring::kChunks);
     } else {
       copy_async_commit();  // an empty group: the waits' counts stay the same
     }

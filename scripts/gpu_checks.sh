@@ -12,8 +12,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
-# binaries; empty: none), SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
-# SANITIZER_TOOLS, SANITIZER_TESTS, SKIP_BASELINES, DECODE_BASELINES_ARGS,
+# binaries; empty: none), KERNEL_TEST_FILTER, SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
+# SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
@@ -191,14 +191,15 @@ kernel_checks() {
   # of mixed lengths and a 128K context (AppendCudaLarge); the decode matrix:
   # the issue's covering design and 64K/128K contexts, a line of worst ratios
   # per case ("[ case ] ..."). SKIP_MATRIX=1 leaves the matrix out.
-  # KERNEL_TESTS names others (empty: none).
+  # KERNEL_TESTS names others (empty: none); KERNEL_TEST_FILTER narrows
+  # their cases (a gtest filter).
   kernel_tests="test_append_cuda test_decode_attention_cuda"
   [ -n "${SKIP_MATRIX:-}" ] || kernel_tests="$kernel_tests test_decode_attention_cuda_matrix"
   kernel_tests=${KERNEL_TESTS-$kernel_tests}
   for t in $kernel_tests; do
     if [ -x ./build-gpu/tests/$t ]; then
       start=$(date +%s)
-      ./build-gpu/tests/$t > "$LOGS/$t.log" 2>&1 || { status=1; failed_tests="${failed_tests:-} $t"; }
+      ./build-gpu/tests/$t --gtest_filter="${KERNEL_TEST_FILTER:-*}" > "$LOGS/$t.log" 2>&1 || { status=1; failed_tests="${failed_tests:-} $t"; }
       grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure|^\[ [a-z]" "$LOGS/$t.log" | head -80
       echo "$t: $(( $(date +%s) - start )) s"
     else
@@ -265,6 +266,7 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     append_filter="$append_filter:*AppendCuda.*/rtn_2bit_d128_gqa1_per_sequence:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4_per_sequence"
     # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 4 in flight).
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
+    append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
     matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
     for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
       for t in ${SANITIZER_TESTS:-test_decode_attention_cuda_matrix test_decode_attention_cuda test_append_cuda}; do
