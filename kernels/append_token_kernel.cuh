@@ -183,8 +183,7 @@ __device__ inline void load_token_part(const TokenTensorArgs& t, ElementType inp
 // (the group's first lane) and the code word (the word's first lane); null
 // where the lane writes none. Known before the token's values are: the
 // rotated kernel works them out while the matrix rows are in flight, off the
-// one-warp tail that quantizes and stores a row (about half of a decoding
-// step's kernel time at one row a block: bench/README.md).
+// one-warp tail that quantizes and stores a row after the sums.
 struct TokenStore {
   bool sink = false;            // a sink token: the exact row only
   uint8_t* exact = nullptr;     // the lane's first element in the sink or ring row
