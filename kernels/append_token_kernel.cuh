@@ -358,12 +358,16 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   // reference's order), for j = threadIdx.x + kThreads k and each row w.
   const bool summing = static_cast<int>(threadIdx.x) < kDim;
   double sum[kBlockRows][kColumns] = {};
+  // A chunk's row pairs unrolled: all of them at one row a block, so that
+  // the chunk's shared loads are issued before its fma chain (two pairs at a
+  // time had paid a load's and a widening's latency every four rows).
+  constexpr int kPairsUnrolled = kBlockRows == 1 ? Ring::kRows / 2 : 2;
   for (int c = 0; c < Ring::kSteps; ++c) {
     copy_async_wait<Ring::kChunks - 1>();  // this thread's copies of chunk c are done
     __syncthreads();                       // and every thread's (and, first, every x - c)
     if (summing) {
       const float* chunk = ring.rows[c % Ring::kChunks];
-#pragma unroll 2
+#pragma unroll(kPairsUnrolled)
       for (int i = 0; i < Ring::kRows; i += 2) {
         double m0[kColumns], m1[kColumns];
 #pragma unroll
