@@ -178,67 +178,35 @@ __device__ inline void load_token_part(const TokenTensorArgs& t, ElementType inp
   load_rounded<kE, kElement>(input_type, input, y);
 }
 
-// Where a lane's part of token `target.token`, KV head `head` goes: its
-// exact row (a sink token's, or its ring row), the group's (min, max) pair
-// (the group's first lane) and the code word (the word's first lane); null
-// where the lane writes none. Known before the token's values are: the
-// rotated kernel works them out while the matrix rows are in flight, off the
-// one-warp tail that quantizes and stores a row after the sums.
-struct TokenStore {
-  bool sink = false;            // a sink token: the exact row only
-  uint8_t* exact = nullptr;     // the lane's first element in the sink or ring row
-  uint8_t* pair = nullptr;      // the group's pair
-  uint8_t* code_word = nullptr; // the word of the lane's codes
-};
-
+// The lane's kE elements, rotated where the kind has a matrix and already
+// rounded to the cache's element type, into codes, pairs and exact rows
+// (token `target.token`, KV head `head`).
 template <int kE, int kBits, ElementType kElement>
-__device__ inline TokenStore token_store(const TokenTensorArgs& t, const TokenTarget& target, int32_t head) {
+__device__ void store_token_part(const TokenTensorArgs& t, const TokenTarget& target, int32_t head,
+                                 const double (&y)[kE]) {
   constexpr int per_word = 32 / kBits;
   constexpr int lanes_per_word = per_word / kE;
-  constexpr int64_t element_size = kElement == ElementType::kFloat32 ? 4 : 2;
   const int lane = threadIdx.x % 32;
   const TensorPageLayout& l = t.cache.layout;
   const int32_t sink = l.spec.sink_tokens;
   const int32_t first = lane * kE;  // the lane's first channel in the head
-  uint8_t* exact = t.cache.exact + static_cast<int64_t>(target.slot) * l.exact_slot_bytes + first * element_size;
-  TokenStore store;
-  if (target.token < sink) {
-    store.sink = true;
-    store.exact = exact + exact_row_offset(l, head, target.token);
-    return store;
-  }
-  const auto slot = static_cast<int32_t>(target.token - sink);  // token slot (< 2^31)
-  const int32_t in_page = slot % l.spec.page_size;
-  uint8_t* page = t.cache.pages + static_cast<int64_t>(target.page_id) * l.page_bytes;
-  const int32_t group = l.spec.group;
-  if (lane % (group / kE) == 0) store.pair = page + token_pair_offset(l, head, in_page, first / group);
-  if (lane % lanes_per_word == 0) store.code_word = page + code_row_offset(l, head, in_page) + 4 * (first / per_word);
-  if (target.to_ring) store.exact = exact + exact_row_offset(l, head, sink + slot % l.ring_capacity);
-  return store;
-}
-
-// The lane's kE elements, rotated where the kind has a matrix and already
-// rounded to the cache's element type, into codes, pairs and exact rows
-// (token_store's places).
-template <int kE, int kBits, ElementType kElement>
-__device__ void store_token_part(const TokenTensorArgs& t, const TokenStore& store, const double (&y)[kE]) {
-  constexpr int per_word = 32 / kBits;
-  constexpr int lanes_per_word = per_word / kE;
-  const int lane = threadIdx.x % 32;
-  const int32_t first = lane * kE;  // the lane's first channel in the head
   constexpr int64_t element_size = kElement == ElementType::kFloat32 ? 4 : 2;
-  const auto store_exact = [&](uint8_t* out) {
+  uint8_t* exact = t.cache.exact + static_cast<int64_t>(target.slot) * l.exact_slot_bytes;
+  const auto store_exact = [&](int64_t exact_row) {
+    uint8_t* out = exact + exact_row_offset(l, head, exact_row) + first * element_size;
 #pragma unroll
     for (int e = 0; e < kE; ++e) store_element(kElement, y[e], out + e * element_size);
   };
-  if (store.sink) {
-    store_exact(store.exact);
+  if (target.token < sink) {
+    store_exact(target.token);
     return;
   }
+  const auto s = static_cast<int32_t>(target.token - sink);  // token slot (< 2^31)
 
   // The group's range in the reference's order (element_extreme.h): the lane's
   // channels in index order, then the group's lanes pairwise.
-  const int lanes_per_group = t.cache.layout.spec.group / kE;
+  const int32_t group = l.spec.group;
+  const int lanes_per_group = group / kE;
   ElementExtreme low{static_cast<float>(y[0]), first}, high = low;
 #pragma unroll
   for (int e = 1; e < kE; ++e) {
@@ -251,9 +219,13 @@ __device__ void store_token_part(const TokenTensorArgs& t, const TokenStore& sto
     high = higher(high, shuffle_xor(high, offset));
   }
   const double min = static_cast<double>(low.value), max = static_cast<double>(high.value);
-  if (store.pair != nullptr) {
-    store_element(kElement, min, store.pair);
-    store_element(kElement, max, store.pair + element_size);
+
+  const int32_t in_page = s % l.spec.page_size;
+  uint8_t* page = t.cache.pages + static_cast<int64_t>(target.page_id) * l.page_bytes;
+  if (lane % lanes_per_group == 0) {
+    uint8_t* pair = page + token_pair_offset(l, head, in_page, first / group);
+    store_element(kElement, min, pair);
+    store_element(kElement, max, pair + element_size);
   }
   const RuntimeGrid grid = runtime_grid<kBits>(t.quantization, min, max);
   uint32_t bits = 0;
@@ -264,8 +236,8 @@ __device__ void store_token_part(const TokenTensorArgs& t, const TokenStore& sto
   }
 #pragma unroll
   for (int offset = lanes_per_word / 2; offset > 0; offset /= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
-  if (store.code_word != nullptr) store_u32(store.code_word, bits);
-  if (store.exact != nullptr) store_exact(store.exact);
+  if (lane % lanes_per_word == 0) store_u32(page + code_row_offset(l, head, in_page) + 4 * (first / per_word), bits);
+  if (target.to_ring) store_exact(sink + s % l.ring_capacity);
 }
 
 // One warp: input row `row`, KV head `head`, kind `kind`, without a
@@ -274,11 +246,10 @@ template <int kE, int kBits, ElementType kElement>
 __device__ inline void append_unrotated_token(const TokenAppendArgs& args, const InlineBatchArrays& arrays, int64_t row,
                                               int kind, int32_t head) {
   // The page first: its load is in flight while the token loads.
-  const TokenStore store =
-      token_store<kE, kBits, kElement>(args.kinds[kind], token_target(args, arrays, row, kind, head), head);
+  const TokenTarget target = token_target(args, arrays, row, kind, head);
   double y[kE];
   load_token_part<kE, kElement>(args.kinds[kind], args.input_type, row, head, y);
-  store_token_part<kE, kBits, kElement>(args.kinds[kind], store, y);
+  store_token_part<kE, kBits, kElement>(args.kinds[kind], target, head, y);
 }
 
 // Grid: x the input rows, y the KV heads in blocks of kTokenWarps, z the
@@ -339,10 +310,10 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim;
 #pragma unroll
   for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim, kThreads>(ring, matrix, c);
-  TokenStore store;
+  TokenTarget target;
   const int first = lane * kE;
   if (has_row) {
-    store = token_store<kE, kBits, kElement>(t, token_target(args, arrays, row, kind, head), head);
+    target = token_target(args, arrays, row, kind, head);
     double x[kE];
     load_token_part<kE, kElement>(t, args.input_type, row, head, x);
     const float* centre = r.centre != nullptr ? r.centre + static_cast<int64_t>(head) * kDim : nullptr;
@@ -403,7 +374,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   double y[kE];
 #pragma unroll
   for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, stages[warp][first + e]);
-  store_token_part<kE, kBits, kElement>(t, store, y);
+  store_token_part<kE, kBits, kElement>(t, target, head, y);
 }
 
 }  // namespace kvforge::kernels::append_device
