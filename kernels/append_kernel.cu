@@ -159,10 +159,15 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
   if (rotated) {
     const int block_rows = rotated_block_rows(rows, kv_heads);
     const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(kv_heads), 2);
+    constexpr size_t ring = sizeof(append_device::RotationRing<32 * kE>);
+    const auto launch_rows = [&](auto kernel) {
+      allow_shared(kernel, static_cast<int64_t>(ring));
+      kernel<<<grid, threads, ring, stream>>>(args, arrays);
+    };
     switch (block_rows) {
-      case 1: append_device::append_token_rotated_kernel<kE, kBits, kElement, 1><<<grid, threads, 0, stream>>>(args, arrays); break;
-      case 2: append_device::append_token_rotated_kernel<kE, kBits, kElement, 2><<<grid, threads, 0, stream>>>(args, arrays); break;
-      default: append_device::append_token_rotated_kernel<kE, kBits, kElement, 4><<<grid, threads, 0, stream>>>(args, arrays); break;
+      case 1: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 1>); break;
+      case 2: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 2>); break;
+      default: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 4>); break;
     }
   } else {
     const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((kv_heads + kTokenWarps - 1) / kTokenWarps), 2);
