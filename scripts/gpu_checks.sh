@@ -264,7 +264,7 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.
     append_filter="$append_filter:*AppendCuda.*/rtn_2bit_d128_gqa1_per_sequence:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4_per_sequence"
-    # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 4 in flight).
+    # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 8 in flight).
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
     append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
     matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
