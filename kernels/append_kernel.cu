@@ -159,9 +159,14 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
   if (rotated) {
     const int block_rows = rotated_block_rows(rows, kv_heads);
     const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(kv_heads), 2);
+    // The ring's 64 KB (head_dim 128 and 256) need the opt-in; one call a
+    // launch, no device query: every sm_90 device allows 227 KB.
     constexpr size_t ring = sizeof(append_device::RotationRing<32 * kE>);
+    static_assert(ring <= 227 * 1024, "the ring fits an sm_90 block's shared memory");
     const auto launch_rows = [&](auto kernel) {
-      allow_shared(kernel, static_cast<int64_t>(ring));
+      if constexpr (ring > 48 * 1024) {
+        KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ring)));
+      }
       kernel<<<grid, threads, ring, stream>>>(args, arrays);
     };
     switch (block_rows) {
