@@ -48,11 +48,14 @@ void check(const TensorAppendArgs& args, const char* kind) {
   }
 }
 
-// A kernel's dynamic shared memory beyond the 48 KB a block gets without
-// asking, within the device's opt-in limit.
+// The shared memory a block gets without asking for more.
+constexpr int64_t kSharedWithoutOptIn = 48 * 1024;
+
+// A kernel's dynamic shared memory beyond kSharedWithoutOptIn, within the
+// device's opt-in limit.
 template <class Kernel>
 void allow_shared(Kernel kernel, int64_t shared) {
-  if (shared <= 48 * 1024) return;
+  if (shared <= kSharedWithoutOptIn) return;
   int device = 0, limit = 0;
   KVFORGE_CUDA_CHECK(cudaGetDevice(&device));
   KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -164,7 +167,7 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
     constexpr size_t ring = sizeof(append_device::RotationRing<32 * kE>);
     static_assert(ring <= 227 * 1024, "the ring fits an sm_90 block's shared memory");
     const auto launch_rows = [&](auto kernel) {
-      if constexpr (ring > 48 * 1024) {
+      if constexpr (static_cast<int64_t>(ring) > kSharedWithoutOptIn) {
         KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ring)));
       }
       kernel<<<grid, threads, ring, stream>>>(args, arrays);
