@@ -162,20 +162,10 @@ void launch_token_on(const append_device::TokenAppendArgs& args, const InlineBat
   if (rotated) {
     const int block_rows = rotated_block_rows(rows, kv_heads);
     const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(kv_heads), 2);
-    // The ring's 64 KB (head_dim 128 and 256) need the opt-in; one call a
-    // launch, no device query: every sm_90 device allows 227 KB.
-    constexpr size_t ring = sizeof(append_device::RotationRing<32 * kE>);
-    static_assert(ring <= 227 * 1024, "the ring fits an sm_90 block's shared memory");
-    const auto launch_rows = [&](auto kernel) {
-      if constexpr (static_cast<int64_t>(ring) > kSharedWithoutOptIn) {
-        KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ring)));
-      }
-      kernel<<<grid, threads, ring, stream>>>(args, arrays);
-    };
     switch (block_rows) {
-      case 1: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 1>); break;
-      case 2: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 2>); break;
-      default: launch_rows(append_device::append_token_rotated_kernel<kE, kBits, kElement, 4>); break;
+      case 1: append_device::append_token_rotated_kernel<kE, kBits, kElement, 1><<<grid, threads, 0, stream>>>(args, arrays); break;
+      case 2: append_device::append_token_rotated_kernel<kE, kBits, kElement, 2><<<grid, threads, 0, stream>>>(args, arrays); break;
+      default: append_device::append_token_rotated_kernel<kE, kBits, kElement, 4><<<grid, threads, 0, stream>>>(args, arrays); break;
     }
   } else {
     const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((kv_heads + kTokenWarps - 1) / kTokenWarps), 2);

@@ -90,16 +90,13 @@ __device__ inline void load_rounded(ElementType input_type, const uint8_t* input
 // lanes loading the rows from global memory had kept ~5 rows in flight
 // (ptxas pipelines the fma chain so, whatever the unrolling): ~26 round
 // trips to L2 a token, ~6 us of int2-rot's 16 us append step on the H200
-// (bench/README.md). Up to eight chunks (64 KB, dynamic shared memory): the
-// whole matrix at head_dim 64 and 128, so that no chunk waits for a slot
-// (with four, a decoding step's blocks spent a fifth of their time at the
-// chunk barriers: bench/results/ncu-append-rotated-h200-2026-12-03.txt).
+// (bench/README.md).
 template <int kDim>
 struct RotationRing {
+  static constexpr int kChunks = 4;
   static constexpr int kChunkFloats = 2048;  // 8 KB
   static constexpr int kRows = kChunkFloats / kDim;
   static constexpr int kSteps = kDim / kRows;  // chunks of a matrix
-  static constexpr int kChunks = kSteps < 8 ? kSteps : 8;
   static_assert(kRows * kDim == kChunkFloats && kSteps * kRows == kDim, "whole rows a chunk, whole chunks a matrix");
   float rows[kChunks][kChunkFloats];
 };
@@ -296,8 +293,7 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   static_assert(kBlockRows >= 1 && kBlockRows <= kTokenWarps, "a warp per row at most");
   // Each row's token: x - c, then the rotated y (float64, before rounding).
   __shared__ __align__(16) double stages[kBlockRows][kDim];
-  extern __shared__ __align__(16) float ring_memory[];  // sizeof(Ring): the launch's dynamic shared memory
-  Ring& ring = *reinterpret_cast<Ring*>(ring_memory);
+  __shared__ __align__(16) Ring ring;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kind = static_cast<int>(blockIdx.z);
   const TokenTensorArgs& t = args.kinds[kind];

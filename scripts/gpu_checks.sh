@@ -264,7 +264,7 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.
     append_filter="$append_filter:*AppendCuda.*/rtn_2bit_d128_gqa1_per_sequence:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4_per_sequence"
-    # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 8 in flight).
+    # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 4 in flight).
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
     append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
     matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
@@ -341,8 +341,16 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # warp stall reasons, issue rates and the hottest SASS lines. Clocks left
   # alone (--clock-control none), as the device notes ask.
   if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
+    # PROFILE_SECTIONS replaces the sections (e.g. "SpeedOfLight LaunchStats"
+    # with PROFILE_KERNEL="decode|rotate": each kernel's duration, quickly);
+    # PROFILE_SKIP the matched launches skipped first (default 1: a warm-up;
+    # a whole decode call's kernels with PROFILE_KERNEL matching them all).
+    sections="SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats MemoryWorkloadAnalysis SourceCounters"
+    section_flags=$(for s in ${PROFILE_SECTIONS:-$sections}; do printf -- '--section %s ' "$s"; done)
     for method in ${PROFILE_METHODS:-rtn}; do
-      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch ${PROFILE_BATCH:-8}, 2 bits)"
+    for batch in ${PROFILE_BATCH:-8}; do
+      name=$method; [ "${PROFILE_BATCH:-8}" = 8 ] || name=${method}_b$batch
+      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch $batch, 2 bits)"
       # PROFILE_KERNEL (a regex; default the int8 tensor-core kernel, the default) and
       # PROFILE_BENCH_FLAGS (e.g. --bf16-tensor-cores with PROFILE_KERNEL=decode_tensor_core)
       # profile another kernel of the same run; PROFILE_BATCH another batch
@@ -350,22 +358,21 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       # PROFILE_LAUNCHES more launches in a row (e.g. PROFILE_KERNEL=decode
       # PROFILE_LAUNCHES=3: the exact ranges', the int8 and the merge kernel
       # of one decode call, each with its duration).
-      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip 1 \
-        --launch-count "${PROFILE_LAUNCHES:-1}" \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip "${PROFILE_SKIP:-1}" \
+        --launch-count "${PROFILE_LAUNCHES:-1}" $section_flags \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        --import-source yes -f -o "$LOGS/ncu_$method" \
-        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches "${PROFILE_BATCH:-8}" --methods "$method" --bits 2 \
-        --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$method.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$method.run.log"; }
-      ncu -i "$LOGS/ncu_$method.ncu-rep" --print-summary none > "$LOGS/ncu_$method.log" 2>&1
+        --import-source yes -f -o "$LOGS/ncu_$name" \
+        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches "$batch" --methods "$method" --bits 2 \
+        --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$name.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$name.run.log"; }
+      ncu -i "$LOGS/ncu_$name.ncu-rep" --print-summary none > "$LOGS/ncu_$name.log" 2>&1
       # Per SASS instruction (with its CUDA line): executions and stall
       # samples, for the per-line breakdown of the tile loop (bench/README).
-      ncu -i "$LOGS/ncu_$method.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$method.csv" 2>&1 ||
-        echo "ncu --page source failed: $(tail -1 "$LOGS/ncu_source_$method.csv")"
-      gzip -kf "$LOGS/ncu_source_$method.csv" && cp "$LOGS/ncu_source_$method.csv.gz" "$OUT/" 2>/dev/null
-      grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$method.log" | head -70
-      cp "$LOGS/ncu_$method.log" "$OUT/ncu_$method.txt" 2>/dev/null
+      ncu -i "$LOGS/ncu_$name.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$name.csv" 2>&1 ||
+        echo "ncu --page source failed: $(tail -1 "$LOGS/ncu_source_$name.csv")"
+      [ -n "${PROFILE_SECTIONS:-}" ] || { gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null; }
+      grep -E "^  void |Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$name.log" | head -70
+      cp "$LOGS/ncu_$name.log" "$OUT/ncu_$name.txt" 2>/dev/null
+    done
     done
   fi
   # The decode-step append kernel (one token per sequence, batch 1 and 32):

@@ -242,7 +242,7 @@ std::vector<Case> cases() {
     all.push_back(k);
   }
   // head_dim 256 (eight channels a lane), rotated: the append's rotation
-  // staged in 32 chunks of 8 rows, eight in flight (no decode case: the
+  // staged in 32 chunks of 8 rows, four in flight (no decode case: the
   // decode kernels take head_dim 64 and 128).
   all.push_back(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d256_gqa2", 2, 256, 4));
   // The token-parallel kernel's layouts again through the block-per-sequence
