@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 # binaries; empty: none), KERNEL_TEST_FILTER, SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
 # SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
-# COMPARE_ARGS, SKIP_PROFILE,
+# COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
 # PROFILE_LAUNCHES, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
 # BUILD_TARGETS (each explained where it is read below).
@@ -318,8 +318,15 @@ for key, t in sorted(table.items()):
 PY
 }
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
-  kernel_checks
-  [ -z "$baseline_build" ] || compare_commits
+  # COMPARE_FIRST=1: the comparison before the tests (a call that may run
+  # out of time keeps the measurement).
+  if [ -n "${COMPARE_FIRST:-}" ] && [ -n "$baseline_build" ]; then
+    compare_commits
+    kernel_checks
+  else
+    kernel_checks
+    [ -z "$baseline_build" ] || compare_commits
+  fi
   [ -n "${SKIP_BASELINES:-}" ] || { step "decode baselines: SDPA bf16, FlashInfer (if installed), copy bandwidth"
   timeout 300 python3 bench/decode_baselines.py --out "$OUT/decode_baselines.json" ${DECODE_BASELINES_ARGS:-} > "$LOGS/decode_baselines.log" 2>&1 \
     || { tail -3 "$LOGS/decode_baselines.log"; status=1; }
