@@ -6,8 +6,8 @@
 //   rotations, as `kvforge rotate` writes them; random orthogonal matrices
 //   here), batch and context: fill a QuantizedKVCache
 //   (CudaBackend) with random tokens through the append kernel, then time
-//   a DecodePlanner's launch (planned once: DecodeParams built, slots and
-//   lengths uploaded, the workspace allocated) and one decode-step append (one token per sequence,
+//   launch_decode_attention (planned once: DecodeParams built, slots and
+//   lengths uploaded) and one decode-step append (one token per sequence,
 //   asynchronous_append): append_time_us per step of 16 queued back to back
 //   (throughput), append_latency_us of one step and its synchronize();
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
@@ -26,8 +26,7 @@
 // cached device facts (decode_host_us, decode_host_us_replanning);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general) and `splits`, `exact_splits`, `exact_first`,
-// `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads` and
-// `merge_in_last_block` its plan (kernels::DecodePlan), `int8_steps` the int8
+// `exact_kernel`, `rotate_queries_first`, `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
@@ -277,11 +276,7 @@ int run(int argc, char** argv) {
           int multiprocessors = 0;
           KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
           const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
-          // Timed through one DecodePlanner, a serving loop's: it zeroes the
-          // workspace's arrival counters once (kernels/arrival_counters.h),
-          // where launch_decode_attention's one-call planner would on every call.
-          kernels::DecodePlanner timed_planner;
-          const double time_us = median_us([&] { timed_planner.launch(params, nullptr); }, repeats);
+          const double time_us = median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
           // The decode launch's host side (the enqueue's wall clock, queued
           // behind a busy kernel so that it never waits for the device):
           // through a DecodePlanner that asked the device once (a server's
@@ -399,7 +394,6 @@ int run(int argc, char** argv) {
                                 {"rotate_queries_first", plan.rotate_queries_first},
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
-                                {"merge_in_last_block", plan.merge_in_last_block},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
@@ -427,8 +421,7 @@ int run(int argc, char** argv) {
             other.workspace = other_workspace.data_ptr();
             other.workspace_bytes = other_bytes;
             const kernels::DecodePlan other_plan = kernels::plan_decode_attention(other, multiprocessors);
-            kernels::DecodePlanner other_planner;
-            const double other_us = median_us([&] { other_planner.launch(other, nullptr); }, repeats);
+            const double other_us = median_us([&] { kernels::launch_decode_attention(other, nullptr); }, repeats);
             row[prefix + "_time_us"] = other_us;
             row[prefix + "_splits"] = other_plan.splits;
             row[prefix + "_speedup_vs_sdpa"] = sdpa.at(context) / other_us;

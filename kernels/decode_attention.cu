@@ -415,7 +415,6 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   } else {
     launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
-  if (plan.merge_in_last_block) return;  // the split kernels' last blocks merged
   // The merge as the split kernels' dependent: it launches while they run
   // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
@@ -449,21 +448,13 @@ int multiprocessor_count() {
   return count;
 }
 
-// The merge's arrival counters, one per (sequence, KV head).
-int64_t arrival_counters(const DecodeParams& p) {
-  return static_cast<int64_t>(p.batch.count) * p.key_cache.layout.spec.kv_heads;
-}
-
-// The arrival counters' region (always there, so that a workspace's
-// counters stay where they are whichever plan runs), the split states (max
-// and sum, then acc), then the rotated queries where the plan rotates them
-// first.
+// The split states (max and sum, then acc), then the rotated queries where
+// the plan rotates them first.
 int64_t workspace_bytes_for(const DecodeParams& p, const DecodePlan& plan) {
   const int64_t states = static_cast<int64_t>(p.batch.count) * p.num_heads * plan.states;
   const int64_t queries = plan.rotate_queries_first ? static_cast<int64_t>(p.batch.count) * p.num_heads : 0;
-  return arrival_region_bytes(arrival_counters(p)) +
-         (states * (p.key_cache.layout.spec.head_dim + 2) + queries * p.key_cache.layout.spec.head_dim) *
-             static_cast<int64_t>(sizeof(float));
+  return (states * (p.key_cache.layout.spec.head_dim + 2) + queries * p.key_cache.layout.spec.head_dim) *
+         static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace
@@ -560,7 +551,6 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
                                device::merge_per_part<1>());
   plan.merge_heads = merge_heads(p.value_rotation.kind == RotationKind::kMatrix, plan.wide_merge,
                                  p.num_heads / k.kv_heads, device::kMergeGroupHeads);
-  plan.merge_in_last_block = merge_in_last_block(plan.int8, plan.exact_splits, plan.exact_kernel, plan.wide_merge);
   return plan;
 }
 
@@ -625,19 +615,8 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   const bool owned = memory == nullptr || params.workspace_bytes < bytes;
   if (owned) KVFORGE_CUDA_CHECK(cudaMallocAsync(&memory, static_cast<size_t>(bytes), stream));
   const int64_t states = static_cast<int64_t>(params.batch.count) * params.num_heads * plan.states;
-  const int64_t counters = arrival_counters(params);
-  const int64_t region = arrival_region_bytes(counters);
-  // The arrival counters zero where the plan merges in its last blocks and
-  // they are not known to be (arrival_zeros_); a workspace allocated here
-  // is zeroed every call.
-  const bool zero = owned ? plan.merge_in_last_block
-                          : arrival_zeros_.zero_before(memory, params.workspace_bytes, counters,
-                                                       plan.merge_in_last_block);
-  if (zero) KVFORGE_CUDA_CHECK(cudaMemsetAsync(memory, 0, static_cast<size_t>(region), stream));
-  if (owned) arrival_zeros_.forget();
   device::SplitWorkspace workspace;
-  if (plan.merge_in_last_block) workspace.arrivals = static_cast<uint32_t*>(memory);
-  workspace.max_sum = reinterpret_cast<float*>(static_cast<unsigned char*>(memory) + region);
+  workspace.max_sum = static_cast<float*>(memory);
   workspace.acc = workspace.max_sum + 2 * states;
   workspace.max_splits = static_cast<int32_t>(plan.states);
   if (plan.rotate_queries_first) workspace.queries = workspace.acc + states * params.key_cache.layout.spec.head_dim;

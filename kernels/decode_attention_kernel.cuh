@@ -627,12 +627,6 @@ struct SplitWorkspace {
   // per decode call instead of once per block; null: each block rotates its
   // own (decode_split_kernel always does).
   float* queries = nullptr;
-  // [sequence][KV head] (DecodePlan::merge_in_last_block): how many blocks
-  // have written their states this call, zero between calls; the block
-  // whose states complete the count (max_splits of them) merges the GQA
-  // group and sets it back to zero (merge_if_last). Null: the merge kernel
-  // merges.
-  uint32_t* arrivals = nullptr;
 };
 
 // Tokens per block of the exact ranges: two tiles, so that the sink and a
@@ -1015,124 +1009,6 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
         if (lane == 0) store_io(p.io, p.output, output + h * D + first_row + r, dot);
       }
     }
-  }
-}
-
-// Whether the calling block's states complete (entry, kv_head)'s: every
-// thread's state stores are made visible device-wide before the arrival
-// is counted (release), and, where the count completes, every other
-// block's before any thread of this one reads them (acquire: thread 0's
-// fence after the atomic, then the barrier; the reads bypass L1). Every
-// thread of the block calls it.
-__device__ inline bool last_to_arrive(const SplitWorkspace& workspace, int entry, int kv_head, int kv_heads) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* count = workspace.arrivals + static_cast<int64_t>(entry) * kv_heads + kv_head;
-    last = atomicAdd(count, 1u) + 1u == static_cast<uint32_t>(workspace.max_splits);
-    if (last) {
-      *count = 0;  // every block of (entry, kv_head) has arrived: the next call counts from zero
-      __threadfence();
-    }
-  }
-  __syncthreads();
-  return last;
-}
-
-// The merge of one GQA group's states by a block of the split kernels (a
-// multiple of 32 threads), as decode_merge_kernel's arithmetic in another
-// order: per head M = max m_k and L = sum l_k e^(m_k - M) (a warp's lanes
-// over the states, then its butterfly sums), o'[d] = (sum over k in order of
-// acc_k[d] e^(m_k - M)) / L by one thread per (head, channel), then o = o'
-// R_v^T by warp dot products (lane l: columns l + 32 j) of each row of
-// R_v. `scratch`: group * D floats of the block's shared memory that no
-// thread reads any more (o' for the rotation).
-template <int D>
-__device__ inline void merge_group(const DecodeParams& p, const SplitWorkspace& workspace, int entry, int kv_head,
-                                   float* scratch) {
-  constexpr int kRowWords = D / kWarpSize;
-  constexpr int kStatesInFlight = 8;
-  constexpr int kMaxHeads = 16;  // query heads per KV head the launcher takes
-  __shared__ float head_max[kMaxHeads], head_sum[kMaxHeads];
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
-  const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
-  const int64_t states = workspace.max_splits;
-  const int64_t first_head = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * group;
-  for (int h = warp; h < group; h += warps) {
-    const int64_t base = (first_head + h) * states;
-    float m = -INFINITY;
-    for (int64_t k = lane; k < states; k += kWarpSize) m = fmaxf(m, __ldcg(workspace.max_sum + 2 * (base + k)));
-    m = warp_max(m);
-    float l = 0.0f;
-    for (int64_t k = lane; k < states; k += kWarpSize) {
-      const float mk = __ldcg(workspace.max_sum + 2 * (base + k));
-      if (mk != -INFINITY) l = __fmaf_rn(__ldcg(workspace.max_sum + 2 * (base + k) + 1), expf(mk - m), l);
-    }
-    l = warp_sum(l);
-    if (lane == 0) head_max[h] = m, head_sum[h] = l;
-  }
-  __syncthreads();
-  const Rotation& rotation = p.value_rotation;
-  const bool rotated = rotation.kind == RotationKind::kMatrix;
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    const int64_t base = (first_head + h) * states;
-    const float m = head_max[h];
-    float o = 0.0f;
-    for (int64_t round = 0; round < states; round += kStatesInFlight) {
-      // A round's loads issued before its fma chain (an empty state's row
-      // may be anything: its weight's select keeps it out).
-      float mk[kStatesInFlight], row[kStatesInFlight];
-#pragma unroll
-      for (int u = 0; u < kStatesInFlight; ++u) {
-        const bool present = round + u < states;
-        mk[u] = present ? __ldcg(workspace.max_sum + 2 * (base + round + u)) : -INFINITY;
-        row[u] = present ? __ldcg(workspace.acc + (base + round + u) * D + d) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kStatesInFlight; ++u) o = mk[u] != -INFINITY ? __fmaf_rn(row[u], expf(mk[u] - m), o) : o;
-    }
-    o = __fdiv_rn(o, head_sum[h]);
-    if (rotated) {
-      scratch[i] = o;
-    } else {
-      store_io(p.io, p.output, (first_head + h) * D + d, o);
-    }
-  }
-  if (!rotated) return;
-  __syncthreads();  // o' in scratch: every warp reads all of it
-  const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-  constexpr int kRows = 4;  // rows of R_v in flight a warp
-  for (int first_row = warp * kRows; first_row < D; first_row += warps * kRows) {
-    float rows[kRows][kRowWords];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int j = 0; j < kRowWords; ++j) rows[r][j] = matrix[(first_row + r) * D + lane + kWarpSize * j];
-    }
-    for (int h = 0; h < group; ++h) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(scratch[h * D + lane + kWarpSize * j], rows[r][j], dot);
-        dot = warp_sum(dot);
-        if (lane == 0) store_io(p.io, p.output, (first_head + h) * D + first_row + r, dot);
-      }
-    }
-  }
-}
-
-// A split kernel block's end once its states are written: with
-// workspace.arrivals, the block that completes its group's states merges
-// them (merge_group); `scratch` as merge_group's. Every thread calls it.
-template <int D>
-__device__ inline void merge_if_last(const DecodeParams& p, const SplitWorkspace& workspace, int entry, int kv_head,
-                                     float* scratch) {
-  if (workspace.arrivals == nullptr) return;
-  if (last_to_arrive(workspace, entry, kv_head, p.key_cache.layout.spec.kv_heads)) {
-    merge_group<D>(p, workspace, entry, kv_head, scratch);
   }
 }
 

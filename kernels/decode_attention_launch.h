@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <map>
 
-#include "kernels/arrival_counters.h"
 #include "kernels/decode_params.h"
 
 namespace kvforge::kernels {
@@ -55,11 +54,6 @@ struct DecodePlan {
   // blocks one-group and the GQA group a multiple of 4 (split_plan.h's
   // merge_heads), so that they read each row of R_v once; else 1.
   int32_t merge_heads = 1;
-  // The block of the int8 or exact kernel whose states complete a
-  // (sequence, KV head)'s merges them, counting the blocks' arrivals at the
-  // start of the workspace (kernels/arrival_counters.h); no merge kernel
-  // (split_plan.h's merge_in_last_block). wide_merge, merge_heads: unused.
-  bool merge_in_last_block = false;
 };
 
 // Whether the configuration's layout is one the tensor-core kernel reads:
@@ -103,12 +97,6 @@ class DecodePlanner {
   // A workspace smaller than workspace_bytes (or none) is allocated and
   // freed on the stream for this launch. With `plan` (this planner's plan of
   // the same params): planned once for both the workspace and the launch.
-  // A workspace starts with the merge's arrival counters: the planner
-  // zeroes them (on the stream) the first time it sees the workspace
-  // (pointer and size) or a batch with more counters, and every decode
-  // leaves them zero; a caller that writes anything else into a workspace
-  // between decodes hands it to a new planner, or zeroes its first
-  // arrival_region_bytes(batch * kv_heads) bytes.
   void launch(const DecodeParams& params, cudaStream_t stream);
   void launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
 
@@ -125,7 +113,6 @@ class DecodePlanner {
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   SplitQuestion last_question_;  // the last split search and its answer
   int64_t last_splits_ = 1;
-  ArrivalZeros arrival_zeros_;  // the caller's workspace's counters known zero
 };
 
 // A planner of the current device for one call (what DecodePlanner caches

@@ -114,7 +114,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   const int state = assignment.first_state + split;
   if (first >= last) {  // an empty chunk: a state the merge skips
     write_empty_state(workspace, BlockTokens{first, last, query_row, group}, state);
-    merge_if_last<D>(p, workspace, entry, kv_head, &s.acc[0][0][0]);
     wait_for_prerequisite_grid();
     return;
   }
@@ -268,7 +267,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   }
   __syncthreads();
   write_block_state<D, kExactWarps>(workspace, query_row, state, group, s.max, s.sum, s.acc);
-  merge_if_last<D>(p, workspace, entry, kv_head, &s.acc[0][0][0]);
   wait_for_prerequisite_grid();
 }
 

@@ -324,7 +324,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
-    merge_if_last<D>(p, workspace, entry, kv_head, reinterpret_cast<float*>(dynamic_shared));
     wait_for_prerequisite_grid();
     return;
   }
@@ -1135,7 +1134,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   __syncthreads();
 
   write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
-  merge_if_last<D>(p, workspace, entry, kv_head, &out[0][0][0]);
   wait_for_prerequisite_grid();
 }
 

@@ -193,11 +193,9 @@ struct DecodeParams {
   void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
   DecodeKernel kernel = DecodeKernel::kAuto;  // CUDA only
   Int8Steps int8_steps = Int8Steps::kAuto;    // CUDA only
-  // CUDA only: the merge's arrival counters, then scratch for the split
-  // states, planned once by the caller (decode_workspace_bytes in
-  // decode_attention_launch.h; the counters zero between decodes: a
-  // DecodePlanner zeroes them once per workspace, see there); null or too
-  // small: the launch allocates it on its stream.
+  // CUDA only: scratch for the split states, planned once by the caller
+  // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
+  // the launch allocates it on its stream.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
 };

@@ -55,15 +55,4 @@ inline int32_t merge_heads(bool rotated_output, bool wide, int64_t group, int32_
   return rotated_output && !wide && group % group_heads == 0 ? group_heads : 1;
 }
 
-// Whether the split kernels' block that completes a (sequence, KV head)'s
-// states merges its GQA group (DecodePlan::merge_in_last_block) instead of
-// a merge kernel launched behind them: where the int8 kernel takes the
-// quantized tokens and decode_exact_kernel the exact ranges, if any (the
-// kernels that count their arrivals), and the merge is not `wide` (batch
-// 1's many states per head, which the four-group merge spreads over a
-// block per query head: one block of a group would load them all).
-inline bool merge_in_last_block(bool int8, int32_t exact_splits, bool exact_kernel, bool wide) {
-  return int8 && (exact_splits == 0 || exact_kernel) && !wide;
-}
-
 }  // namespace kvforge::kernels

@@ -12,7 +12,6 @@
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/element_conversion.h"
-#include "kernels/split_plan.h"
 #include "tests/kernel_activations.h"
 
 namespace kvforge::testing {
@@ -448,34 +447,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
-      EXPECT_EQ(planned.merge_in_last_block, plan.merge_in_last_block) << c.name;
     }
-    EXPECT_EQ(plan.merge_in_last_block,
-              kernels::merge_in_last_block(plan.int8, plan.exact_splits, plan.exact_kernel, plan.wide_merge))
-        << c.name;
     kernels::launch_decode_attention(on_device, nullptr);
-    // Then a serving loop's: the planner's launches into one workspace of
-    // the caller's, which starts as garbage (all ones: every arrival counter
-    // far past its count). The planner zeroes its counters once, before the
-    // first; the second and third find them as the last blocks left them,
-    // and the third's output is checked below.
-    const int64_t workspace_bytes = planner.workspace_bytes(on_device);
-    void* workspace = nullptr;
-    KVFORGE_CUDA_CHECK(cudaMalloc(&workspace, static_cast<size_t>(workspace_bytes)));
-    KVFORGE_CUDA_CHECK(cudaMemset(workspace, 0xff, static_cast<size_t>(workspace_bytes)));
-    kernels::DecodeParams with_workspace = on_device;
-    with_workspace.workspace = workspace;
-    with_workspace.workspace_bytes = workspace_bytes;
-    for (int call = 0; call < 3; ++call) planner.launch(with_workspace, nullptr);
+    planner.launch(on_device, nullptr);
     KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
-    if (plan.merge_in_last_block) {  // every counter of the batch back at zero
-      const int64_t counters = static_cast<int64_t>(count) * kDecodeKvHeads;
-      std::vector<uint32_t> arrivals(static_cast<size_t>(counters));
-      KVFORGE_CUDA_CHECK(
-          cudaMemcpy(arrivals.data(), workspace, arrivals.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
-      EXPECT_EQ(std::count(arrivals.begin(), arrivals.end(), 0u), counters) << c.name;
-    }
-    KVFORGE_CUDA_CHECK(cudaFree(workspace));
     KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
   }
   const double gpu_seconds = seconds_since(gpu_start);
@@ -519,7 +494,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s\n", c.name.c_str(),
+  std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
               plan.rotate_queries_first ? "queries rotated first, " : "",
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
@@ -529,10 +504,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
               : plan.exact_kernel    ? " and the exact kernel's ranges"
                                      : " and the general kernel's exact ranges",
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
-              plan.merge_in_last_block ? "the last block of each group"
-              : plan.wide_merge        ? "four thread groups, 1 head a block"
-              : plan.merge_heads == 1  ? "one thread group, 1 head a block"
-                                       : "one thread group, 4 heads a block");
+              plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
+              plan.merge_heads == 1 ? "" : "s");
   if (check.print_timing) {
     std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "
                 "worst |cuda - float64| %.2e of max||v|| and %.3f of its bound (cpu %.1f s, gpu %.2f s)\n",

@@ -285,34 +285,6 @@ TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
   EXPECT_GE(grouped, 1);
 }
 
-// On the GPU: the cases above run both ends of a decode, the split
-// kernels' last blocks merging (int8 alone, and int8 with the exact kernel
-// and both rotations: int2-rot's serving shape) and the merge kernel
-// (batch 1's wide merge, the general and bf16 tensor-core kernels), so that
-// both are checked against the reference.
-TEST(DecodeAttentionCudaPlan, TheCasesMergeBothInTheLastBlockAndInTheMergeKernel) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  int last_block_alone = 0, last_block_exact_rotated = 0, merge_kernel = 0;
-  for (const Case& c : cases()) {
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
-      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
-      const bool rotated = params.value_rotation.kind == kernels::RotationKind::kMatrix;
-      if (!plan.merge_in_last_block) {
-        ++merge_kernel;
-      } else if (plan.exact_splits == 0) {
-        ++last_block_alone;
-      } else if (rotated) {
-        ++last_block_exact_rotated;
-      }
-    });
-  }
-  EXPECT_GE(last_block_alone, 1);
-  EXPECT_GE(last_block_exact_rotated, 1);
-  EXPECT_GE(merge_kernel, 1);
-}
-
 TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
   // decode_exact_kernel takes the exact ranges where keys and values
   // quantize the same tokens (int2-rot's sink and window); KIVI's

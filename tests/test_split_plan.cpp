@@ -59,17 +59,6 @@ TEST(SplitPlan, Batch8TakesOneWaveNotFourOfShortSplits) {
   EXPECT_EQ(splits_for_whole_waves(kTokens, 64, kResident, 128), 8);
 }
 
-// The split kernels' last blocks merge where the int8 kernel and, for the
-// exact ranges, decode_exact_kernel run (the kernels that count arrivals),
-// and the merge is not batch 1's wide one.
-TEST(SplitPlan, TheLastBlockMergesBehindTheCountingKernelsOnly) {
-  EXPECT_TRUE(kernels::merge_in_last_block(true, 0, false, false));    // rtn: the int8 kernel alone
-  EXPECT_TRUE(kernels::merge_in_last_block(true, 5, true, false));     // int2-rot: sink and window exact
-  EXPECT_FALSE(kernels::merge_in_last_block(true, 5, false, false));   // KIVI's ranges: the general kernel
-  EXPECT_FALSE(kernels::merge_in_last_block(false, 0, false, false));  // the bf16 tensor cores or the general kernel
-  EXPECT_FALSE(kernels::merge_in_last_block(true, 0, false, true));    // batch 1's many states
-}
-
 TEST(SplitPlan, Batch1SpreadsOneSequenceOverTheWave) {
   // 8 blocks per split: 66 splits fill the 528 slots (1 wave of 497 + 512);
   // 64 leave 16 idle (512 + 512).
