@@ -37,7 +37,10 @@
 // (steps64_stages3_*; the default takes four); with --tokens-per-split T,...,
 // where a tensor-core kernel runs, the default plan with T tokens a split
 // instead of its own (split_T_time_us, split_T_splits): the planner's split
-// choice against its neighbours in the same run.
+// choice against its neighbours in the same run; with --exact-chunks T,...,
+// where exact blocks run beside a tensor-core kernel, the default with T
+// tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits: the
+// exact blocks per sequence and KV head, exact_chunk_T_speedup_vs_sdpa).
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
@@ -168,6 +171,12 @@ int run(int argc, char** argv) {
                  "(multiples of 256; split_T_time_us, split_T_splits columns)")
       ->delimiter(',')
       ->check(CLI::PositiveNumber);
+  std::vector<int64_t> exact_chunks;
+  app.add_option("--exact-chunks", exact_chunks,
+                 "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
+                 "tokens an exact block (multiples of 64; exact_chunk_T_time_us, exact_chunk_T_splits columns)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -176,6 +185,12 @@ int run(int argc, char** argv) {
   for (const int64_t forced : forced_splits) {
     if (forced % 256 != 0) {
       std::cerr << "--tokens-per-split " << forced << ": expected multiples of 256\n";
+      return 2;
+    }
+  }
+  for (const int64_t chunk : exact_chunks) {
+    if (chunk % 64 != 0) {
+      std::cerr << "--exact-chunks " << chunk << ": expected multiples of 64\n";
       return 2;
     }
   }
@@ -389,6 +404,7 @@ int run(int argc, char** argv) {
                                 {"kernel", plan.int8 ? "int8_tensor_cores" : plan.tensor_cores ? "tensor_cores" : "general"},
                                 {"splits", plan.splits},
                                 {"exact_splits", plan.exact_splits},
+                                {"exact_chunk", plan.exact_chunk},
                                 {"exact_first", plan.exact_first},
                                 {"exact_kernel", plan.exact_kernel},
                                 {"rotate_queries_first", plan.rotate_queries_first},
@@ -440,6 +456,14 @@ int run(int argc, char** argv) {
               other.int8_steps = steps;
               time_choice(other, prefix);
             }
+          }
+          for (const int64_t chunk : exact_chunks) {
+            if (!plan.tensor_cores || plan.exact_splits == 0) break;
+            kernels::DecodeParams other = params;
+            other.exact_chunk_tokens = static_cast<int32_t>(chunk);
+            const std::string prefix = "exact_chunk_" + std::to_string(chunk);
+            time_choice(other, prefix);
+            row[prefix + "_splits"] = kernels::plan_decode_attention(other, multiprocessors).exact_splits;
           }
           for (const int64_t forced : forced_splits) {
             if (!plan.tensor_cores) break;

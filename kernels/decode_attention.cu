@@ -48,6 +48,10 @@ void check_params(const DecodeParams& p) {
            std::to_string(kMaxGroup));
   }
   if (p.tokens_per_split < 0) refuse("tokens_per_split " + std::to_string(p.tokens_per_split) + " is negative");
+  if (p.exact_chunk_tokens < 0 || p.exact_chunk_tokens % device::kExactChunk != 0) {
+    refuse("exact_chunk_tokens " + std::to_string(p.exact_chunk_tokens) + ": expected 0 or a positive multiple of " +
+           std::to_string(device::kExactChunk));
+  }
   if (p.batch.count > 65535) refuse("a batch of " + std::to_string(p.batch.count) + " sequences, more than 65535");
   if (p.batch.count > 0 && (p.batch.slots == nullptr || p.batch.lengths == nullptr || p.batch.page_table == nullptr ||
                             p.queries == nullptr || p.output == nullptr)) {
@@ -187,7 +191,7 @@ void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& wor
 template <int D, int kBits>
 void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                          cudaStream_t stream, bool dependent) {
-  const device::SplitAssignment assignment{0, true, plan.splits};
+  const device::SplitAssignment assignment{0, true, plan.splits, plan.exact_chunk};
   if (!plan.exact_kernel) {
     launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
@@ -523,8 +527,9 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
-    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, device::kExactChunk) +
-                                             ceil_div64(ring, device::kExactChunk));
+    plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens : device::kExactChunk;
+    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, plan.exact_chunk) +
+                                             ceil_div64(ring, plan.exact_chunk));
     plan.exact_kernel = plan.exact_splits > 0 && exact_kernel_reads(p);
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of

@@ -629,21 +629,25 @@ struct SplitWorkspace {
   float* queries = nullptr;
 };
 
-// Tokens per block of the exact ranges: two tiles, so that the sink and a
-// window of 256 tokens take 5 blocks per sequence and KV head, each
-// rotating the group's queries once.
+// Tokens per pass of a block of the exact ranges (decode_exact_kernel's
+// four warps of 16), and the default tokens per block
+// (SplitAssignment::exact_chunk, a multiple of it): two tiles, so that the
+// sink and a window of 256 tokens take 5 blocks per sequence and KV head,
+// each rotating the group's queries once.
 inline constexpr int kExactChunk = 64;
 
 // Which tokens block x of decode_split_kernel takes, and which state it writes:
 //   splits of tokens_per_split tokens over the whole context (the general
 //   path; tokens_per_split 0: one split), or
 //   exact_ranges: the tokens the tensor-core kernel leaves, [0, begin) and
-//   [end, T) of tensor_core_range, in chunks of kExactChunk, written after
-//   the tensor-core states (state first_state + x).
+//   [end, T) of tensor_core_range, in chunks of exact_chunk tokens (a
+//   multiple of kExactChunk: DecodePlan::exact_chunk), written after the
+//   tensor-core states (state first_state + x).
 struct SplitAssignment {
   int64_t tokens_per_split = 0;
   bool exact_ranges = false;
   int32_t first_state = 0;
+  int32_t exact_chunk = kExactChunk;
 };
 
 // The token range the tensor cores take: quantized for keys and values.
@@ -666,13 +670,14 @@ __device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment
   }
   int64_t begin, end;
   tensor_core_range(p, tokens, begin, end);
-  const int64_t head_chunks = (begin + kExactChunk - 1) / kExactChunk;
+  const int64_t chunk = assignment.exact_chunk;
+  const int64_t head_chunks = (begin + chunk - 1) / chunk;
   if (split < head_chunks) {
-    first = static_cast<int64_t>(split) * kExactChunk;
-    last = first + kExactChunk < begin ? first + kExactChunk : begin;
+    first = static_cast<int64_t>(split) * chunk;
+    last = first + chunk < begin ? first + chunk : begin;
   } else {
-    first = end + (split - head_chunks) * kExactChunk;
-    last = first + kExactChunk < tokens ? first + kExactChunk : tokens;
+    first = end + (split - head_chunks) * chunk;
+    last = first + chunk < tokens ? first + chunk : tokens;
   }
 }
 

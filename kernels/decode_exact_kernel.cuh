@@ -3,9 +3,12 @@
 // the window, docs/runtime-layout.md 6.3) where keys and values quantize the
 // same tokens (same_quantized_ranges), so that every token of the ranges is
 // an E-typed row of both exact stores and no code is read. One block per
-// (chunk of kExactChunk tokens, KV head, sequence), as decode_split_kernel's
-// exact blocks (split_tokens with SplitAssignment::exact_ranges), writing the
-// same states for the merge.
+// (chunk of SplitAssignment::exact_chunk tokens, KV head, sequence), as
+// decode_split_kernel's exact blocks (split_tokens with
+// SplitAssignment::exact_ranges), writing the same states for the merge; a
+// block walks its chunk in passes of kExactChunk tokens, the warps' softmax
+// states carried from pass to pass (one pass: the same arithmetic as a
+// 64-token chunk's).
 //
 // Why not decode_split_kernel: that one dequantizes a 32-token tile into
 // shared memory a word per thread, with its page walk and outlier rounds,
@@ -14,7 +17,7 @@
 // latency-bound ~11 cycles each, 31 us for int2-rot's 320 exact blocks at
 // 32K batch 8 on the H200 (bench/results/ncu-decode-int2rot-rotated-h200-2026-12-02.txt),
 // most of it after the int8 kernel's last wave. Here warp w takes the
-// chunk's tokens [16 w, 16 w + 16): lanes j and j + 16 hold the two halves of
+// pass's tokens [16 w, 16 w + 16): lanes j and j + 16 hold the two halves of
 // token j's key row in registers (loaded before the query rotation, which
 // hides their latency; the value rows are prefetched to L2 then and loaded
 // during the scores), score all the group's heads at once, and the warp's
@@ -121,32 +124,52 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
 
-  // The key rows first (their latency under the query rotation's): lanes j
-  // < 16 and j + 16 take token j of the warp's 16.
+  // Passes of kExactChunk tokens over the block's chunk: in each, lanes j <
+  // 16 and j + 16 take token j of the warp's 16.
   const int j = lane % kExactWarpTokens, half = lane / kExactWarpTokens;
   const int count = static_cast<int>(last - first);
-  const int warp_count = max(0, min(count - warp * kExactWarpTokens, kExactWarpTokens));
-  const bool valid = j < warp_count;
-  const int32_t t = static_cast<int32_t>(first) + warp * kExactWarpTokens + j;
+  const int passes = (count + kExactChunk - 1) / kExactChunk;
+  constexpr int kHalfRowBytes = D * kBytes / 2;
+  // Pass q's token of lane j of this warp (first + kExactChunk q + 16 w + j),
+  // whether it is in the chunk, and its rows' offsets in the exact stores.
+  auto pass_token = [&](int q, bool& valid) {
+    const int in_chunk = kExactChunk * q + warp * kExactWarpTokens + j;
+    valid = in_chunk < count;
+    return static_cast<int32_t>(first) + in_chunk;
+  };
+  const uint8_t* key_slot = p.key_cache.exact + slot * kl.exact_slot_bytes;
+  const uint8_t* value_slot = p.value_cache.exact + slot * vl.exact_slot_bytes;
+  // Pass q's key and value half rows on their way to L2 (the next pass's
+  // during this one; the first pass's values before the query rotation).
+  auto prefetch_pass = [&](int q, bool keys) {
+    bool in = false;
+    const int32_t t = pass_token(q, in);
+    if (!in) return;
+    const uint8_t* value = value_slot + exact_row_offset(vl, kv_head, exact_store_row(vl, t)) + half * kHalfRowBytes;
+#pragma unroll
+    for (int b = 0; b < kHalfRowBytes; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(value + b));
+    if (keys) {
+      const uint8_t* key = key_slot + exact_row_offset(kl, kv_head, exact_store_row(kl, t)) + half * kHalfRowBytes;
+#pragma unroll
+      for (int b = 0; b < kHalfRowBytes; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(key + b));
+    }
+  };
+  // Lane j's half key row of pass q's token j (zeros past the chunk).
   uint32_t key_words[kKeyWords];
-  if (valid) {
-    const uint8_t* row =
-        p.key_cache.exact + slot * kl.exact_slot_bytes + exact_row_offset(kl, kv_head, exact_store_row(kl, t));
-    load_words(row + half * (D / 2) * kBytes, key_words);
-  } else {
+  auto load_keys = [&](int q) {
+    bool in = false;
+    const int32_t t = pass_token(q, in);
+    if (in) {
+      load_words(key_slot + exact_row_offset(kl, kv_head, exact_store_row(kl, t)) + half * kHalfRowBytes, key_words);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kKeyWords; ++i) key_words[i] = 0;
-  }
-
-  // The warp's value rows on their way to L2 (a lane a half row: 128 bytes
-  // at head_dim 128 and 16-bit elements), read after the scores.
-  const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_store_row(vl, t)) : 0;
-  if (valid) {
-    constexpr int kHalfRowBytes = D * kBytes / 2;
-    const uint8_t* half_row = p.value_cache.exact + slot * vl.exact_slot_bytes + value_row + half * kHalfRowBytes;
-#pragma unroll
-    for (int b = 0; b < kHalfRowBytes; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(half_row + b));
-  }
+      for (int i = 0; i < kKeyWords; ++i) key_words[i] = 0;
+    }
+  };
+  // The first pass's key rows first (their latency under the query
+  // rotation's), its value rows on their way to L2, read after the scores.
+  load_keys(0);
+  prefetch_pass(0, false);
 
   // The group's queries, rotated by the keys' rotation: rotated beforehand
   // (SplitWorkspace::queries; complete when this kernel starts, since it
@@ -166,96 +189,124 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   }
   __syncthreads();
 
-  // The warp's value rows, in flight during the scores (loaded before the
-  // rotation with the keys, they cost its rows in flight registers: spills).
-  const uint8_t* value_rows = p.value_cache.exact + slot * vl.exact_slot_bytes + lane * kPerLane * kBytes;
-  uint32_t value_words[kExactWarpTokens][kValueWords];
-#pragma unroll
-  for (int i = 0; i < kExactWarpTokens; ++i) {
-    const long long row = __shfl_sync(0xffffffffu, value_row, i);
-    if (i < warp_count) {
-      load_words(value_rows + row, value_words[i]);
-    } else {  // weight 0 times value 0
-#pragma unroll
-      for (int w = 0; w < kValueWords; ++w) value_words[i][w] = 0;
-    }
-  }
-
-  // Scores: each lane its half of the dot products, fma chains in channel
-  // order, the halves added (the same sum in both lanes).
-  float dot[kHeads];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
-  const float* q = s.query + half * (D / 2);
-#pragma unroll
-  for (int c = 0; c < D / 2; c += 4) {
-    const float k0 = word_element<E>(key_words, c), k1 = word_element<E>(key_words, c + 1);
-    const float k2 = word_element<E>(key_words, c + 2), k3 = word_element<E>(key_words, c + 3);
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      const float4 x = *reinterpret_cast<const float4*>(q + h * D + c);
-      dot[h] = __fmaf_rn(x.w, k3, __fmaf_rn(x.z, k2, __fmaf_rn(x.y, k1, __fmaf_rn(x.x, k0, dot[h]))));
-    }
-  }
-  // The warp's softmax over its tokens, per head, in base 2 (the scale
-  // times log2(e), as the tensor-core kernels': write_block_state turns the
-  // maxima back); the xor shuffles below 16 stay in a half, and both halves
-  // hold every token's score.
+  // The warp's softmax state per head over its passes, in base 2 (the
+  // scale times log2(e), as the tensor-core kernels': write_block_state
+  // turns the maxima back), in s.max and s.sum between passes (in registers
+  // across the loads, at GQA 8 they spilled), and lane l's sums of channels
+  // [kPerLane l, kPerLane (l + 1)) of every head.
   const float log2e_scale = p.softmax_scale * 1.4426950408889634f;
-  float warp_max[kHeads], warp_sum[kHeads];
+  if (lane == 0) {
 #pragma unroll
-  for (int h = 0; h < kHeads; ++h) {
-    const float total = dot[h] + __shfl_xor_sync(0xffffffffu, dot[h], kExactWarpTokens);
-    const float score = valid ? __fmul_rn(total, log2e_scale) : -INFINITY;
-    float m = score;
-#pragma unroll
-    for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    const float w = valid ? exp2f(score - m) : 0.0f;  // valid: m is finite
-    float l = w;
-#pragma unroll
-    for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
-    warp_max[h] = m;
-    warp_sum[h] = l;
-    dot[h] = w;
-  }
-  if (lane < kExactWarpTokens) {
-#pragma unroll
-    for (int h = 0; h < kHeads; h += 4) {
-      *reinterpret_cast<float4*>(&s.weight[warp][j][h]) = make_float4(dot[h], dot[h + 1], dot[h + 2], dot[h + 3]);
-    }
+    for (int h = 0; h < kHeads; ++h) s.max[warp][h] = -INFINITY, s.sum[warp][h] = 0.0f;
   }
   __syncwarp();
-
-  // Values: lane l sums channels [kPerLane l, kPerLane (l + 1)) of every head.
   float acc[kHeads][kPerLane];
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
     for (int c = 0; c < kPerLane; ++c) acc[h][c] = 0.0f;
   }
+  const uint8_t* value_rows = value_slot + lane * kPerLane * kBytes;
+  for (int q = 0; q < passes; ++q) {
+    bool valid = false;
+    const int32_t t = pass_token(q, valid);
+    const int warp_count = max(0, min(count - kExactChunk * q - warp * kExactWarpTokens, kExactWarpTokens));
+    if (q > 0) load_keys(q);
+    if (q + 1 < passes) prefetch_pass(q + 1, true);
+
+    // The warp's value rows, in flight during the scores (loaded before the
+    // rotation with the keys, they cost its rows in flight registers: spills).
+    const long long value_row = valid ? exact_row_offset(vl, kv_head, exact_store_row(vl, t)) : 0;
+    uint32_t value_words[kExactWarpTokens][kValueWords];
 #pragma unroll
-  for (int i = 0; i < kExactWarpTokens; ++i) {
-    float w[kHeads];
+    for (int i = 0; i < kExactWarpTokens; ++i) {
+      const long long row = __shfl_sync(0xffffffffu, value_row, i);
+      if (i < warp_count) {
+        load_words(value_rows + row, value_words[i]);
+      } else {  // weight 0 times value 0
 #pragma unroll
-    for (int h = 0; h < kHeads; h += 4) {
-      const float4 x = *reinterpret_cast<const float4*>(&s.weight[warp][i][h]);
-      w[h] = x.x, w[h + 1] = x.y, w[h + 2] = x.z, w[h + 3] = x.w;
+        for (int w = 0; w < kValueWords; ++w) value_words[i][w] = 0;
+      }
     }
+
+    // Scores: each lane its half of the dot products, fma chains in channel
+    // order, the halves added (the same sum in both lanes).
+    float dot[kHeads];
 #pragma unroll
-    for (int c = 0; c < kPerLane; ++c) {
-      const float x = word_element<E>(value_words[i], c);
+    for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
+    const float* query = s.query + half * (D / 2);
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) acc[h][c] = __fmaf_rn(w[h], x, acc[h][c]);
+    for (int c = 0; c < D / 2; c += 4) {
+      const float k0 = word_element<E>(key_words, c), k1 = word_element<E>(key_words, c + 1);
+      const float k2 = word_element<E>(key_words, c + 2), k3 = word_element<E>(key_words, c + 3);
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        const float4 x = *reinterpret_cast<const float4*>(query + h * D + c);
+        dot[h] = __fmaf_rn(x.w, k3, __fmaf_rn(x.z, k2, __fmaf_rn(x.y, k1, __fmaf_rn(x.x, k0, dot[h]))));
+      }
     }
+    // The pass's softmax step per head: its maximum M over the warp's state
+    // (m, l) and the pass's scores, the state rescaled by 2^(m - M) (the
+    // first pass: nothing to rescale, its weights against its own maximum),
+    // the weights 2^(score - M); the xor shuffles below 16 stay in a half,
+    // and both halves hold every token's score.
+    float state_max[kHeads], state_sum[kHeads];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) state_max[h] = s.max[warp][h], state_sum[h] = s.sum[warp][h];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      const float total = dot[h] + __shfl_xor_sync(0xffffffffu, dot[h], kExactWarpTokens);
+      const float score = valid ? __fmul_rn(total, log2e_scale) : -INFINITY;
+      float m = fmaxf(score, state_max[h]);
+#pragma unroll
+      for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      const float rescale = state_max[h] == -INFINITY ? 0.0f : exp2f(state_max[h] - m);  // m is finite where it is not
+      const float w = valid ? exp2f(score - m) : 0.0f;  // valid: m is finite
+      float l = w;
+#pragma unroll
+      for (int offset = kExactWarpTokens / 2; offset > 0; offset /= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
+      state_sum[h] = __fmaf_rn(state_sum[h], rescale, l);  // the first pass: 0 * 0 + l
+      state_max[h] = m;
+      if (q > 0) {
+#pragma unroll
+        for (int c = 0; c < kPerLane; ++c) acc[h][c] *= rescale;
+      }
+      dot[h] = w;
+    }
+    if (lane < kExactWarpTokens) {
+#pragma unroll
+      for (int h = 0; h < kHeads; h += 4) {
+        *reinterpret_cast<float4*>(&s.weight[warp][j][h]) = make_float4(dot[h], dot[h + 1], dot[h + 2], dot[h + 3]);
+      }
+    }
+    __syncwarp();  // every lane has read the state (and written its weights)
+    if (lane == 0) {
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) s.max[warp][h] = state_max[h], s.sum[warp][h] = state_sum[h];
+    }
+
+    // Values: lane l's channels of every head, token by token.
+#pragma unroll
+    for (int i = 0; i < kExactWarpTokens; ++i) {
+      float w[kHeads];
+#pragma unroll
+      for (int h = 0; h < kHeads; h += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(&s.weight[warp][i][h]);
+        w[h] = x.x, w[h + 1] = x.y, w[h + 2] = x.z, w[h + 3] = x.w;
+      }
+#pragma unroll
+      for (int c = 0; c < kPerLane; ++c) {
+        const float x = word_element<E>(value_words[i], c);
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) acc[h][c] = __fmaf_rn(w[h], x, acc[h][c]);
+      }
+    }
+    __syncwarp();  // the weights are read before the next pass writes its own
   }
 
   // The four warps' states joined by write_block_state (a warp without
   // tokens has max -inf and adds nothing; warp 0 has the chunk's first
-  // token).
-  if (lane == 0) {
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) s.max[warp][h] = warp_max[h], s.sum[warp][h] = warp_sum[h];
-  }
+  // token): m and l in s.max and s.sum, acc stored below.
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {  // one 16- or 8-byte store a head: no bank conflicts
     float* out = &s.acc[warp][h][kPerLane * lane];

@@ -193,6 +193,10 @@ struct DecodeParams {
   void* read_tally = nullptr;  // CPU reference only: a ReadTally (cpu_reference.h) recording the bytes read
   DecodeKernel kernel = DecodeKernel::kAuto;  // CUDA only
   Int8Steps int8_steps = Int8Steps::kAuto;    // CUDA only
+  // CUDA only: tokens a block of the exact ranges (sink and windows) takes
+  // beside the tensor-core kernels, a multiple of 64; 0: the planner's
+  // (DecodePlan::exact_chunk).
+  int32_t exact_chunk_tokens = 0;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

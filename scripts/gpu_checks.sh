@@ -260,6 +260,9 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_2bit_d128_gqa4:*int8_steps64x3_int2rot_rotated_4bit_d128_gqa4"
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_merge_heads_2bit_d128_gqa4"
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1:*int2rot_window_fp32_rows_4bit_d128_gqa8"
+    # The exact kernel's blocks of several passes (their softmax state in
+    # shared memory from pass to pass).
+    decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.
@@ -362,9 +365,11 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       # PROFILE_BENCH_FLAGS (e.g. --bf16-tensor-cores with PROFILE_KERNEL=decode_tensor_core)
       # profile another kernel of the same run; PROFILE_BATCH another batch
       # (1: where launches and latency, not the step loop, set the time) and
-      # PROFILE_LAUNCHES more launches in a row (e.g. PROFILE_KERNEL=decode
+      # PROFILE_LAUNCHES more launches in a row (e.g. PROFILE_KERNEL=decode_
       # PROFILE_LAUNCHES=3: the exact ranges', the int8 and the merge kernel
-      # of one decode call, each with its duration).
+      # of one decode call, each with its duration; "decode_|rotate_group"
+      # adds int2-rot's query rotation: a bare "rotate" also matches the
+      # bench's prefill append, append_token_rotated_kernel).
       timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip "${PROFILE_SKIP:-1}" \
         --launch-count "${PROFILE_LAUNCHES:-1}" $section_flags \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \

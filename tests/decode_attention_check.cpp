@@ -293,7 +293,12 @@ double io_unit(ElementType io) {
 //   values: |delta o_d| <= (3 * n (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
                              int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
-  const int64_t split = plan.tensor_cores ? plan.tokens_per_split : tokens_per_split;
+  // With tensor cores the longest sum of one block: a quantized split or
+  // an exact chunk (plan.exact_chunk tokens, in passes whose rescales the
+  // 4S below counts per token).
+  const int64_t split = plan.tensor_cores
+                            ? std::max<int64_t>(plan.tokens_per_split, plan.exact_splits > 0 ? plan.exact_chunk : 0)
+                            : tokens_per_split;
   const int64_t s = split > 0 ? std::min(split, tokens) : tokens;
   const int64_t splits = (tokens + s - 1) / s;
   const double logit = gamma(2.0 * dim + 16) * softmax_scale * f.query_norm * f.key_norm;
@@ -402,6 +407,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.output = reference.data();
   host.kernel = c.kernel;
   host.int8_steps = c.int8_steps;
+  host.exact_chunk_tokens = c.exact_chunk_tokens;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -431,6 +437,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
           << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
+    if (plan.tensor_cores) EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0 ? c.exact_chunk_tokens : 64) << c.name;
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
     // plans the same launch; the one-call launcher runs first, the planner's
     // second launch (from its cache) writes the output checked below.
@@ -447,6 +454,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
+      EXPECT_EQ(planned.exact_chunk, plan.exact_chunk) << c.name;
     }
     kernels::launch_decode_attention(on_device, nullptr);
     planner.launch(on_device, nullptr);
@@ -501,8 +509,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",
               plan.exact_splits == 0 ? ""
-              : plan.exact_kernel    ? " and the exact kernel's ranges"
-                                     : " and the general kernel's exact ranges",
+              : plan.exact_kernel    ? (plan.exact_chunk == 64 ? " and the exact kernel's ranges"
+                                                               : " and the exact kernel's ranges (longer chunks)")
+              : plan.exact_chunk == 64 ? " and the general kernel's exact ranges"
+                                       : " and the general kernel's exact ranges (longer chunks)",
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
               plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
               plan.merge_heads == 1 ? "" : "s");

@@ -75,6 +75,9 @@ struct DecodeCase : KernelCase {
   // Not kAuto: the int8 kernel's steps the launch must take (the plan's,
   // checked), and their step length in the bound.
   kernels::Int8Steps int8_steps = kernels::Int8Steps::kAuto;
+  // DecodeParams::exact_chunk_tokens (0: the planner's 64); the plan's,
+  // checked.
+  int32_t exact_chunk_tokens = 0;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

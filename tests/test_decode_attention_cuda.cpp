@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda_runtime_check.h"
@@ -155,6 +156,33 @@ std::vector<Case> cases() {
     all.push_back(exact_rows(
         with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16),
         ElementType::kFloat32, 64, 256, {1, 64, 65, 320, 321, 700, 4099}));
+    // Longer exact chunks (DecodeParams::exact_chunk_tokens): blocks of
+    // several 64-token passes whose warps carry their softmax states from
+    // pass to pass. int2-rot's sink of 64 and window of 256 in blocks of 256
+    // (the window one block; lengths ending inside a pass, on a pass's
+    // edge and mid-window) in bf16 rows at GQA 4; the sink of 40 and window
+    // of 100 above in blocks of 128; and KIVI's exact ranges through the
+    // general kernel in blocks of 192.
+    Case chunk256 = exact_rows(
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4", 2,
+                                                          128, 8)),
+              k4),
+        ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 129, 200, 320, 321, 385, 1000});
+    chunk256.exact_chunk_tokens = 256;
+    all.push_back(chunk256);
+    Case chunk128 = exact_rows(
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_chunk128_2bit_d64_gqa1", 2, 64,
+                                                          2)),
+              k4),
+        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000});
+    chunk128.exact_chunk_tokens = 128;
+    all.push_back(chunk128);
+    Case kivi_chunk = with(
+        decode_case(testing::kivi_sliding_sink_layout("int8_kivi_sliding_sink_chunk192_2bit_d64_gqa1_page12", 2, 64, 2)),
+        kInt8);
+    kivi_chunk.tokens_per_split = 256;
+    kivi_chunk.exact_chunk_tokens = 192;
+    all.push_back(kivi_chunk);
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
@@ -226,7 +254,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 14);
+  EXPECT_EQ(int8_cases, 17);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -261,7 +289,7 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 7);
+  EXPECT_EQ(wide_cases, 9);
 }
 
 // On the GPU: the merge takes four query heads a block where the output is
@@ -316,6 +344,52 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
   }
   EXPECT_GE(exact_kernel, 3);
   EXPECT_GE(general, 1);
+}
+
+// On the GPU (the plan asks the device for its residency): the exact
+// blocks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
+// of 64 and window of 256 take 5 blocks of 64 (the default), 3 of 128, 2 of
+// 256 or of 320.
+TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const Case& c : cases()) {
+    if (c.name != "int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4") continue;
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.batch.count = 8;
+      params.batch.max_length = 32768;
+      ASSERT_EQ(params.key_cache.layout.spec.sink_tokens, 64);
+      ASSERT_EQ(params.key_cache.layout.ring_capacity, 256);
+      for (const auto& [chunk, blocks] : {std::pair{0, 5}, std::pair{64, 5}, std::pair{128, 3}, std::pair{256, 2},
+                                          std::pair{320, 2}}) {
+        params.exact_chunk_tokens = chunk;
+        const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+        EXPECT_EQ(plan.exact_chunk, chunk == 0 ? 64 : chunk);
+        EXPECT_EQ(plan.exact_splits, blocks) << chunk;
+        EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
+      }
+    });
+    return;
+  }
+  ADD_FAILURE() << "the chunk256 case is gone";
+}
+
+// exact_chunk_tokens other than 0 or a positive multiple of 64 is refused
+// in one line naming the field, before anything reaches the device.
+TEST(DecodeAttentionCudaRefusals, ExactChunksAreMultiplesOf64) {
+  const Case c = cases().front();
+  with_layout_params(c, [&](kernels::DecodeParams params) {
+    for (const int32_t chunk : {-64, 100}) {
+      params.exact_chunk_tokens = chunk;
+      try {
+        kernels::launch_decode_attention(params, nullptr);
+        ADD_FAILURE() << "exact_chunk_tokens " << chunk << " was accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("exact_chunk_tokens " + std::to_string(chunk)), std::string::npos)
+            << e.what();
+      }
+    }
+  });
 }
 
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
