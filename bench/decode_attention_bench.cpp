@@ -103,6 +103,22 @@ double median_us(const std::function<void()>& work, int repeats) {
   return median(std::move(times));
 }
 
+// A comma-separated list option of positive multiples of `multiple`,
+// refused at parsing (before any GPU work) otherwise.
+void add_multiples_option(CLI::App& app, const std::string& name, std::vector<int64_t>& values, int64_t multiple,
+                          const std::string& description) {
+  const CLI::Validator multiples(
+      [multiple](std::string& text) {
+        int64_t value = 0;
+        if (!CLI::detail::lexical_cast(text, value) || value <= 0 || value % multiple != 0) {
+          return text + ": expected a positive multiple of " + std::to_string(multiple);
+        }
+        return std::string();
+      },
+      "multiple of " + std::to_string(multiple));
+  app.add_option(name, values, description)->delimiter(',')->check(multiples);
+}
+
 // Median wall-clock microseconds of `work` (host calls that end in a sync):
 // what a serving loop waits.
 double median_wall_us(const std::function<void()>& work, int repeats) {
@@ -165,35 +181,18 @@ int run(int argc, char** argv) {
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
                "default's (steps32_*, steps64_stages3_*, steps64_stages4_* columns)");
-  std::vector<int64_t> forced_splits;
-  app.add_option("--tokens-per-split", forced_splits,
-                 "where a tensor-core kernel runs, also time the default plan with each of these tokens a split "
-                 "(multiples of 256; split_T_time_us, split_T_splits columns)")
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
-  std::vector<int64_t> exact_chunks;
-  app.add_option("--exact-chunks", exact_chunks,
-                 "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
-                 "tokens an exact block (multiples of 64; exact_chunk_T_time_us, exact_chunk_T_splits columns)")
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
+  std::vector<int64_t> forced_splits, exact_chunks;
+  add_multiples_option(app, "--tokens-per-split", forced_splits, 256,
+                       "where a tensor-core kernel runs, also time the default plan with each of these tokens a split "
+                       "(split_T_time_us, split_T_splits columns)");
+  add_multiples_option(app, "--exact-chunks", exact_chunks, 64,
+                       "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
+                       "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
   app.add_option("--command", command);
   CLI11_PARSE(app, argc, argv);
-  for (const int64_t forced : forced_splits) {
-    if (forced % 256 != 0) {
-      std::cerr << "--tokens-per-split " << forced << ": expected multiples of 256\n";
-      return 2;
-    }
-  }
-  for (const int64_t chunk : exact_chunks) {
-    if (chunk % 64 != 0) {
-      std::cerr << "--exact-chunks " << chunk << ": expected multiples of 64\n";
-      return 2;
-    }
-  }
   // The benchmark's own command line, next to the caller's (--command): the
   // report says which contexts, batches, methods and bits it ran.
   const std::vector<std::string> arguments(argv, argv + argc);
