@@ -428,7 +428,7 @@ int run(int argc, char** argv) {
                                 {"append_per_sequence_host_us", per_sequence.host_us},
                                 {"append_per_sequence_device_us", per_sequence.device_us}};
           // Another kernel choice on the same cache and queries: its time,
-          // splits and speedup as the `prefix`ed columns.
+          // splits and speedup as the `prefix`ed columns; returns its plan.
           const auto time_choice = [&](kernels::DecodeParams other, const std::string& prefix) {
             const int64_t other_bytes = kernels::decode_workspace_bytes(other);
             const at::Tensor other_workspace =
@@ -440,6 +440,7 @@ int run(int argc, char** argv) {
             row[prefix + "_time_us"] = other_us;
             row[prefix + "_splits"] = other_plan.splits;
             row[prefix + "_speedup_vs_sdpa"] = sdpa.at(context) / other_us;
+            return other_plan;
           };
           if (bf16_tensor_cores && plan.int8) {
             kernels::DecodeParams bf16_params = params;
@@ -461,8 +462,7 @@ int run(int argc, char** argv) {
             kernels::DecodeParams other = params;
             other.exact_chunk_tokens = static_cast<int32_t>(chunk);
             const std::string prefix = "exact_chunk_" + std::to_string(chunk);
-            time_choice(other, prefix);
-            row[prefix + "_splits"] = kernels::plan_decode_attention(other, multiprocessors).exact_splits;
+            row[prefix + "_splits"] = time_choice(other, prefix).exact_splits;
           }
           for (const int64_t forced : forced_splits) {
             if (!plan.tensor_cores) break;

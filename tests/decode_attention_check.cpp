@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
@@ -502,17 +503,17 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
+  std::string exact_ranges = plan.exact_splits == 0 ? ""
+                             : plan.exact_kernel    ? " and the exact kernel's ranges"
+                                                    : " and the general kernel's exact ranges";
+  if (plan.exact_splits > 0 && plan.exact_chunk != 64) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
   std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
               plan.rotate_queries_first ? "queries rotated first, " : "",
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",
-              plan.exact_splits == 0 ? ""
-              : plan.exact_kernel    ? (plan.exact_chunk == 64 ? " and the exact kernel's ranges"
-                                                               : " and the exact kernel's ranges (longer chunks)")
-              : plan.exact_chunk == 64 ? " and the general kernel's exact ranges"
-                                       : " and the general kernel's exact ranges (longer chunks)",
+              exact_ranges.c_str(),
               static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
               plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
               plan.merge_heads == 1 ? "" : "s");
