@@ -212,7 +212,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     const int32_t t = pass_token(q, valid);
     const int warp_count = max(0, min(count - kExactChunk * q - warp * kExactWarpTokens, kExactWarpTokens));
     if (q > 0) load_keys(q);
-    if (q + 1 < passes) prefetch_pass(q + 1, true);
 
     // The warp's value rows, in flight during the scores (loaded before the
     // rotation with the keys, they cost its rows in flight registers: spills).
@@ -245,6 +244,10 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
         dot[h] = __fmaf_rn(x.w, k3, __fmaf_rn(x.z, k2, __fmaf_rn(x.y, k1, __fmaf_rn(x.x, k0, dot[h]))));
       }
     }
+    // The next pass's rows on their way to L2 while this one's softmax and
+    // value sums run (its keys' registers free by now).
+    if (q + 1 < passes) prefetch_pass(q + 1, true);
+
     // The pass's softmax step per head: its maximum M over the warp's state
     // (m, l) and the pass's scores, the state rescaled by 2^(m - M) (the
     // first pass: nothing to rescale, its weights against its own maximum),
