@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
-# PROFILE_LAUNCHES, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
+# PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -352,13 +352,13 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # alone (--clock-control none), as the device notes ask.
   if [ -z "${SKIP_PROFILE:-}" ] && command -v ncu > /dev/null; then
     # PROFILE_SECTIONS replaces the sections (e.g. "SpeedOfLight LaunchStats"
-    # with PROFILE_KERNEL="decode|rotate": each kernel's duration, quickly);
+    # with PROFILE_KERNEL="decode_|rotate_group": each kernel's duration,
+    # quickly, and no per-line source export);
     # PROFILE_SKIP the matched launches skipped first (default 1: a warm-up;
     # a whole decode call's kernels with PROFILE_KERNEL matching them all).
     sections="SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats MemoryWorkloadAnalysis SourceCounters"
     section_flags=$(for s in ${PROFILE_SECTIONS:-$sections}; do printf -- '--section %s ' "$s"; done)
-    for method in ${PROFILE_METHODS:-rtn}; do
-    for batch in ${PROFILE_BATCH:-8}; do
+    for method in ${PROFILE_METHODS:-rtn}; do for batch in ${PROFILE_BATCH:-8}; do
       name=$method; [ "${PROFILE_BATCH:-8}" = 8 ] || name=${method}_b$batch
       step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch $batch, 2 bits)"
       # PROFILE_KERNEL (a regex; default the int8 tensor-core kernel, the default) and
@@ -379,13 +379,14 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       ncu -i "$LOGS/ncu_$name.ncu-rep" --print-summary none > "$LOGS/ncu_$name.log" 2>&1
       # Per SASS instruction (with its CUDA line): executions and stall
       # samples, for the per-line breakdown of the tile loop (bench/README).
-      ncu -i "$LOGS/ncu_$name.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$name.csv" 2>&1 ||
-        echo "ncu --page source failed: $(tail -1 "$LOGS/ncu_source_$name.csv")"
-      [ -n "${PROFILE_SECTIONS:-}" ] || { gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null; }
+      if [ -z "${PROFILE_SECTIONS:-}" ]; then
+        ncu -i "$LOGS/ncu_$name.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$name.csv" 2>&1 ||
+          echo "ncu --page source failed: $(tail -1 "$LOGS/ncu_source_$name.csv")"
+        gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null
+      fi
       grep -E "^  void |Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$name.log" | head -70
       cp "$LOGS/ncu_$name.log" "$OUT/ncu_$name.txt" 2>/dev/null
-    done
-    done
+    done; done
   fi
   # The decode-step append kernel (one token per sequence, batch 1 and 32):
   # its duration and where its time goes. PROFILE_APPEND=1;
