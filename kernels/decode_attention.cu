@@ -48,9 +48,9 @@ void check_params(const DecodeParams& p) {
            std::to_string(kMaxGroup));
   }
   if (p.tokens_per_split < 0) refuse("tokens_per_split " + std::to_string(p.tokens_per_split) + " is negative");
-  if (p.exact_chunk_tokens < 0 || p.exact_chunk_tokens % device::kExactChunk != 0) {
+  if (p.exact_chunk_tokens < 0 || p.exact_chunk_tokens % device::kExactPass != 0) {
     refuse("exact_chunk_tokens " + std::to_string(p.exact_chunk_tokens) + ": expected 0 or a positive multiple of " +
-           std::to_string(device::kExactChunk));
+           std::to_string(device::kExactPass));
   }
   if (p.batch.count > 65535) refuse("a batch of " + std::to_string(p.batch.count) + " sequences, more than 65535");
   if (p.batch.count > 0 && (p.batch.slots == nullptr || p.batch.lengths == nullptr || p.batch.page_table == nullptr ||

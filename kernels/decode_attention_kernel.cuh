@@ -630,18 +630,20 @@ struct SplitWorkspace {
 };
 
 // Tokens per pass of a block of the exact ranges (decode_exact_kernel's
-// four warps of 16), and the default tokens per block
-// (SplitAssignment::exact_chunk, a multiple of it): two tiles, so that the
-// sink and a window of 256 tokens take 5 blocks per sequence and KV head,
-// each rotating the group's queries once.
-inline constexpr int kExactChunk = 64;
+// four warps of 16); a block's chunk (SplitAssignment::exact_chunk) is a
+// multiple of it.
+inline constexpr int kExactPass = 64;
+// The default chunk: one pass (two tiles), so that the sink and a window
+// of 256 tokens take 5 blocks per sequence and KV head, each rotating the
+// group's queries once.
+inline constexpr int kExactChunk = kExactPass;
 
 // Which tokens block x of decode_split_kernel takes, and which state it writes:
 //   splits of tokens_per_split tokens over the whole context (the general
 //   path; tokens_per_split 0: one split), or
 //   exact_ranges: the tokens the tensor-core kernel leaves, [0, begin) and
 //   [end, T) of tensor_core_range, in chunks of exact_chunk tokens (a
-//   multiple of kExactChunk: DecodePlan::exact_chunk), written after the
+//   multiple of kExactPass: DecodePlan::exact_chunk), written after the
 //   tensor-core states (state first_state + x).
 struct SplitAssignment {
   int64_t tokens_per_split = 0;

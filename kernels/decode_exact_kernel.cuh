@@ -6,7 +6,7 @@
 // (chunk of SplitAssignment::exact_chunk tokens, KV head, sequence), as
 // decode_split_kernel's exact blocks (split_tokens with
 // SplitAssignment::exact_ranges), writing the same states for the merge; a
-// block walks its chunk in passes of kExactChunk tokens, the warps' softmax
+// block walks its chunk in passes of kExactPass tokens, the warps' softmax
 // states carried from pass to pass (one pass: the same arithmetic as a
 // 64-token chunk's).
 //
@@ -29,7 +29,7 @@
 namespace kvforge::kernels::decode_attention_device {
 
 inline constexpr int kExactWarps = 4;
-inline constexpr int kExactWarpTokens = kExactChunk / kExactWarps;  // 16: lanes j and j + 16 score token j
+inline constexpr int kExactWarpTokens = kExactPass / kExactWarps;  // 16: lanes j and j + 16 score token j
 static_assert(2 * kExactWarpTokens == kWarpSize, "two lanes a token");
 
 template <ElementType E>
@@ -124,16 +124,16 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
 
-  // Passes of kExactChunk tokens over the block's chunk: in each, lanes j <
+  // Passes of kExactPass tokens over the block's chunk: in each, lanes j <
   // 16 and j + 16 take token j of the warp's 16.
   const int j = lane % kExactWarpTokens, half = lane / kExactWarpTokens;
   const int count = static_cast<int>(last - first);
-  const int passes = (count + kExactChunk - 1) / kExactChunk;
+  const int passes = (count + kExactPass - 1) / kExactPass;
   constexpr int kHalfRowBytes = D * kBytes / 2;
-  // Pass q's token of lane j of this warp (first + kExactChunk q + 16 w + j),
-  // whether it is in the chunk, and its rows' offsets in the exact stores.
+  // Pass q's token of lane j of this warp (first + kExactPass q + 16 w + j)
+  // and whether it is in the chunk.
   auto pass_token = [&](int q, bool& valid) {
-    const int in_chunk = kExactChunk * q + warp * kExactWarpTokens + j;
+    const int in_chunk = kExactPass * q + warp * kExactWarpTokens + j;
     valid = in_chunk < count;
     return static_cast<int32_t>(first) + in_chunk;
   };
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   for (int q = 0; q < passes; ++q) {
     bool valid = false;
     const int32_t t = pass_token(q, valid);
-    const int warp_count = max(0, min(count - kExactChunk * q - warp * kExactWarpTokens, kExactWarpTokens));
+    const int warp_count = max(0, min(count - kExactPass * q - warp * kExactWarpTokens, kExactWarpTokens));
     if (q > 0) load_keys(q);
 
     // The warp's value rows, in flight during the scores (loaded before the
