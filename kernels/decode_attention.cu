@@ -527,10 +527,13 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
   if (plan.tensor_cores) {
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
-    plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens : device::kExactChunk;
+    const bool exact_kernel = exact_kernel_reads(p);
+    plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens
+                       : exact_kernel          ? device::kExactChunk
+                                               : device::kExactPass;
     plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, plan.exact_chunk) +
                                              ceil_div64(ring, plan.exact_chunk));
-    plan.exact_kernel = plan.exact_splits > 0 && exact_kernel_reads(p);
+    plan.exact_kernel = plan.exact_splits > 0 && exact_kernel;
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact

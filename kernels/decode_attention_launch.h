@@ -27,8 +27,9 @@ struct DecodePlan {
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
   int32_t splits = 0;            // its blocks per (KV head, sequence)
   int32_t exact_splits = 0;      // tensor cores: blocks over the exact ranges per (KV head, sequence)
-  // Tokens each of them takes (DecodeParams::exact_chunk_tokens, else 64:
-  // the sink and a 256-token window in 5 blocks).
+  // Tokens each of them takes (DecodeParams::exact_chunk_tokens, else 128
+  // for the exact kernel: the sink and a 256-token window in 3 blocks; 64
+  // for the general kernel's).
   int32_t exact_chunk = 64;
   // They are decode_exact_kernel's (every token of the ranges exact in both
   // tensors: same_quantized_ranges, one element type, aligned stores), else

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
-# PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
+# PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -355,7 +355,12 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     # with PROFILE_KERNEL="decode_|rotate_group": each kernel's duration,
     # quickly, and no per-line source export);
     # PROFILE_SKIP the matched launches skipped first (default 1: a warm-up;
-    # a whole decode call's kernels with PROFILE_KERNEL matching them all).
+    # a whole decode call's kernels with PROFILE_KERNEL matching them all);
+    # PROFILE_CACHE=none keeps the caches as the kernel before left them
+    # (ncu flushes them before each profiled kernel by default: the rotation
+    # matrices and the split states then come from memory, which in a
+    # decode call they do not).
+    cache_flags="--cache-control ${PROFILE_CACHE:-all}"
     sections="SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats MemoryWorkloadAnalysis SourceCounters"
     section_flags=$(for s in ${PROFILE_SECTIONS:-$sections}; do printf -- '--section %s ' "$s"; done)
     for method in ${PROFILE_METHODS:-rtn}; do for batch in ${PROFILE_BATCH:-8}; do
@@ -371,7 +376,7 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       # adds int2-rot's query rotation: a bare "rotate" also matches the
       # bench's prefill append, append_token_rotated_kernel).
       timeout 150 ncu --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-decode_int8}" --launch-skip "${PROFILE_SKIP:-1}" \
-        --launch-count "${PROFILE_LAUNCHES:-1}" $section_flags \
+        --launch-count "${PROFILE_LAUNCHES:-1}" $section_flags $cache_flags \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         --import-source yes -f -o "$LOGS/ncu_$name" \
         ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches "$batch" --methods "$method" --bits 2 \

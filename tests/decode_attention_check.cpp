@@ -438,7 +438,11 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
           << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
-    if (plan.tensor_cores) EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0 ? c.exact_chunk_tokens : 64) << c.name;
+    // The planner's chunk: the exact kernel's two passes, the general kernel's one.
+    if (plan.tensor_cores) {
+      EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0 ? c.exact_chunk_tokens : plan.exact_kernel ? 128 : 64)
+          << c.name;
+    }
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
     // plans the same launch; the one-call launcher runs first, the planner's
     // second launch (from its cache) writes the output checked below.
@@ -506,7 +510,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   std::string exact_ranges = plan.exact_splits == 0 ? ""
                              : plan.exact_kernel    ? " and the exact kernel's ranges"
                                                     : " and the general kernel's exact ranges";
-  if (plan.exact_splits > 0 && plan.exact_chunk != 64) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
+  if (plan.exact_splits > 0) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
   std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
               plan.rotate_queries_first ? "queries rotated first, " : "",
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")

@@ -75,7 +75,7 @@ struct DecodeCase : KernelCase {
   // Not kAuto: the int8 kernel's steps the launch must take (the plan's,
   // checked), and their step length in the bound.
   kernels::Int8Steps int8_steps = kernels::Int8Steps::kAuto;
-  // DecodeParams::exact_chunk_tokens (0: the planner's 64); the plan's,
+  // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
   // checked.
   int32_t exact_chunk_tokens = 0;
 };

@@ -137,10 +137,11 @@ std::vector<Case> cases() {
     all.push_back(merge_heads);
     // decode_exact_kernel over chunks that reach all four of its warps (the
     // other cases' sink of 4 and window of 16 fill one warp's 16 tokens):
-    // a sink of 40 and a window of 100 (chunks of 40, 64 and 36; the ring's
-    // rows wrap) in bf16 rows at GQA 1 (head_dim 64, its heads padded to 4),
-    // int2-rot's own sink of 64 and window of 256 in float32 rows at GQA 8
-    // (head_dim 128, with the bf16 tensor cores).
+    // a sink of 40 and a window of 100 in one-pass chunks (of 40, 64 and
+    // 36; the ring's rows wrap) in bf16 rows at GQA 1 (head_dim 64, its
+    // heads padded to 4), int2-rot's own sink of 64 and window of 256 in
+    // the default chunks of 128 in float32 rows at GQA 8 (head_dim 128, with
+    // the bf16 tensor cores).
     const auto exact_rows = [](Case c, ElementType element, int64_t sink, int64_t residual,
                                std::vector<int64_t> lengths) {
       c.element = element;
@@ -149,10 +150,12 @@ std::vector<Case> cases() {
       c.lengths = std::move(lengths);
       return c;
     };
-    all.push_back(exact_rows(
+    Case one_pass = exact_rows(
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_bf16_rows_2bit_d64_gqa1", 2, 64, 2)),
               k4),
-        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000}));
+        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000});
+    one_pass.exact_chunk_tokens = 64;
+    all.push_back(one_pass);
     all.push_back(exact_rows(
         with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16),
         ElementType::kFloat32, 64, 256, {1, 64, 65, 320, 321, 700, 4099}));
@@ -348,7 +351,7 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
 
 // On the GPU (the plan asks the device for its residency): the exact
 // blocks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
-// of 64 and window of 256 take 5 blocks of 64 (the default), 3 of 128, 2 of
+// of 64 and window of 256 take 5 blocks of 64, 3 of 128 (the default), 2 of
 // 256 or of 320.
 TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
@@ -359,11 +362,11 @@ TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
       params.batch.max_length = 32768;
       ASSERT_EQ(params.key_cache.layout.spec.sink_tokens, 64);
       ASSERT_EQ(params.key_cache.layout.ring_capacity, 256);
-      for (const auto& [chunk, blocks] : {std::pair{0, 5}, std::pair{64, 5}, std::pair{128, 3}, std::pair{256, 2},
+      for (const auto& [chunk, blocks] : {std::pair{0, 3}, std::pair{64, 5}, std::pair{128, 3}, std::pair{256, 2},
                                           std::pair{320, 2}}) {
         params.exact_chunk_tokens = chunk;
         const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
-        EXPECT_EQ(plan.exact_chunk, chunk == 0 ? 64 : chunk);
+        EXPECT_EQ(plan.exact_chunk, chunk == 0 ? 128 : chunk);
         EXPECT_EQ(plan.exact_splits, blocks) << chunk;
         EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
       }
