@@ -179,15 +179,6 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
-// ldmatrix.m8n8.x4.trans (int8_mma_fragments.h, "values by ldmatrix"):
-// lane l gives the shared address of row l % 8 of matrix l / 8.
-__device__ inline void load_matrices_transposed(uint32_t (&d)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(address)
-               : "memory");
-}
-
 // Where 16-byte chunk `block` of token row `row` lies in a stage's value
 // codes (one value group per row), in chunks, so that the 8 rows one
 // ldmatrix matrix reads fall in 8 different groups of 4 banks: with two

@@ -76,6 +76,16 @@ __device__ inline uint32_t codes_bf16x2(uint32_t word, int shift) {
   return bf16x2_bits(v);
 }
 
+// ldmatrix.m8n8.x4.trans (the int8 kernel's values, int8_mma_fragments.h
+// "values by ldmatrix"; the exact kernel's bf16 value rows): lane l gives
+// the shared address of row l % 8 of matrix l / 8.
+__device__ inline void load_matrices_transposed(uint32_t (&d)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(address)
+               : "memory");
+}
+
 __device__ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

@@ -277,6 +277,10 @@ double io_unit(ElementType io) {
 //   logits: |delta s| <= scale (2^-16 + (D + 16) 2^-23) 3 sum_d |q'_d| max |k'|,
 //     moving the output by <= 4 |delta s| max ||v'||;
 //   values: |delta o_d| <= (2^-16 + 32 * 2^-23) 3 max |v'|.
+// The exact kernel's bf16 rows (its tensor-core passes, beside either
+// tensor-core kernel) enter exactly against hi + lo queries and weights:
+// within the terms above (|k| <= max |k'|, p <= 1), which the 8-bit
+// kernel's below exceed.
 // The 8-bit integer kernel (plan.int8; kernels/decode_int8_kernel.cuh)
 // instead: each q'_d (times its channel scale) within max |q'| / (127 * 256)
 // (two int8 parts; max |q'| <= ||q'||) of its value, against codes times a

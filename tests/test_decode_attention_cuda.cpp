@@ -159,6 +159,18 @@ std::vector<Case> cases() {
     all.push_back(exact_rows(
         with(decode_case(testing::int2rot_window_layout("int2rot_window_fp32_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16),
         ElementType::kFloat32, 64, 256, {1, 64, 65, 320, 321, 700, 4099}));
+    // bf16 rows take the exact kernel's tensor-core passes: at GQA 8 (all
+    // eight columns of the mma's N live) at head_dim 128 beside the bf16
+    // tensor cores and at head_dim 64 beside the int8 kernel (four k steps
+    // and value tiles; lengths inside a warp's 16, on a pass's edge and
+    // mid-window).
+    all.push_back(exact_rows(
+        with(decode_case(testing::int2rot_window_layout("int2rot_window_bf16_rows_4bit_d128_gqa8", 4, 128, 16)), kBf16),
+        ElementType::kBFloat16, 64, 256, {1, 9, 64, 65, 200, 320, 321, 700, 4099}));
+    all.push_back(exact_rows(
+        with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_bf16_rows_2bit_d64_gqa8", 2, 64, 16)),
+             kInt8),
+        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000}));
     // Longer exact chunks (DecodeParams::exact_chunk_tokens): blocks of
     // several 64-token passes whose warps carry their softmax states from
     // pass to pass. int2-rot's sink of 64 and window of 256 in blocks of 256
@@ -253,11 +265,12 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
                             c.name == "rtn_2bit_d128_gqa1" || c.name == "kivi_2bit_d128_gqa4" ||
                             c.name == "kivi_sliding_sink_4bit_d64_gqa1_page12" ||
                             c.name == "kivi_4bit_d128_gqa8_page64_fp32" || c.name == "int2rot_4bit_d64_gqa4_page12" ||
-                            c.name == "general_kivi_2bit_d128_gqa4" || c.name == "int2rot_window_fp32_rows_4bit_d128_gqa8";
+                            c.name == "general_kivi_2bit_d128_gqa4" || c.name == "int2rot_window_fp32_rows_4bit_d128_gqa8" ||
+                            c.name == "int2rot_window_bf16_rows_4bit_d128_gqa8";
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 17);
+  EXPECT_EQ(int8_cases, 18);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
