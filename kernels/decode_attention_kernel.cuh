@@ -400,48 +400,6 @@ __device__ void dequantize_tile(const PagedTensor& cache, const Dequantization& 
   }
 }
 
-// The next tile's lines of one tensor into L2 (prefetch.global.L2) while
-// the block scores this one: lane j of the warp takes the next tile's token
-// j, its code row, its per-token pair (per-token groupings) and its outlier
-// row pointer. `locate` reads the token's page id before the scores and
-// `issue` prefetches after them, so that the id's round trip does not hold
-// the warp up; dequantize_tile's loads of that tile then find L2 (kvquant's
-// general kernel waited on those loads 2.5 of its 14.6 cycles per issued
-// instruction, bench/results/ncu-decode-general-kvquant-h200-2026-12-02.md).
-// Exact tokens (outside the quantized range) are not prefetched.
-struct TilePrefetch {
-  int32_t page_id = -1, in_page = 0;
-
-  __device__ void locate(const PagedTensor& cache, const int32_t* page_row, int64_t tokens, int64_t first,
-                         int64_t last) {
-    const TensorLayoutSpec& spec = cache.layout.spec;
-    const TileReading reading(spec, tokens);
-    const int64_t token = first + static_cast<int64_t>(threadIdx.x % kWarpSize);
-    if (token >= last || token < reading.begin || token >= reading.end) return;
-    int32_t entry;
-    page_place(reading, static_cast<int32_t>(token) - spec.sink_tokens, entry, in_page);
-    page_id = page_row[entry];
-  }
-
-  __device__ void issue(const PagedTensor& cache, int head) const {
-    if (page_id < 0) return;
-    const TensorPageLayout& l = cache.layout;
-    const uint8_t* page = cache.pages + static_cast<int64_t>(page_id) * l.page_bytes;
-    const auto prefetch = [](const uint8_t* at) { asm volatile("prefetch.global.L2 [%0];" ::"l"(at)); };
-    prefetch(page + (head * l.spec.page_size + in_page) * static_cast<int32_t>(l.row_bytes));
-    if (l.group_pairs_per_token > 0) {
-      const int32_t per_head =
-          l.spec.grouping == ScaleGrouping::kPerToken ? l.spec.head_dim / l.spec.group : 1;
-      const PairPlace pairs = pair_place(l, head, per_head);
-      prefetch(page + pairs.base + in_page * pairs.token_stride);
-    }
-    if (l.outlier_spans > 0) {
-      const int32_t row = in_page * l.outlier_spans + (l.outlier_spans == 1 ? 0 : head);
-      prefetch(page + static_cast<int32_t>(l.row_pointers_offset) + row * static_cast<int32_t>(kRowPointerBytes));
-    }
-  }
-};
-
 // The outlier entries of the quantized tokens of a tile replace their
 // elements, for keys and values together, in two rounds of loads: each
 // token's row pointers (warp 0 the keys', warp 1 the values', lane j token
@@ -844,17 +802,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
       rope_tile<D>(rope_frequencies, tile_first, count, keys, kKeyStride);
     }
     __syncthreads();
-    // Warp 0 the next tile's keys, warp 1 its values (TilePrefetch: a lane a token).
-    static_assert(kTileTokens == kWarpSize, "a tile's tokens are a warp's lanes");
-    const PagedTensor& next_tensor = warp == 0 ? p.key_cache : p.value_cache;
-    TilePrefetch next;
-    if (warp < 2 && last - tile_first > kTileTokens) {
-      next.locate(next_tensor, page_row, tokens, tile_first + kTileTokens, last);
-    }
-    if (!scoring) {
-      next.issue(next_tensor, kv_head);
-      continue;
-    }
+    if (!scoring) continue;
     float score = -INFINITY;
     if (lane < count) {
       // One fma chain in d order, four elements of the query and the key
@@ -892,7 +840,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
       }
     }
     running_max = new_max;
-    next.issue(next_tensor, kv_head);
   }
   if (scoring) {
     const int64_t index =
