@@ -13,10 +13,10 @@
 //   - within a method's cases the variants: kvquant unrotated, tau outliers
 //     in bf16, rotated (pair angles on the keys, a matrix on the values);
 //     kivi block flush and sliding keys with a sink; int2-rot with and
-//     without a key centre; rtn plain and with grouped outliers; pages of 12,
+//     without a key centre (without: bf16 rows); rtn plain and with grouped outliers; pages of 12,
 //     16 and 64 tokens, one split and splits of 64 to 2048 tokens;
 //   - long contexts: 131072 and 65536 tokens for kvquant and int2-rot at
-//     2 bits (batch 1 and 2).
+//     2 bits (batch 1 and 2; int2-rot's 128K in bf16 rows).
 // The CPU side (the reference cache, its decode and float64 attention over
 // every token) runs in parallel where it can; each case prints its worst
 // ratios and its CPU and GPU seconds. MatrixDesign runs without a GPU: the
@@ -124,9 +124,10 @@ Case design_case(const DesignRow& row, int variant, int64_t batch, uint32_t seed
       c.fit.sink_tokens = 4;
       c.fit.residual_tokens = 16;
       c.key_rotation = c.value_rotation = RotationForm::kMatrix;
-      if (variant == 0) {  // no centre, page 12
-        variant_name = "rotated_page12";
+      if (variant == 0) {  // no centre, page 12, bf16 rows (the exact kernel's tensor-core passes)
+        variant_name = "rotated_page12_bf16";
         c.page_size = 12;
+        c.element = ElementType::kBFloat16;
       } else {  // a key centre; splits of 128 at GQA 8
         variant_name = "rotated_centred";
         c.key_centre = true;
@@ -174,7 +175,9 @@ std::vector<Case> long_context_cases() {
     all.push_back(c);
   }
   {
-    Case c = testing::make_decode_case("long_int2rot_rotated_2bit_d128_gqa8_128k", QuantMethod::kInt2Rot, 2, 128, 16);
+    Case c = testing::make_decode_case("long_int2rot_rotated_bf16_2bit_d128_gqa8_128k", QuantMethod::kInt2Rot, 2, 128,
+                                       16);
+    c.element = ElementType::kBFloat16;  // the exact kernel's tensor-core passes
     c.fit.sink_tokens = 4;
     c.fit.residual_tokens = 64;
     c.key_rotation = c.value_rotation = RotationForm::kMatrix;
