@@ -31,8 +31,12 @@
 // at one or two warps per scheduler a chain of ~5.6 cycles each: 14 us for
 // batch 8's 192 blocks of 32K tokens, 30 us for batch 32's 768 (ncu, H200,
 // bench/results/ncu-decode-int2rot-warm-durations-h200-2026-12-03.txt),
-// much of it after the int8 kernel's single wave. fp16 and float32 rows
-// keep the float32 path.
+// much of it after the int8 kernel's single wave. On tensor cores it took
+// 13.6 and 27.9 us (the same file): a block's time is mostly its chain of
+// memory round trips (its first key rows, the queries, each pass's value
+// rows, its state), which this does not shorten; it keeps the pass's
+// instructions several times fewer and no register spills. fp16 and
+// float32 rows keep the float32 path.
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
 
