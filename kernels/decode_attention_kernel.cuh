@@ -636,10 +636,12 @@ inline constexpr int kExactPass = 64;
 // decode_exact_kernel's default chunk: two passes, so that int2-rot's sink
 // and window of 256 tokens take 3 blocks per sequence and KV head. Swept
 // at 32K and 128K tokens, batch 1, 8 and 32 (H200,
-// bench/results/decode-attention-exact-chunks-h200-2026-12-03.json): 128
-// was as fast as 64 or faster at every point (-1.6% at 32K batch 32),
-// 256 and 320 30% slower at 32K batch 1. The general kernel's exact
-// ranges (KIVI's) keep one pass a block (DecodePlan::exact_chunk).
+// bench/results/decode-attention-exact-chunks-h200-2026-12-03.json and,
+// 64 in the same run as the default 128,
+// decode-attention-general-l2-prefetch-h200-2026-12-03.json): 128 within
+// 0.5% of 64 or faster at every point (-1.6 to -1.9% at 32K batch 32), 256
+// and 320 30% slower at 32K batch 1. The general kernel's exact ranges
+// (KIVI's) keep one pass a block (DecodePlan::exact_chunk).
 inline constexpr int kExactChunk = 2 * kExactPass;
 
 // Which tokens block x of decode_split_kernel takes, and which state it writes:
