@@ -23,7 +23,9 @@
 // (append_per_sequence_time_us, _latency_us, _host_us, _device_us; equal to
 // the first where the layout has no token-parallel kernel),
 // and the decode launch's host side with and without a DecodePlanner's
-// cached device facts (decode_host_us, decode_host_us_replanning);
+// cached device facts (decode_host_us, decode_host_us_replanning), and the
+// same decode replayed from a CUDA graph (graph_time_us, graph_host_us; or
+// graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general) and `splits`, `exact_splits`, `exact_first`,
 // `exact_kernel`, `rotate_queries_first`, `wide_merge` and `merge_heads` its plan (kernels::DecodePlan), `int8_steps` the int8
@@ -52,6 +54,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -60,6 +63,7 @@
 #include "bench/busy_wait.h"
 #include "bench/decode_bench_config.h"
 #include "kernels/cuda_backend.h"
+#include "kernels/cuda_graph.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
@@ -81,7 +85,7 @@ double median(std::vector<double> values) {
 // it a launch whose host side (planning, enqueueing) outlasts its kernels,
 // as at batch 1, would be timed at the host's pace. The host side is
 // measured on its own (decode_host_us).
-double median_us(const std::function<void()>& work, int repeats) {
+double median_us(const std::function<void()>& work, int repeats, cudaStream_t stream = nullptr) {
   for (int i = 0; i < 3; ++i) work();
   KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<double> times;
@@ -89,10 +93,10 @@ double median_us(const std::function<void()>& work, int repeats) {
   KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
   KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < repeats; ++i) {
-    busy_wait_on(nullptr, 300'000);  // 300 us: longer than any enqueue here
-    KVFORGE_CUDA_CHECK(cudaEventRecord(start));
+    busy_wait_on(stream, 300'000);  // 300 us: longer than any enqueue here
+    KVFORGE_CUDA_CHECK(cudaEventRecord(start, stream));
     work();
-    KVFORGE_CUDA_CHECK(cudaEventRecord(stop));
+    KVFORGE_CUDA_CHECK(cudaEventRecord(stop, stream));
     KVFORGE_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
     KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
@@ -101,6 +105,36 @@ double median_us(const std::function<void()>& work, int repeats) {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return median(std::move(times));
+}
+
+// The planned decode replayed from a CUDA graph (kernels::CapturedGraph,
+// a server's decoding step): the replay's device time (median_us on the
+// capture's stream) and cudaGraphLaunch's host side, as columns; a capture
+// or replay the runtime refuses is reported (graph_error) and the other
+// columns kept.
+nlohmann::json graph_replay_columns(const kernels::DecodeParams& params, int repeats) {
+  try {
+    cudaStream_t raw_stream = nullptr;
+    KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
+    const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream(raw_stream, cudaStreamDestroy);
+    kernels::DecodePlanner planner;
+    const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(
+        stream.get(), [&](cudaStream_t capturing) { planner.launch(params, capturing); });
+    const double time_us = median_us([&] { graph.launch(stream.get()); }, repeats, stream.get());
+    std::vector<double> host_us;
+    for (int i = 0; i < repeats; ++i) {
+      busy_wait_on(stream.get(), 2'000'000);
+      const auto begin = std::chrono::steady_clock::now();
+      graph.launch(stream.get());
+      host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
+      KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    }
+    return {{"graph_time_us", time_us}, {"graph_host_us", median(std::move(host_us))}};
+  } catch (const std::exception& e) {
+    cudaDeviceSynchronize();  // the refused work drained, its error (not a sticky one) cleared below
+    cudaGetLastError();
+    return {{"graph_error", e.what()}};
+  }
 }
 
 // A comma-separated list option of positive multiples of `multiple`,
@@ -427,6 +461,7 @@ int run(int argc, char** argv) {
                                 {"append_per_sequence_latency_us", per_sequence.latency_us},
                                 {"append_per_sequence_host_us", per_sequence.host_us},
                                 {"append_per_sequence_device_us", per_sequence.device_us}};
+          row.update(graph_replay_columns(params, repeats));
           // Another kernel choice on the same cache and queries: its time,
           // splits and speedup as the `prefix`ed columns; returns its plan.
           const auto time_choice = [&](kernels::DecodeParams other, const std::string& prefix) {

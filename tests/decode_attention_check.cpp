@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda_graph.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/element_conversion.h"
@@ -45,31 +46,18 @@ void* DeviceArrays::copy_bytes(const void* host, int64_t bytes) {
 namespace {
 
 // A decode step as a server replays it: planner.launch captured from a
-// stream into a CUDA graph (relaxed capture: the launch sets kernel
-// attributes, which are not stream work), instantiated and launched once
-// on that stream into an output cleared first; returns the output's bytes.
-// The handles are released on every path (unique_ptr deleters).
+// non-blocking stream into a CUDA graph (kernels::CapturedGraph), launched
+// once on that stream into an output cleared first; returns the output's
+// bytes.
 std::vector<uint8_t> replay_in_graph(kernels::DecodePlanner& planner, const kernels::DecodeParams& on_device,
                                      size_t output_bytes) {
   cudaStream_t raw_stream = nullptr;
   KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
   const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream(raw_stream, cudaStreamDestroy);
   KVFORGE_CUDA_CHECK(cudaMemsetAsync(on_device.output, 0, output_bytes, stream.get()));
-  KVFORGE_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeRelaxed));
-  cudaGraph_t raw_graph = nullptr;
-  try {
-    planner.launch(on_device, stream.get());
-  } catch (...) {
-    cudaStreamEndCapture(stream.get(), &raw_graph);
-    if (raw_graph != nullptr) cudaGraphDestroy(raw_graph);
-    throw;
-  }
-  KVFORGE_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &raw_graph));
-  const std::unique_ptr<CUgraph_st, decltype(&cudaGraphDestroy)> graph(raw_graph, cudaGraphDestroy);
-  cudaGraphExec_t raw_exec = nullptr;
-  KVFORGE_CUDA_CHECK(cudaGraphInstantiate(&raw_exec, graph.get(), 0));
-  const std::unique_ptr<CUgraphExec_st, decltype(&cudaGraphExecDestroy)> exec(raw_exec, cudaGraphExecDestroy);
-  KVFORGE_CUDA_CHECK(cudaGraphLaunch(exec.get(), stream.get()));
+  const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(
+      stream.get(), [&](cudaStream_t capturing) { planner.launch(on_device, capturing); });
+  graph.launch(stream.get());
   std::vector<uint8_t> replayed(output_bytes);
   KVFORGE_CUDA_CHECK(
       cudaMemcpyAsync(replayed.data(), on_device.output, output_bytes, cudaMemcpyDeviceToHost, stream.get()));
