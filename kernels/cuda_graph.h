@@ -4,7 +4,8 @@
 // paying every launch's host time again. The capture freezes what the
 // launches were given: kernel parameters (device pointers, the batch count,
 // the plan's splits, worked out from batch.max_length, so plan for the
-// longest context the graph will serve) are those of the capture; a replay
+// longest context the graph will serve, or with 0 for the page table's
+// capacity) are those of the capture; a replay
 // reads the device memory they point at as it is then (queries, lengths,
 // slots, page tables, pages), so a server updates those in place between
 // replays. Captured in relaxed mode: the launches set kernel attributes,
