@@ -118,6 +118,7 @@ nlohmann::json graph_replay_columns(const kernels::DecodeParams& params, int rep
     KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
     const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream(raw_stream, cudaStreamDestroy);
     kernels::DecodePlanner planner;
+    planner.plan(params);  // the device's facts asked before the capture, as a server's planner has them
     const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(
         stream.get(), [&](cudaStream_t capturing) { planner.launch(params, capturing); });
     const double time_us = median_us([&] { graph.launch(stream.get()); }, repeats, stream.get());
