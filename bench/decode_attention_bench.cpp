@@ -65,6 +65,7 @@
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_graph.h"
 #include "kernels/cuda_runtime_check.h"
+#include "kernels/cuda_stream.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
 
@@ -114,9 +115,7 @@ double median_us(const std::function<void()>& work, int repeats, cudaStream_t st
 // columns kept.
 nlohmann::json graph_replay_columns(const kernels::DecodeParams& params, int repeats) {
   try {
-    cudaStream_t raw_stream = nullptr;
-    KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
-    const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream(raw_stream, cudaStreamDestroy);
+    const kernels::CudaStream stream;
     kernels::DecodePlanner planner;
     planner.plan(params);  // the device's facts asked before the capture, as a server's planner has them
     const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(

@@ -8,12 +8,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "kernels/cuda_graph.h"
 #include "kernels/cuda_runtime_check.h"
+#include "kernels/cuda_stream.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/element_conversion.h"
 #include "tests/kernel_activations.h"
@@ -51,9 +51,7 @@ namespace {
 // bytes.
 std::vector<uint8_t> replay_in_graph(kernels::DecodePlanner& planner, const kernels::DecodeParams& on_device,
                                      size_t output_bytes) {
-  cudaStream_t raw_stream = nullptr;
-  KVFORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));
-  const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream(raw_stream, cudaStreamDestroy);
+  const kernels::CudaStream stream;
   KVFORGE_CUDA_CHECK(cudaMemsetAsync(on_device.output, 0, output_bytes, stream.get()));
   const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(
       stream.get(), [&](cudaStream_t capturing) { planner.launch(on_device, capturing); });
