@@ -1,9 +1,9 @@
 #pragma once
 // A CUDA stream owned for its lifetime (non-blocking: it does not wait for
 // the legacy default stream), for host code that needs a stream of its own,
-// such as a graph capture (kernels::CapturedGraph refuses the legacy
-// default stream). Destroyed with the object; work queued on it is not
-// waited for.
+// such as a graph capture (CUDA does not capture the legacy default stream:
+// kernels::CapturedGraph). Destroyed with the object; work queued on it is
+// not waited for.
 #include <cuda_runtime.h>
 
 #include <memory>
