@@ -61,6 +61,13 @@ void check_params(const DecodeParams& p) {
   for (const Dequantization* dq : {&p.key_dequantization, &p.value_dequantization}) {
     if (dq->levels == nullptr) refuse("a null level table");
   }
+  // The merge stages R_v by 16-byte copies (device::rotate_from_staged).
+  for (const Rotation* rotation : {&p.key_rotation, &p.value_rotation}) {
+    if (rotation->kind == RotationKind::kMatrix &&
+        (rotation->matrix == nullptr || (reinterpret_cast<uintptr_t>(rotation->matrix) & 15u) != 0)) {
+      refuse("a matrix rotation: expected a non-null, 16-byte aligned [kv_heads][D][D] float32 matrix");
+    }
+  }
   switch (p.int8_steps) {
     case Int8Steps::kAuto:
     case Int8Steps::kSteps32:
@@ -411,6 +418,21 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
   }
 }
 
+// The merge as the split kernels' dependent: it launches while they run
+// and waits for them (device::wait_for_prerequisite_grid). A rotated output
+// in a block that stages R_v takes merge_rotation_shared_bytes of dynamic
+// shared memory, beyond the 48 KB a block gets without asking.
+template <int D, int kParts, int kHeads>
+void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace, dim3 grid, cudaStream_t stream) {
+  constexpr auto kernel = device::decode_merge_kernel<D, kParts, kHeads>;
+  const bool staged = p.value_rotation.kind == RotationKind::kMatrix;
+  const int shared_bytes = staged ? device::merge_rotation_shared_bytes<D, kParts, kHeads>() : 0;
+  if (shared_bytes > 0) {
+    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  }
+  launch(kernel, grid, device::merge_threads<D, kParts, kHeads>(), shared_bytes, stream, true, p, workspace);
+}
+
 template <int D>
 void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                          cudaStream_t stream) {
@@ -419,19 +441,16 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   } else {
     launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
-  // The merge as the split kernels' dependent: it launches while they run
-  // and waits for them (device::wait_for_prerequisite_grid).
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
   if (plan.wide_merge) {
-    launch(device::decode_merge_kernel<D, device::kMergeMaxParts, 1>, grid,
-           device::merge_threads<D, device::kMergeMaxParts>(), 0, stream, true, p, workspace);
+    launch_merge<D, device::kMergeMaxParts, 1>(p, workspace, grid, stream);
   } else if (plan.merge_heads == device::kMergeGroupHeads) {
     constexpr int kHeads = device::kMergeGroupHeads;
-    const dim3 group_grid(static_cast<unsigned>(p.num_heads / kHeads), static_cast<unsigned>(p.batch.count));
-    launch(device::decode_merge_kernel<D, 1, kHeads>, group_grid, device::merge_threads<D, 1, kHeads>(), 0, stream,
-           true, p, workspace);
+    launch_merge<D, 1, kHeads>(p, workspace,
+                               dim3(static_cast<unsigned>(p.num_heads / kHeads), static_cast<unsigned>(p.batch.count)),
+                               stream);
   } else {
-    launch(device::decode_merge_kernel<D, 1, 1>, grid, device::merge_threads<D, 1>(), 0, stream, true, p, workspace);
+    launch_merge<D, 1, 1>(p, workspace, grid, stream);
   }
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "kernels/angle_reduction.h"
+#include "kernels/async_copy.cuh"
 #include "kernels/decode_params.h"
 #include "kernels/fixed_divisor.h"
 #include "kernels/pair_affine.h"
@@ -894,15 +895,89 @@ template <int kParts, int kHeads>
 constexpr int merge_min_blocks() {
   return kParts > 1 ? 1 : 8 / kHeads;
 }
+// Whether a block that rotates its output back stages the whole R_v of its
+// KV head in shared memory (by cp.async, issued before it waits for the
+// split kernels, so the copies overlap their tail) and rotates from there:
+// blocks of several thread groups or heads (the wide merge at batch 1, the
+// GQA group's four heads from batch 8). Their warps' dot products over rows
+// held in registers had loaded the second half of each warp's rows after
+// the wait (an L2 round trip on the critical path) and reduced each (row,
+// head) by a 5-shuffle warp sum. The one-group, one-head blocks keep those
+// register rows: at batch 32 their 1024 blocks would read 64 MB of R_v
+// into shared memory and run in waves of three.
+template <int kParts, int kHeads>
+constexpr bool merge_stages_rotation() {
+  return kParts * kHeads > 1;
+}
+// The staged rotation's dynamic shared memory: R_v (D x D float32, each
+// row's 16-byte chunks XOR-swizzled by the row's index mod 8) and the
+// column groups' partial dot products (merge_threads() / D groups of
+// kHeads x D).
+template <int D, int kParts, int kHeads>
+constexpr int merge_rotation_shared_bytes() {
+  constexpr int kGroups = merge_threads<D, kParts, kHeads>() / D;
+  return merge_stages_rotation<kParts, kHeads>()
+             ? static_cast<int>(sizeof(float)) * (D * D + kGroups * kHeads * D)
+             : 0;
+}
+// Chunk c (4 floats) of row r of the staged R_v: at chunk c ^ (r mod 8) of
+// that row, so that 8 lanes reading chunk c of 8 consecutive rows (one
+// 16-byte load's phase) hit 8 different groups of 4 banks.
+template <int D>
+__device__ inline int staged_rotation_offset(int row, int chunk) {
+  return row * D + 4 * (chunk ^ (row & 7));
+}
+
+// o = o' R_v^T for the kHeads heads of `merged_rows` from the R_v staged
+// in `staged` (merge_rotation_shared_bytes; its copies still in flight),
+// into the output from element `output`: the merge block's kThreads
+// threads together (see decode_merge_kernel).
+template <int D, int kThreads, int kHeads>
+__device__ inline void rotate_from_staged(const DecodeParams& p, float* staged, const float (&merged_rows)[kHeads][D],
+                                          int64_t output) {
+  constexpr int kGroups = kThreads / D, kGroupChunks = D / 4 / kGroups;
+  static_assert(kThreads % D == 0 && kGroups > 1 && (D / 4) % kGroups == 0 && kHeads * D <= kThreads,
+                "the staged rotation's column groups split the row's chunks evenly");
+  float* const partial = staged + D * D;  // [kGroups][kHeads][D]
+  copy_async_wait<0>();
+  __syncthreads();  // R_v and o' (merged_rows) complete
+  const int row = threadIdx.x % D, group = threadIdx.x / D;
+  float dot[kHeads];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
+#pragma unroll
+  for (int c = group * kGroupChunks; c < (group + 1) * kGroupChunks; ++c) {
+    const float4 m = *reinterpret_cast<const float4*>(staged + staged_rotation_offset<D>(row, c));
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      const float4 o = *reinterpret_cast<const float4*>(&merged_rows[h][4 * c]);
+      dot[h] = __fmaf_rn(o.w, m.w, __fmaf_rn(o.z, m.z, __fmaf_rn(o.y, m.y, __fmaf_rn(o.x, m.x, dot[h]))));
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) partial[(group * kHeads + h) * D + row] = dot[h];
+  __syncthreads();
+  if (threadIdx.x < kHeads * D) {
+    const int h = threadIdx.x / D, r = threadIdx.x % D;
+    float sum = partial[h * D + r];
+#pragma unroll
+    for (int g = 1; g < kGroups; ++g) sum = __fadd_rn(sum, partial[(g * kHeads + h) * D + r]);
+    store_io(p.io, p.output, output + h * D + r, sum);
+  }
+}
 
 // One block of merge_threads<D, kParts, kHeads>() threads per kHeads query
 // heads (of one KV head) and sequence entry: the non-empty split states
 // merged (M = max m_k, L = sum l_k e^(m_k - M), o' = sum acc_k e^(m_k - M) /
 // L; FlashInfer's merge_state, in its own order: each group's fma chain over
-// its states, then the groups in order), then o = o' R_v^T, each row of R_v
-// one warp's dot products with the kHeads heads' o' (its first
-// merge_matrix_rows() rows loaded before the split kernels end: launched as
-// their dependent, the merge runs its preamble while they do).
+// its states, then the groups in order), then o = o' R_v^T. Staged
+// (merge_stages_rotation): thread (g, r) of the block's D-thread groups
+// sums columns [g D / G, (g + 1) D / G) of row r of the staged R_v with
+// each head's o' (4-column chunks in order), and the G partial sums of
+// (head, r) are added in group order. Else each row of R_v is one warp's
+// dot products with o' (its first merge_matrix_rows() rows loaded before
+// the split kernels end). Launched as their dependent, the merge runs its
+// preamble (the rows' loads or copies) while they do.
 template <int D, int kParts, int kHeads>
 __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_blocks<kParts, kHeads>())
     decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
@@ -917,7 +992,7 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
   __shared__ float weights[kHeads][kRound];
   __shared__ float parts[kHeads][kParts][D];
   __shared__ float reduce[kHeads][kHeadWarps];
-  __shared__ float merged_rows[kHeads][D];
+  __shared__ __align__(16) float merged_rows[kHeads][D];
   const int first_head = blockIdx.x * kHeads, entry = blockIdx.y, t = threadIdx.x;
   const int local = t / kHeadThreads, ht = t % kHeadThreads;  // the thread's head in the block, its index there
   const int head = first_head + local;
@@ -936,7 +1011,19 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
       for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(first_row + r) * D + lane + kWarpSize * j];
     }
   };
-  if (rotated) load_matrix_rows(warp * kRowsPerWarp);
+  constexpr bool kStaged = merge_stages_rotation<kParts, kHeads>();
+  extern __shared__ __align__(16) uint8_t dynamic_shared[];
+  float* const staged = reinterpret_cast<float*>(dynamic_shared);
+  if (rotated && kStaged) {
+    constexpr int kChunks = D / 4;
+    for (int i = t; i < D * kChunks; i += kThreads) {
+      const int row = i / kChunks, chunk = i % kChunks;
+      copy_async<16>(staged + staged_rotation_offset<D>(row, chunk), matrix + row * D + 4 * chunk);
+    }
+    copy_async_commit();
+  } else if (rotated) {
+    load_matrix_rows(warp * kRowsPerWarp);
+  }
   wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
   const int64_t states = workspace.max_splits;
   const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
@@ -1000,6 +1087,11 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
     }
   }
   if (!rotated) return;
+  if constexpr (kStaged) {
+    rotate_from_staged<D, kThreads, kHeads>(p, staged, merged_rows,
+                                             (static_cast<int64_t>(entry) * p.num_heads + first_head) * D);
+    return;
+  }
   __syncthreads();  // o' in merged_rows: every warp reads all of it
   float merged[kHeads][kRowWords];
 #pragma unroll
