@@ -336,6 +336,42 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   auto& out = *reinterpret_cast<Int8Out<D>*>(
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
+  // This warp's steps: a contiguous run of the split's.
+  const int64_t steps = (last - first + kStepTokens - 1) / kStepTokens;
+  const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
+  const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
+  // The run in 32 bits from its first token (a split is far under 2^31
+  // tokens): its steps and tokens; the last step may be partial.
+  const int64_t run_first = first + step_begin * kStepTokens;
+  const int32_t run_steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
+  const int32_t run_tokens =
+      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kStepTokens ? last - run_first
+                                                                               : int64_t{run_steps} * kStepTokens);
+  const int page_size = kl.spec.page_size;
+  // Lane j's token of the next stage to issue: its page's index in the page
+  // table and its slot there, advanced by 32 tokens per stage (one division
+  // per block, not two per step), and its page id, read one step ahead so
+  // that no issue waits on the page table. Keys and values share the page
+  // table and, at 2 bits both, the rows' offsets in a page.
+  // (By shifts at a power-of-two page size: on the way to the first page
+  // table load, where a 64-bit division is a subroutine call.)
+  const FixedDivisor per_page(static_cast<uint32_t>(page_size));
+  const auto step_pages = static_cast<int32_t>(per_page.quotient(kInt8StepTokens));
+  const auto step_rest = static_cast<int32_t>(per_page.remainder(kInt8StepTokens));
+  int32_t next_page_index = 0, next_in_page = 0;
+  {
+    const int64_t s_index = run_first + lane - sink;
+    if (s_index <= int64_t{0xffffffff}) {
+      next_page_index = static_cast<int32_t>(per_page.quotient(static_cast<uint32_t>(s_index)));
+      next_in_page = static_cast<int32_t>(per_page.remainder(static_cast<uint32_t>(s_index)));
+    } else {
+      next_page_index = static_cast<int32_t>(s_index / page_size);
+      next_in_page = static_cast<int32_t>(s_index % page_size);
+    }
+  }
+  // Loaded before the queries (before the wait for them where they were
+  // rotated first): its round trip to memory overlaps theirs.
+  int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
                                               shared.raw_query, &out[0][0][0],
@@ -345,10 +381,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                           *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
   }
 
-  // This warp's steps: a contiguous run of the split's.
-  const int64_t steps = (last - first + kStepTokens - 1) / kStepTokens;
-  const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
-  const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
   // B column g's head (zeros past the group); packed: part
   // packed_part(g) of head packed_head(g).
   const int column_head = kPacked ? int8_mma::packed_head(g) : g;
@@ -491,36 +523,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
 
   Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
   const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  // The run in 32 bits from its first token (a split is far under 2^31
-  // tokens): its steps and tokens; the last step may be partial.
-  const int64_t run_first = first + step_begin * kStepTokens;
-  const int32_t run_steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
-  const int32_t run_tokens =
-      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kStepTokens ? last - run_first
-                                                                               : int64_t{run_steps} * kStepTokens);
-  const int page_size = kl.spec.page_size;
-  // Lane j's token of the next stage to issue: its page's index in the page
-  // table and its slot there, advanced by 32 tokens per stage (one division
-  // per block, not two per step), and its page id, read one step ahead so
-  // that no issue waits on the page table. Keys and values share the page
-  // table and, at 2 bits both, the rows' offsets in a page.
-  // (By shifts at a power-of-two page size: on the way to the first page
-  // table load, where a 64-bit division is a subroutine call.)
-  const FixedDivisor per_page(static_cast<uint32_t>(page_size));
-  const auto step_pages = static_cast<int32_t>(per_page.quotient(kInt8StepTokens));
-  const auto step_rest = static_cast<int32_t>(per_page.remainder(kInt8StepTokens));
-  int32_t next_page_index = 0, next_in_page = 0;
-  {
-    const int64_t s_index = run_first + lane - sink;
-    if (s_index <= int64_t{0xffffffff}) {
-      next_page_index = static_cast<int32_t>(per_page.quotient(static_cast<uint32_t>(s_index)));
-      next_in_page = static_cast<int32_t>(per_page.remainder(static_cast<uint32_t>(s_index)));
-    } else {
-      next_page_index = static_cast<int32_t>(s_index / page_size);
-      next_in_page = static_cast<int32_t>(s_index % page_size);
-    }
-  }
-  int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
   const auto value_page_bytes = static_cast<uint32_t>(vl.page_bytes);
   const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
