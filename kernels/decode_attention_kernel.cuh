@@ -879,14 +879,10 @@ constexpr int merge_per_part() {
 // rotations, and the merge took 13.4 us instead of 5.3 without them (ncu,
 // 32K tokens, H200).
 inline constexpr int kMergeGroupHeads = 4;
-// The value rotation's rows a warp holds at a time (lane l: columns
-// l + 32 j): four groups, 8; one, 4 (in 64 registers; a block of
-// kMergeGroupHeads heads: half of a warp's 8 rows, the 16 warps sharing
-// D = 128).
-template <int kParts>
-constexpr int merge_matrix_rows() {
-  return kParts > 1 ? 8 : 4;
-}
+// The value rotation's rows a warp of a one-group, one-head block holds at
+// a time (lane l: columns l + 32 j; in 64 registers). The other blocks
+// stage R_v in shared memory (merge_stages_rotation).
+inline constexpr int kMergeMatrixRows = 4;
 template <int D, int kParts, int kHeads = 1>
 constexpr int merge_threads() {
   return D * kParts * kHeads;
@@ -975,8 +971,8 @@ __device__ inline void rotate_from_staged(const DecodeParams& p, float* staged, 
 // sums columns [g D / G, (g + 1) D / G) of row r of the staged R_v with
 // each head's o' (4-column chunks in order), and the G partial sums of
 // (head, r) are added in group order. Else each row of R_v is one warp's
-// dot products with o' (its first merge_matrix_rows() rows loaded before
-// the split kernels end). Launched as their dependent, the merge runs its
+// dot products with o' (its first kMergeMatrixRows rows loaded before the
+// split kernels end). Launched as their dependent, the merge runs its
 // preamble (the rows' loads or copies) while they do.
 template <int D, int kParts, int kHeads>
 __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_blocks<kParts, kHeads>())
@@ -985,7 +981,7 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
   constexpr int kThreads = kHeadThreads * kHeads, kWarps = kThreads / kWarpSize;
   constexpr int kPerPart = merge_per_part<kParts>(), kRound = kParts * kPerPart;
   constexpr int kRowsPerWarp = D / kWarps, kRowWords = D / kWarpSize;
-  constexpr int kMatrixRows = kRowsPerWarp < merge_matrix_rows<kParts>() ? kRowsPerWarp : merge_matrix_rows<kParts>();
+  constexpr int kMatrixRows = kRowsPerWarp < kMergeMatrixRows ? kRowsPerWarp : kMergeMatrixRows;
   static_assert(D % kWarps == 0 && kRowsPerWarp % kMatrixRows == 0, "the rotation's rows split evenly over the warps");
   static_assert(kHeadThreads >= kRound, "a round's weights take one thread each");
   static_assert(kHeads == 1 || kParts == 1, "grouped heads with one thread group each");

@@ -61,7 +61,7 @@ enum class RotationKind : int32_t { kNone = 0, kMatrix = 1, kPairAngles = 2 };
 // One layer's rotation of keys or values (formats/kv_rotation.h).
 struct Rotation {
   RotationKind kind = RotationKind::kNone;
-  const float* matrix = nullptr;     // kMatrix: [kv_heads][D][D], x' = x R (row vectors)
+  const float* matrix = nullptr;     // kMatrix: [kv_heads][D][D], x' = x R (row vectors), 16-byte aligned
   const float* centre = nullptr;     // keys, kMatrix: [kv_heads][D], or null
   const double* pair_cos = nullptr;  // kPairAngles: [kv_heads][D/2], cos and sin of the float32 angle in float64
   const double* pair_sin = nullptr;

@@ -408,6 +408,34 @@ TEST(DecodeAttentionCudaRefusals, ExactChunksAreMultiplesOf64) {
   });
 }
 
+// A matrix rotation whose matrix is null or not 16-byte aligned (the merge
+// stages R_v by 16-byte copies) is refused in one line, before anything
+// reaches the device.
+TEST(DecodeAttentionCudaRefusals, MatrixRotationsAreNonNullAndAligned) {
+  for (const Case& c : cases()) {
+    if (c.name != "int2rot_rotated_2bit_d128_gqa8") continue;
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      const float* aligned = params.value_rotation.matrix;
+      for (const float* matrix : {static_cast<const float*>(nullptr), aligned + 1}) {
+        for (const bool keys : {true, false}) {
+          ASSERT_EQ((keys ? params.key_rotation : params.value_rotation).kind, kernels::RotationKind::kMatrix);
+          kernels::DecodeParams bad = params;
+          (keys ? bad.key_rotation : bad.value_rotation).matrix = matrix;
+          try {
+            kernels::launch_decode_attention(bad, nullptr);
+            ADD_FAILURE() << (keys ? "a key" : "a value") << " matrix at " << matrix << " was accepted";
+          } catch (const std::invalid_argument& e) {
+            EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+          }
+        }
+      }
+    });
+    return;
+  }
+  ADD_FAILURE() << "the int2rot_rotated case is gone";
+}
+
 TEST(DecodeAttentionCudaRefusals, BadParamsAreOneLine) {
   kernels::DecodeParams p;
   p.key_cache.layout.spec.head_dim = p.value_cache.layout.spec.head_dim = 96;
