@@ -13,7 +13,9 @@
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
 // Times are CUDA-event medians of --repeats launches after warm-up, each
 // queued behind a busy kernel so that the events time the device side
-// (the host side is measured on its own). FlashInfer
+// (the host side is measured on its own); the report's empty_kernel_us and
+// empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h).
+// FlashInfer
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
 // time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
@@ -62,6 +64,7 @@
 
 #include "bench/busy_wait.h"
 #include "bench/decode_bench_config.h"
+#include "bench/launch_floor.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_graph.h"
 #include "kernels/cuda_runtime_check.h"
@@ -255,6 +258,10 @@ int run(int argc, char** argv) {
     at::Tensor dst = at::empty_like(src);
     copy_bandwidth = 2.0 * static_cast<double>(n) / (median_us([&] { dst.copy_(src); }, repeats) * 1e-6);
   }
+  // The launch floor under the same timer: what a decode call pays before
+  // it reads a byte (batch 1's fixed cost, bench/README.md).
+  const double empty_kernel_us = median_us([] { launch_empty_kernel(nullptr); }, repeats);
+  const double empty_dependent_pair_us = median_us([] { launch_empty_dependent_pair(nullptr); }, repeats);
   const kernels::ModelDimensions dims = decode_bench_dimensions();
   nlohmann::json rows = nlohmann::json::array();
   for (const int64_t batch : batches) {
@@ -539,6 +546,8 @@ int run(int argc, char** argv) {
                                  {"command", command},
                                  {"arguments", arguments},
                                  {"copy_bandwidth_bytes_per_s", copy_bandwidth},
+                                 {"empty_kernel_us", empty_kernel_us},
+                                 {"empty_dependent_pair_us", empty_dependent_pair_us},
                                  {"rows", rows}};
   std::ofstream(out) << report.dump(1) << "\n";
   return 0;
