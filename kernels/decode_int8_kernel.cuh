@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     }
   }
   // Loaded before the queries (before the wait for them where they were
-  // rotated first): its round trip to memory overlaps theirs.
+  // rotated first), so that its round trip overlaps theirs (on the H200
+  // within noise of loading it after the key operands: bench/README.md).
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
