@@ -1,6 +1,7 @@
 #include "bench/launch_floor.h"
 
 #include "kernels/cuda_runtime_check.h"
+#include "kernels/programmatic_launch.cuh"
 
 namespace kvforge {
 namespace {
@@ -8,17 +9,9 @@ namespace {
 __global__ void empty_kernel() {}
 
 // Lets its dependent launch, as the decode's split kernels do.
-__global__ void empty_primary_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+__global__ void empty_primary_kernel() { kernels::allow_dependent_launch(); }
 
-__global__ void empty_dependent_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+__global__ void empty_dependent_kernel() { kernels::wait_for_prerequisite_grid(); }
 
 }  // namespace
 
@@ -28,18 +21,8 @@ void launch_empty_kernel(cudaStream_t stream) {
 }
 
 void launch_empty_dependent_pair(cudaStream_t stream) {
-  empty_primary_kernel<<<1, 32, 0, stream>>>();
-  KVFORGE_CUDA_CHECK(cudaGetLastError());
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(1);
-  config.blockDim = dim3(32);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, empty_dependent_kernel));
+  kernels::launch_kernel(empty_primary_kernel, dim3(1), 32, 0, stream, false);
+  kernels::launch_kernel(empty_dependent_kernel, dim3(1), 32, 0, stream, true);
 }
 
 }  // namespace kvforge

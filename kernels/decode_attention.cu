@@ -93,32 +93,11 @@ dim3 split_grid(const DecodeParams& p, int32_t blocks) {
               static_cast<unsigned>(p.batch.count));
 }
 
-// Launches `kernel` on `stream`; `dependent`: with programmatic stream
-// serialization (sm_90), so that its blocks may start while the kernel
-// before it still runs (device::allow_dependent_launch): the kernel must
-// wait for that one (device::wait_for_prerequisite_grid) before it reads
-// what it wrote, or, if it reads nothing of it, before it completes.
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream, bool dependent,
-            Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
-  KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
 template <int D, int kBits, int kWarps>
 void launch_splits(const DecodeParams& p, const device::SplitWorkspace& workspace,
                    const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream, bool dependent) {
   const dim3 grid = split_grid(p, blocks);
-  launch(device::decode_split_kernel<D, kBits, kWarps>, grid, kWarps * device::kWarpSize, 0, stream, dependent, p,
+  launch_kernel(device::decode_split_kernel<D, kBits, kWarps>, grid, kWarps * device::kWarpSize, 0, stream, dependent, p,
          workspace, assignment);
 }
 
@@ -171,7 +150,7 @@ void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& wo
                          bool dependent) {
   const dim3 grid = split_grid(p, blocks);
   prefer_max_shared_carveout(device::decode_exact_kernel<D, kHeads, E>);
-  launch(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
+  launch_kernel(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
          dependent, p, workspace, assignment);
 }
 
@@ -328,7 +307,7 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
   const dim3 grid = split_grid(p, plan.splits);
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    launch(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
+    launch_kernel(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
            device::TensorCoreSplits{plan.tokens_per_split});
   });
 }
@@ -385,7 +364,7 @@ template <int D>
 void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
   prefer_max_shared_carveout(device::rotate_group_queries_kernel<D>);
-  launch(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
+  launch_kernel(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
 }
 
 template <int D, int kBits>
@@ -419,7 +398,7 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
 }
 
 // The merge as the split kernels' dependent: it launches while they run
-// and waits for them (device::wait_for_prerequisite_grid). A rotated output
+// and waits for them (wait_for_prerequisite_grid). A rotated output
 // in a block that stages R_v takes merge_rotation_shared_bytes of dynamic
 // shared memory, beyond the 48 KB a block gets without asking.
 template <int D, int kParts, int kHeads>
@@ -430,7 +409,7 @@ void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace
   if (shared_bytes > 0) {
     KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
   }
-  launch(kernel, grid, device::merge_threads<D, kParts, kHeads>(), shared_bytes, stream, true, p, workspace);
+  launch_kernel(kernel, grid, device::merge_threads<D, kParts, kHeads>(), shared_bytes, stream, true, p, workspace);
 }
 
 template <int D>

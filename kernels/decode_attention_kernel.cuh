@@ -33,6 +33,7 @@
 #include "kernels/decode_params.h"
 #include "kernels/fixed_divisor.h"
 #include "kernels/pair_affine.h"
+#include "kernels/programmatic_launch.cuh"
 #include "kernels/tile_entries.h"
 #include "kernels/word_store_order.h"
 
@@ -688,25 +689,6 @@ __device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment
     first = end + (split - head_chunks) * chunk;
     last = first + chunk < tokens ? first + chunk : tokens;
   }
-}
-
-// Programmatic dependent launch (sm_90; no-ops where it is absent): a
-// kernel launched with programmatic stream serialization may start once
-// every block of the kernel before it has called allow_dependent_launch
-// (or exited), and wait_for_prerequisite_grid waits until that kernel has
-// completed and its writes are visible. decode_attention uses it so that
-// the exact ranges' blocks run beside the int8 kernel's (or fill its last
-// wave) and the merge launches while they run (kernels/decode_attention.cu,
-// launch_for_bits).
-__device__ inline void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ inline void wait_for_prerequisite_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 // Residency: 24 warps per multiprocessor (80 registers at 4 and 8 warps a
