@@ -963,8 +963,12 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
   constexpr int kThreads = kHeadThreads * kHeads, kWarps = kThreads / kWarpSize;
   constexpr int kPerPart = merge_per_part<kParts>(), kRound = kParts * kPerPart;
   constexpr int kRowsPerWarp = D / kWarps, kRowWords = D / kWarpSize;
-  constexpr int kMatrixRows = kRowsPerWarp < kMergeMatrixRows ? kRowsPerWarp : kMergeMatrixRows;
-  static_assert(D % kWarps == 0 && kRowsPerWarp % kMatrixRows == 0, "the rotation's rows split evenly over the warps");
+  constexpr bool kStaged = merge_stages_rotation<kParts, kHeads>();
+  // The register rows (one-group, one-head blocks only): D / 32 warps of
+  // 32 rows each, kMergeMatrixRows at a time.
+  constexpr int kMatrixRows = kMergeMatrixRows;
+  static_assert(kStaged || (D % kWarps == 0 && kRowsPerWarp % kMatrixRows == 0),
+                "the rotation's rows split evenly over the warps");
   static_assert(kHeadThreads >= kRound, "a round's weights take one thread each");
   static_assert(kHeads == 1 || kParts == 1, "grouped heads with one thread group each");
   __shared__ float weights[kHeads][kRound];
@@ -989,18 +993,19 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
       for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(first_row + r) * D + lane + kWarpSize * j];
     }
   };
-  constexpr bool kStaged = merge_stages_rotation<kParts, kHeads>();
   extern __shared__ __align__(16) uint8_t dynamic_shared[];
   float* const staged = reinterpret_cast<float*>(dynamic_shared);
-  if (rotated && kStaged) {
-    constexpr int kChunks = D / 4;
-    for (int i = t; i < D * kChunks; i += kThreads) {
-      const int row = i / kChunks, chunk = i % kChunks;
-      copy_async<16>(staged + staged_rotation_offset<D>(row, chunk), matrix + row * D + 4 * chunk);
+  if (rotated) {
+    if constexpr (kStaged) {
+      constexpr int kChunks = D / 4;
+      for (int i = t; i < D * kChunks; i += kThreads) {
+        const int row = i / kChunks, chunk = i % kChunks;
+        copy_async<16>(staged + staged_rotation_offset<D>(row, chunk), matrix + row * D + 4 * chunk);
+      }
+      copy_async_commit();
+    } else {
+      load_matrix_rows(warp * kRowsPerWarp);
     }
-    copy_async_commit();
-  } else if (rotated) {
-    load_matrix_rows(warp * kRowsPerWarp);
   }
   wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
   const int64_t states = workspace.max_splits;
@@ -1068,28 +1073,28 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
   if constexpr (kStaged) {
     rotate_from_staged<D, kThreads, kHeads>(p, staged, merged_rows,
                                              (static_cast<int64_t>(entry) * p.num_heads + first_head) * D);
-    return;
-  }
-  __syncthreads();  // o' in merged_rows: every warp reads all of it
-  float merged[kHeads][kRowWords];
+  } else {
+    __syncthreads();  // o' in merged_rows: every warp reads all of it
+    float merged[kHeads][kRowWords];
 #pragma unroll
-  for (int h = 0; h < kHeads; ++h) {
+    for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
-    for (int j = 0; j < kRowWords; ++j) merged[h][j] = merged_rows[h][lane + kWarpSize * j];
-  }
-  const int64_t output = (static_cast<int64_t>(entry) * p.num_heads + first_head) * D;
+      for (int j = 0; j < kRowWords; ++j) merged[h][j] = merged_rows[h][lane + kWarpSize * j];
+    }
+    const int64_t output = (static_cast<int64_t>(entry) * p.num_heads + first_head) * D;
 #pragma unroll 1
-  for (int first_row = warp * kRowsPerWarp; first_row < (warp + 1) * kRowsPerWarp; first_row += kMatrixRows) {
-    if (first_row != warp * kRowsPerWarp) load_matrix_rows(first_row);
+    for (int first_row = warp * kRowsPerWarp; first_row < (warp + 1) * kRowsPerWarp; first_row += kMatrixRows) {
+      if (first_row != warp * kRowsPerWarp) load_matrix_rows(first_row);
 #pragma unroll
-    for (int r = 0; r < kMatrixRows; ++r) {
+      for (int r = 0; r < kMatrixRows; ++r) {
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) {
-        float dot = 0.0f;
+        for (int h = 0; h < kHeads; ++h) {
+          float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[h][j], matrix_rows[r][j], dot);
-        dot = warp_sum(dot);
-        if (lane == 0) store_io(p.io, p.output, output + h * D + first_row + r, dot);
+          for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[h][j], matrix_rows[r][j], dot);
+          dot = warp_sum(dot);
+          if (lane == 0) store_io(p.io, p.output, output + h * D + first_row + r, dot);
+        }
       }
     }
   }
