@@ -300,16 +300,34 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
   return shared_bytes;
 }
 
-// `dependent` as launch's.
+// `dependent` as launch's. With plan.cluster_merge the splits of a (KV
+// head, sequence), consecutive along x, are one cluster.
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                  cudaStream_t stream, bool dependent) {
   const dim3 grid = split_grid(p, plan.splits);
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    launch_kernel(kernel, grid, kInt8Threads, shared_bytes, stream, dependent, p, workspace,
-           device::TensorCoreSplits{plan.tokens_per_split});
+    launch_kernel_in_clusters(kernel, grid, plan.cluster_merge ? plan.splits : 0, kInt8Threads, shared_bytes, stream,
+                              dependent, p, workspace,
+                              device::TensorCoreSplits{plan.tokens_per_split, plan.cluster_merge});
   });
+}
+
+// Clusters of `splits` int8 blocks the device holds at once.
+template <int D>
+int int8_resident_clusters(const DecodeParams& p, Int8Steps steps, int32_t splits) {
+  int clusters = 0;
+  with_int8_kernel<D>(p, steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
+    const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
+    clusters = resident_clusters(kernel, splits, kInt8Threads, shared_bytes);
+  });
+  return clusters;
+}
+
+int int8_clusters_on_device(const DecodeParams& p, Int8Steps steps, int32_t splits) {
+  return p.key_cache.layout.spec.head_dim == 64 ? int8_resident_clusters<64>(p, steps, splits)
+                                                 : int8_resident_clusters<128>(p, steps, splits);
 }
 
 template <int D>
@@ -420,6 +438,7 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   } else {
     launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
+  if (plan.cluster_merge) return;  // the int8 kernel's clusters wrote the output
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
   if (plan.wide_merge) {
     launch_merge<D, device::kMergeMaxParts, 1>(p, workspace, grid, stream);
@@ -511,9 +530,11 @@ namespace {
 
 // resident_blocks(int8, steps): blocks per multiprocessor of the kernel;
 // choose_splits(longest, per_split, resident, max_splits): as
-// splits_for_whole_waves (kernels/split_plan.h).
-template <typename Resident, typename ChooseSplits>
-DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks, ChooseSplits choose_splits) {
+// splits_for_whole_waves (kernels/split_plan.h); resident_clusters(steps,
+// splits): clusters of `splits` int8 blocks on the device.
+template <typename Resident, typename ChooseSplits, typename ResidentClusters>
+DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks, ChooseSplits choose_splits,
+                     ResidentClusters resident_clusters) {
   DecodePlan plan;
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
@@ -547,12 +568,19 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * step_tokens : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
+    // The device's clusters are asked for only where the layout allows them.
+    const bool rotated = p.key_rotation.kind == RotationKind::kMatrix || p.value_rotation.kind == RotationKind::kMatrix;
+    if (cluster_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits, device::kMaxClusterBlocks)) {
+      const int64_t in_clusters = static_cast<int64_t>(resident_clusters(plan.int8_steps, plan.splits)) * plan.splits;
+      plan.cluster_merge = clusters_add_no_wave(per_split * plan.splits, resident, in_clusters);
+    }
   } else {
     // The caller's split (the CPU reference's) when it gives one.
     plan.tokens_per_split = p.tokens_per_split > 0 ? p.tokens_per_split : 0;
     plan.splits = static_cast<int32_t>(p.tokens_per_split > 0 ? ceil_div64(longest, p.tokens_per_split) : 1);
   }
   plan.states = plan.splits + plan.exact_splits;
+  if (plan.cluster_merge) return plan;  // no merge kernel
   plan.wide_merge = wide_merge(plan.states, static_cast<int64_t>(p.num_heads) * p.batch.count, multiprocessors,
                                device::merge_per_part<1>());
   plan.merge_heads = merge_heads(p.value_rotation.kind == RotationKind::kMatrix, plan.wide_merge,
@@ -566,7 +594,8 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   return plan_with(
       p, multiprocessors,
       [&](bool int8, Int8Steps steps) { return tensor_core_blocks_per_multiprocessor(p, int8, steps); },
-      splits_for_whole_waves);
+      splits_for_whole_waves,
+      [&](Int8Steps steps, int32_t splits) { return int8_clusters_on_device(p, steps, splits); });
 }
 
 
@@ -593,7 +622,16 @@ DecodePlan DecodePlanner::plan(const DecodeParams& params) {
   };
   return plan_with(
       params, multiprocessors_, [&](bool int8, Int8Steps steps) { return resident_blocks(params, int8, steps); },
-      choose_splits);
+      choose_splits, [&](Int8Steps steps, int32_t splits) { return resident_clusters(params, steps, splits); });
+}
+
+int DecodePlanner::resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits) {
+  const std::pair<int, int32_t> key{kernel_variant(params, true, steps), splits};
+  const auto known = resident_clusters_.find(key);
+  if (known != resident_clusters_.end()) return known->second;
+  const int clusters = int8_clusters_on_device(params, steps, splits);
+  resident_clusters_.emplace(key, clusters);
+  return clusters;
 }
 
 int64_t DecodePlanner::workspace_bytes(const DecodeParams& params, const DecodePlan& plan) {

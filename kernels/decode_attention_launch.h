@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <utility>
 
 #include "kernels/decode_params.h"
 
@@ -58,6 +59,14 @@ struct DecodePlan {
   // blocks one-group and the GQA group a multiple of 4 (split_plan.h's
   // merge_heads), so that they read each row of R_v once; else 1.
   int32_t merge_heads = 1;
+  // int8: the splits of a (KV head, sequence) run as one thread-block
+  // cluster that merges their states in shared memory and writes the output
+  // (kernels/cluster_merge.cuh): no merge kernel. Where the int8 kernel
+  // writes every state (no exact ranges), nothing is rotated, at most 8
+  // splits, and clusters hold as many blocks at once (split_plan.h's
+  // cluster_merge): rtn from batch 8 at Llama-3-8B's shapes. wide_merge and
+  // merge_heads then do not apply.
+  bool cluster_merge = false;
 };
 
 // Whether the configuration's layout is one the tensor-core kernel reads:
@@ -112,9 +121,11 @@ class DecodePlanner {
     }
   };
   int resident_blocks(const DecodeParams& params, bool int8, Int8Steps steps);
+  int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
   void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
+  std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device
   SplitQuestion last_question_;  // the last split search and its answer
   int64_t last_splits_ = 1;
 };

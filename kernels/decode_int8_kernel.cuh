@@ -40,11 +40,14 @@
 // split (64-token steps, two 32-token stages each, in the wide variants:
 // Int8Steps), its next stages' bytes in flight (cp.async), with the online
 // softmax of the GQA group's heads (up to 8, the mma's N); the block merges
-// its warps' states into one split state for decode_merge_kernel.
+// its warps' states into one split state for decode_merge_kernel, or, its
+// splits launched as one thread-block cluster (TensorCoreSplits::cluster_merge),
+// merges the cluster's states itself (kernels/cluster_merge.cuh).
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cluster_merge.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
@@ -313,8 +316,20 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   const BlockTokens block = block_tokens(p, splits, split, kv_head, entry);
   const int group = block.group;
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
+  // The cluster merge (splits.cluster_merge): its scratch over the query
+  // rows, the block's joined value sums over the start of the stages (the
+  // first warp's output rows there without value outliers). Taken where
+  // they are used: pointers kept from here would be live through the walk.
+  static_assert(sizeof(ClusterMergeShared<kInt8Warps>) <= sizeof(shared.query), "the cluster merge's scratch");
+  auto cluster_shared = [&] { return reinterpret_cast<ClusterMergeShared<kInt8Warps>*>(&shared.query[0][0]); };
+  auto merged_rows = [&] { return reinterpret_cast<float (*)[D]>(dynamic_shared); };
   if (first >= last) {  // an empty split: a state the merge skips
-    write_empty_state(workspace, block, split);
+    if (splits.cluster_merge) {
+      merge_in_cluster<D, kInt8Warps>(p.io, p.output, state_base, group, false, cluster_shared(), nullptr, nullptr,
+                                      nullptr, merged_rows());
+    } else {
+      write_empty_state(workspace, block, split);
+    }
     wait_for_prerequisite_grid();
     return;
   }
@@ -1127,7 +1142,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   }
   __syncthreads();
 
-  write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
+  if (splits.cluster_merge) {
+    merge_in_cluster<D, kInt8Warps>(p.io, p.output, state_base, group, true, cluster_shared(), shared.state_max,
+                                    shared.state_sum, out, merged_rows());
+  } else {
+    write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
+  }
   wait_for_prerequisite_grid();
 }
 

@@ -368,6 +368,10 @@ __device__ inline void write_block_state(const SplitWorkspace& workspace, int64_
 
 struct TensorCoreSplits {
   int64_t tokens_per_split = 0;  // a multiple of kTensorCoreWarps * kTileRows
+  // The int8 kernel's splits of a (KV head, sequence) are one thread-block
+  // cluster that merges their states and writes the output
+  // (DecodePlan::cluster_merge, kernels/cluster_merge.cuh).
+  bool cluster_merge = false;
 };
 
 // The quantized tokens [first, last) of a tensor-core block (context split

@@ -7,7 +7,10 @@
 // decode_attention uses it so that the exact ranges' blocks run beside the
 // int8 kernel's (or fill its last wave) and the merge launches while they
 // run (kernels/decode_attention.cu, launch_for_bits); the decode benchmark
-// times its floor (bench/launch_floor.h).
+// times its floor (bench/launch_floor.h). The same launches may group
+// their blocks in thread-block clusters (sm_90), whose blocks read each
+// other's shared memory: the int8 kernel's splits merge their states that
+// way (kernels/cluster_merge.cuh).
 #include <cuda_runtime.h>
 
 #include <utility>
@@ -31,21 +34,60 @@ __device__ inline void wait_for_prerequisite_grid() {
 // serialization, so that its blocks may start while the kernel before it
 // still runs: the kernel must wait for that one
 // (wait_for_prerequisite_grid) before it reads what it wrote, or, if it
-// reads nothing of it, before it completes.
+// reads nothing of it, before it completes. `cluster_blocks` > 0: in
+// thread-block clusters of that many consecutive blocks along x (a divisor
+// of grid.x, at most 8), co-scheduled so that they share shared memory.
 template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream,
-                   bool dependent, Args&&... args) {
+void launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, int cluster_blocks, int threads, int shared_bytes,
+                               cudaStream_t stream, bool dependent, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
+  cudaLaunchAttribute attributes[2]{};
+  unsigned count = 0;
+  if (dependent) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_blocks > 0) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int shared_bytes, cudaStream_t stream,
+                   bool dependent, Args&&... args) {
+  launch_kernel_in_clusters(kernel, grid, 0, threads, shared_bytes, stream, dependent, std::forward<Args>(args)...);
+}
+
+// Clusters of `cluster_blocks` blocks of `kernel` (threads and dynamic
+// shared memory as its launch's) that the device holds at once.
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads, int shared_bytes) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(cluster_blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  return clusters;
 }
 
 }  // namespace kvforge::kernels

@@ -55,4 +55,23 @@ inline int32_t merge_heads(bool rotated_output, bool wide, int64_t group, int32_
   return rotated_output && !wide && group % group_heads == 0 ? group_heads : 1;
 }
 
+// Whether the int8 kernel's `splits` blocks of a (KV head, sequence) may
+// merge their states in a thread-block cluster (DecodePlan::cluster_merge,
+// kernels/cluster_merge.cuh) instead of the merge kernel: the int8 kernel
+// writes every state (no `exact_splits` blocks of the exact ranges), no
+// matrix rotation (`rotated`: the merge kernel rotates the output back; the
+// queries' rotation kernel would precede a clustered launch), and the
+// splits fit a portable cluster (`max_cluster`, 8).
+inline bool cluster_merge_applies(bool int8, int64_t exact_splits, bool rotated, int64_t splits, int64_t max_cluster) {
+  return int8 && exact_splits == 0 && !rotated && splits >= 1 && splits <= max_cluster;
+}
+
+// Whether clustering a launch of `blocks` adds no wave: the device holds as
+// many of them at once in clusters (`resident_in_clusters`: resident
+// clusters times their blocks; a cluster's blocks share one GPC) as one by
+// one (`resident`).
+inline bool clusters_add_no_wave(int64_t blocks, int64_t resident, int64_t resident_in_clusters) {
+  return resident_in_clusters >= std::min(blocks, resident);
+}
+
 }  // namespace kvforge::kernels

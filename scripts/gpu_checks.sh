@@ -265,6 +265,9 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     decode_filter="$decode_filter:*int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4"
     # Its tensor-core passes (bf16 rows) at GQA 8: the value tiles by cp.async and ldmatrix.
     decode_filter="$decode_filter:*int2rot_window_bf16_rows_4bit_d128_gqa8:*int8_int2rot_rotated_bf16_rows_2bit_d64_gqa8"
+    # The int8 splits' cluster merge (distributed shared memory), empty
+    # splits in a cluster among them.
+    decode_filter="$decode_filter:*int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.

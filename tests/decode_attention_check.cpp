@@ -482,6 +482,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.states, plan.states) << c.name;
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
       EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
+      EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
@@ -541,16 +542,18 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
                              : plan.exact_kernel    ? " and the exact kernel's ranges"
                                                     : " and the general kernel's exact ranges";
   if (plan.exact_splits > 0) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
-  std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states merged by %s, %d head%s a block\n", c.name.c_str(),
+  const std::string merge = plan.cluster_merge ? "merged in clusters of their blocks"
+                            : std::string("merged by ") + (plan.wide_merge ? "four thread groups" : "one thread group") +
+                                  ", " + std::to_string(plan.merge_heads) + " head" +
+                                  (plan.merge_heads == 1 ? "" : "s") + " a block";
+  std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states %s\n", c.name.c_str(),
               plan.rotate_queries_first ? "queries rotated first, " : "",
               !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",
               exact_ranges.c_str(),
-              static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states),
-              plan.wide_merge ? "four thread groups" : "one thread group", plan.merge_heads,
-              plan.merge_heads == 1 ? "" : "s");
+              static_cast<long long>(plan.tokens_per_split), static_cast<long long>(plan.states), merge.c_str());
   if (check.print_timing) {
     std::printf("[ %s ] %lld sequences, %lld tokens, %lld heads: worst |cuda - reference| %.2e of max||v||, "
                 "worst |cuda - float64| %.2e of max||v|| and %.3f of its bound (cpu %.1f s, gpu %.2f s)\n",

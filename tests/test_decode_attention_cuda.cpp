@@ -9,12 +9,14 @@
 // Skipped without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
+#include "kernels/split_plan.h"
 #include "model/rope.h"
 #include "tests/decode_attention_check.h"
 
@@ -327,6 +329,36 @@ TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
     });
   }
   EXPECT_GE(grouped, 1);
+}
+
+// On the GPU: the int8 kernel's splits merge in thread-block clusters
+// (kernels/cluster_merge.cuh) exactly where split_plan.h's rule allows it
+// (no exact ranges, no rotation, at most 8 splits, no added wave), so that
+// the cases above check both merges: among the clustered, the 64-token
+// steps' edges case, whose length-1 sequences leave splits empty inside
+// a cluster; the 16K context's merge kernel.
+TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRotations) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int clustered = 0, merged = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.kernel = c.kernel;
+      params.int8_steps = c.int8_steps;
+      params.batch.count = static_cast<int32_t>(c.lengths.size());
+      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      const bool rotated = params.key_rotation.kind == kernels::RotationKind::kMatrix ||
+                           params.value_rotation.kind == kernels::RotationKind::kMatrix;
+      if (!kernels::cluster_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits, 8)) {
+        EXPECT_FALSE(plan.cluster_merge) << c.name;
+      }
+      if (c.name == "int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io") EXPECT_TRUE(plan.cluster_merge) << c.name;
+      if (c.name == "int8_steps64x4_rtn_16k_2bit_d128_gqa4") EXPECT_FALSE(plan.cluster_merge) << c.name;
+      if (plan.int8) ++(plan.cluster_merge ? clustered : merged);
+    });
+  }
+  EXPECT_GE(clustered, 1);
+  EXPECT_GE(merged, 1);
 }
 
 TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {

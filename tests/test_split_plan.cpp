@@ -41,6 +41,29 @@ TEST(SplitPlan, MergeBlocksShareTheValueRotationAcrossFourHeads) {
   EXPECT_EQ(kernels::merge_heads(false, false, 4, 4), 1);  // nothing to rotate back
 }
 
+// The int8 kernel's splits merge in a thread-block cluster only where it
+// writes every state, nothing is rotated back and the splits fit a
+// portable cluster: Llama-3-8B's rtn at batch 8 (8 splits) and 32 (2), not
+// batch 1's 64; and only where clustering holds as many blocks at once.
+TEST(SplitPlan, ClusterMergeWhereTheInt8KernelWritesEveryState) {
+  EXPECT_TRUE(kernels::cluster_merge_applies(true, 0, false, 8, 8));    // batch 8
+  EXPECT_TRUE(kernels::cluster_merge_applies(true, 0, false, 2, 8));    // batch 32
+  EXPECT_TRUE(kernels::cluster_merge_applies(true, 0, false, 1, 8));    // one split: no merge at all
+  EXPECT_FALSE(kernels::cluster_merge_applies(true, 0, false, 64, 8));  // batch 1: 64 splits
+  EXPECT_FALSE(kernels::cluster_merge_applies(true, 0, false, 9, 8));   // past the portable size
+  EXPECT_FALSE(kernels::cluster_merge_applies(false, 0, false, 8, 8));  // not the int8 kernel
+  EXPECT_FALSE(kernels::cluster_merge_applies(true, 3, false, 8, 8));   // int2-rot's exact blocks
+  EXPECT_FALSE(kernels::cluster_merge_applies(true, 0, true, 8, 8));    // a rotation
+}
+
+TEST(SplitPlan, ClustersOnlyWhereTheyAddNoWave) {
+  EXPECT_TRUE(kernels::clusters_add_no_wave(512, kResident, 8 * 66));    // batch 8: 66 clusters of 8 hold 528
+  EXPECT_FALSE(kernels::clusters_add_no_wave(512, kResident, 8 * 63));   // 504 at once: a second wave
+  EXPECT_TRUE(kernels::clusters_add_no_wave(64, kResident, 8 * 8));      // a launch smaller than the device
+  EXPECT_TRUE(kernels::clusters_add_no_wave(2048, kResident, kResident)); // many waves either way
+  EXPECT_FALSE(kernels::clusters_add_no_wave(2048, kResident, kResident - 2));
+}
+
 TEST(SplitPlan, Batch32FillsOneWaveWithTwoSplits) {
   // 256 blocks per split: one split, 1 wave of 32768 + 512; two, 1 wave of
   // 16384 + 512; three, 2 waves (768 blocks) of 10923 + 512.
