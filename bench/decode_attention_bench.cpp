@@ -30,7 +30,7 @@
 // graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, general) and `splits`, `exact_splits`, `exact_first`,
-// `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads`, `cluster_merge` and `few_state_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
+// `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads` and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
@@ -451,7 +451,6 @@ int run(int argc, char** argv) {
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
                                 {"cluster_merge", plan.cluster_merge},
-                                {"few_state_merge", plan.few_state_merge},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},

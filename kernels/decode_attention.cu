@@ -440,9 +440,7 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   }
   if (plan.cluster_merge) return;  // the int8 kernel's clusters wrote the output
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
-  if (plan.few_state_merge) {
-    launch_kernel(device::decode_few_states_merge_kernel<D>, grid, D, 0, stream, true, p, workspace);
-  } else if (plan.wide_merge) {
+  if (plan.wide_merge) {
     launch_merge<D, device::kMergeMaxParts, 1>(p, workspace, grid, stream);
   } else if (plan.merge_heads == device::kMergeGroupHeads) {
     constexpr int kHeads = device::kMergeGroupHeads;
@@ -587,8 +585,6 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
                                device::merge_per_part<1>());
   plan.merge_heads = merge_heads(p.value_rotation.kind == RotationKind::kMatrix, plan.wide_merge,
                                  p.num_heads / k.kv_heads, device::kMergeGroupHeads);
-  plan.few_state_merge = few_state_merge(plan.states, plan.wide_merge, p.value_rotation.kind == RotationKind::kMatrix,
-                                         device::kFewMergeStates);
   return plan;
 }
 

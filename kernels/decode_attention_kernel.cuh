@@ -1100,45 +1100,4 @@ __global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_
   }
 }
 
-// The merge of few states (at most kFewMergeStates per query head, nothing
-// rotated back; DecodePlan::few_state_merge: batch 8's 8 int8 splits, 6
-// with KIVI's 2 exact blocks): one block of D threads per query head and
-// sequence entry, every thread loading each state's max and sum (the same
-// words across the block) and its channel's row, then merging them alone,
-// in state order. decode_merge_kernel spends five block barriers and two
-// warp reductions on the max and the sum there, on a call's critical path
-// (after the split kernels' last block). Launched as their dependent.
-inline constexpr int kFewMergeStates = 8;
-template <int D>
-__global__ void __launch_bounds__(D) decode_few_states_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
-  const int head = blockIdx.x, entry = blockIdx.y, d = threadIdx.x;
-  const int states = workspace.max_splits;
-  const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
-  wait_for_prerequisite_grid();  // the split states are complete from here on
-  float2 max_sum[kFewMergeStates];
-  float rows[kFewMergeStates];
-#pragma unroll
-  for (int k = 0; k < kFewMergeStates; ++k) {
-    if (k < states) {
-      max_sum[k] = reinterpret_cast<const float2*>(workspace.max_sum)[base + k];
-      rows[k] = workspace.acc[(base + k) * D + d];
-    } else {
-      max_sum[k] = make_float2(-INFINITY, 0.0f), rows[k] = 0.0f;
-    }
-  }
-  float max = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < kFewMergeStates; ++k) max = fmaxf(max, max_sum[k].x);
-  // An empty split's sum and row were not written: its zero weight's
-  // select keeps them out.
-  float sum = 0.0f, out = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kFewMergeStates; ++k) {
-    const float weight = max_sum[k].x != -INFINITY ? expf(max_sum[k].x - max) : 0.0f;
-    sum = weight != 0.0f ? __fmaf_rn(max_sum[k].y, weight, sum) : sum;
-    out = weight != 0.0f ? __fmaf_rn(rows[k], weight, out) : out;
-  }
-  store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + d, __fdiv_rn(out, sum));
-}
-
 }  // namespace kvforge::kernels::decode_attention_device

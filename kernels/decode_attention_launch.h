@@ -67,11 +67,6 @@ struct DecodePlan {
   // cluster_merge): rtn from batch 8 at Llama-3-8B's shapes. wide_merge and
   // merge_heads then do not apply.
   bool cluster_merge = false;
-  // Else, at most 8 states per query head, the merge blocks one-group and
-  // nothing rotated back (split_plan.h's few_state_merge): the merge's
-  // few-states kernel, each thread merging its channel alone, without the
-  // block's barriers (rtn and KIVI at batch 8).
-  bool few_state_merge = false;
 };
 
 // Whether the configuration's layout is one the tensor-core kernel reads:

@@ -55,13 +55,6 @@ inline int32_t merge_heads(bool rotated_output, bool wide, int64_t group, int32_
   return rotated_output && !wide && group % group_heads == 0 ? group_heads : 1;
 }
 
-// Whether the merge takes its few-states kernel (DecodePlan::few_state_merge):
-// at most `few` (8) states per query head, in one-group blocks (not
-// `wide`), nothing rotated back (`rotated_output`).
-inline bool few_state_merge(int64_t states, bool wide, bool rotated_output, int64_t few) {
-  return states <= few && !wide && !rotated_output;
-}
-
 // Whether the int8 kernel's `splits` blocks of a (KV head, sequence) may
 // merge their states in a thread-block cluster (DecodePlan::cluster_merge,
 // kernels/cluster_merge.cuh) instead of the merge kernel: the int8 kernel

@@ -483,7 +483,6 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
       EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
       EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
-      EXPECT_EQ(planned.few_state_merge, plan.few_state_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
@@ -543,8 +542,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
                              : plan.exact_kernel    ? " and the exact kernel's ranges"
                                                     : " and the general kernel's exact ranges";
   if (plan.exact_splits > 0) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
-  const std::string merge = plan.cluster_merge     ? "merged in clusters of their blocks"
-                            : plan.few_state_merge ? "merged by the few-states kernel"
+  const std::string merge = plan.cluster_merge ? "merged in clusters of their blocks"
                             : std::string("merged by ") + (plan.wide_merge ? "four thread groups" : "one thread group") +
                                   ", " + std::to_string(plan.merge_heads) + " head" +
                                   (plan.merge_heads == 1 ? "" : "s") + " a block";

@@ -200,15 +200,6 @@ std::vector<Case> cases() {
     kivi_chunk.tokens_per_split = 256;
     kivi_chunk.exact_chunk_tokens = 192;
     all.push_back(kivi_chunk);
-    // rtn with a sink and a window beside the int8 kernel (the exact
-    // kernel's bf16 rows), lengths up to 1000: at most 4 splits and 2 exact
-    // blocks, so that the merge's few-states kernel takes the states
-    // (DecodePlan::few_state_merge), empty splits and exact blocks among them.
-    Case few_states = exact_rows(steps(make_case("int8_steps64x4_rtn_sink_window_few_states_2bit_d128_gqa4",
-                                                 QuantMethod::kRtn, 2, 128, 8),
-                                       k4),
-                                 ElementType::kBFloat16, 4, 16, {1, 5, 21, 300, 700, 1000});
-    all.push_back(few_states);
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
@@ -281,7 +272,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 19);
+  EXPECT_EQ(int8_cases, 18);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -316,7 +307,7 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 10);
+  EXPECT_EQ(wide_cases, 9);
 }
 
 // On the GPU: the merge takes four query heads a block where the output is
@@ -364,16 +355,6 @@ TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRo
       if (c.name == "int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io") EXPECT_TRUE(plan.cluster_merge) << c.name;
       if (c.name == "int8_steps64x4_rtn_16k_2bit_d128_gqa4") EXPECT_FALSE(plan.cluster_merge) << c.name;
       if (plan.int8) ++(plan.cluster_merge ? clustered : merged);
-      // Else the few-states merge where split_plan.h says (one case above
-      // is made for it).
-      EXPECT_EQ(plan.few_state_merge,
-                !plan.cluster_merge && kernels::few_state_merge(plan.states, plan.wide_merge,
-                                                                params.value_rotation.kind == kernels::RotationKind::kMatrix, 8))
-          << c.name;
-      if (c.name == "int8_steps64x4_rtn_sink_window_few_states_2bit_d128_gqa4") {
-        EXPECT_TRUE(plan.few_state_merge) << c.name;
-        EXPECT_GT(plan.exact_splits, 0) << c.name;
-      }
     });
   }
   EXPECT_GE(clustered, 1);

@@ -64,18 +64,6 @@ TEST(SplitPlan, ClustersOnlyWhereTheyAddNoWave) {
   EXPECT_FALSE(kernels::clusters_add_no_wave(2048, kResident, kResident - 2));
 }
 
-// The few-states merge: rtn's 8 states at batch 8 and KIVI's 6 + 2, one
-// group, nothing rotated back; not int2-rot's (rotated, 8 + 3), not batch
-// 1's 64 (four groups).
-TEST(SplitPlan, FewStatesMergeWithOneGroupAndNothingRotated) {
-  EXPECT_TRUE(kernels::few_state_merge(8, false, false, 8));
-  EXPECT_TRUE(kernels::few_state_merge(1, false, false, 8));
-  EXPECT_FALSE(kernels::few_state_merge(9, false, false, 8));
-  EXPECT_FALSE(kernels::few_state_merge(8, false, true, 8));
-  EXPECT_FALSE(kernels::few_state_merge(11, false, true, 8));
-  EXPECT_FALSE(kernels::few_state_merge(64, true, false, 8));
-}
-
 TEST(SplitPlan, Batch32FillsOneWaveWithTwoSplits) {
   // 256 blocks per split: one split, 1 wave of 32768 + 512; two, 1 wave of
   // 16384 + 512; three, 2 waves (768 blocks) of 10923 + 512.
