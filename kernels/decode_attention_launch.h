@@ -63,9 +63,11 @@ struct DecodePlan {
   // cluster that merges their states in shared memory and writes the output
   // (kernels/cluster_merge.cuh): no merge kernel. Where the int8 kernel
   // writes every state (no exact ranges), nothing is rotated, at most 8
-  // splits, and clusters hold as many blocks at once (split_plan.h's
-  // cluster_merge): rtn from batch 8 at Llama-3-8B's shapes. wide_merge and
-  // merge_heads then do not apply.
+  // splits (split_plan.h's cluster_merge_applies), and the device holds as
+  // many blocks at once in such clusters (clusters_add_no_wave): on the
+  // H200 rtn at batch 32 (2 splits) at Llama-3-8B's shapes, not batch 8
+  // (64 clusters of 8 do not fit at once). wide_merge and merge_heads then
+  // do not apply; the workspace's states are not used.
   bool cluster_merge = false;
 };
 
