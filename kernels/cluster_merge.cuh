@@ -58,17 +58,9 @@ __device__ __noinline__ void merge_in_cluster(ElementType io, void* output, int6
     if (t < group) shared.max[t] = -INFINITY, shared.sum[t] = 0.0f;
   } else {
     if (t < group) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, state_max[w][t]);
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float weight = state_max[w][t] == -INFINITY ? 0.0f : exp2f(state_max[w][t] - m);
-        if (weight != 0.0f) sum = __fmaf_rn(state_sum[w][t], weight, sum);
-        shared.rescale[t][w] = weight;
-      }
-      shared.max[t] = m, shared.sum[t] = sum;
+      float sum;
+      shared.max[t] = join_warp_states<kWarps>(state_max, state_sum, t, sum, shared.rescale[t]);
+      shared.sum[t] = sum;
     }
     __syncthreads();
     for (int i = t; i < group * D; i += threads) {

@@ -323,6 +323,26 @@ __global__ void __launch_bounds__(kRotationSlices * D)
   }
 }
 
+// Head h's state over a block's kWarps warps' (max and sum in log2 units;
+// a warp without tokens, m_w = -inf, weighs 0): its max m, returned, its
+// sum and each warp's weight 2^(m_w - m) into rescale[w].
+template <int kWarps>
+__device__ inline float join_warp_states(const float (*state_max)[kMaxTensorCoreGroup],
+                                         const float (*state_sum)[kMaxTensorCoreGroup], int h, float& sum,
+                                         float* rescale) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, state_max[w][h]);
+  sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float weight = state_max[w][h] == -INFINITY ? 0.0f : exp2f(state_max[w][h] - m);
+    if (weight != 0.0f) sum = __fmaf_rn(state_sum[w][h], weight, sum);
+    rescale[w] = weight;
+  }
+  return m;
+}
+
 // The block's split state from its kWarps warps' (max and sum in log2
 // units, turned back into natural units for the merge kernel; each warp's
 // output rows): the block's threads together, after a __syncthreads. A
@@ -337,16 +357,8 @@ __device__ inline void write_block_state(const SplitWorkspace& workspace, int64_
   __shared__ float rescale[kMaxTensorCoreGroup][kWarps];
   if (static_cast<int>(threadIdx.x) < group) {
     const int h = threadIdx.x;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, state_max[w][h]);
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float weight = state_max[w][h] == -INFINITY ? 0.0f : exp2f(state_max[w][h] - m);
-      if (weight != 0.0f) sum = __fmaf_rn(state_sum[w][h], weight, sum);
-      rescale[h][w] = weight;
-    }
+    float sum;
+    const float m = join_warp_states<kWarps>(state_max, state_sum, h, sum, rescale[h]);
     const int64_t index = (state_base + h) * workspace.max_splits + split;
     workspace.max_sum[2 * index] = m == -INFINITY ? -INFINITY : m * 0.6931471805599453f;  // log2 units to natural
     workspace.max_sum[2 * index + 1] = sum;
