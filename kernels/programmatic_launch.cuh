@@ -71,7 +71,9 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int shared
 }
 
 // Clusters of `cluster_blocks` blocks of `kernel` (threads and dynamic
-// shared memory as its launch's) that the device holds at once.
+// shared memory as its launch's) that the device holds at once; 0 where the
+// runtime cannot say (no clusters of that size for the kernel), so that a
+// caller launches without them.
 template <typename... Params>
 int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads, int shared_bytes) {
   cudaLaunchConfig_t config{};
@@ -86,7 +88,10 @@ int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads
   config.attrs = &attribute;
   config.numAttrs = 1;
   int clusters = 0;
-  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());  // the refusal is the answer, not the next call's error
+    return 0;
+  }
   return clusters;
 }
 
