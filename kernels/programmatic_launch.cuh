@@ -30,6 +30,16 @@ __device__ inline void wait_for_prerequisite_grid() {
 #endif
 }
 
+// The launch attribute of clusters of `blocks` consecutive blocks along x.
+inline cudaLaunchAttribute cluster_attribute(int blocks) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(blocks);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // Launches `kernel` on `stream`; `dependent`: with programmatic stream
 // serialization, so that its blocks may start while the kernel before it
 // still runs: the kernel must wait for that one
@@ -52,13 +62,7 @@ void launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, int cluster
     attributes[count].val.programmaticStreamSerializationAllowed = 1;
     ++count;
   }
-  if (cluster_blocks > 0) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
-    attributes[count].val.clusterDim.y = 1;
-    attributes[count].val.clusterDim.z = 1;
-    ++count;
-  }
+  if (cluster_blocks > 0) attributes[count++] = cluster_attribute(cluster_blocks);
   config.attrs = attributes;
   config.numAttrs = count;
   KVFORGE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
@@ -80,11 +84,7 @@ int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads
   config.gridDim = dim3(static_cast<unsigned>(cluster_blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
+  cudaLaunchAttribute attribute = cluster_attribute(cluster_blocks);
   config.attrs = &attribute;
   config.numAttrs = 1;
   int clusters = 0;
