@@ -310,6 +310,15 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
   EXPECT_EQ(wide_cases, 9);
 }
 
+// The default's plan of the case's layout (params from with_layout_params)
+// with the case's kernel and int8 steps, on the H200's 132 multiprocessors
+// (the residency questions ask the device).
+kernels::DecodePlan case_plan(const Case& c, kernels::DecodeParams& params) {
+  params.kernel = c.kernel;
+  params.int8_steps = c.int8_steps;
+  return kernels::plan_decode_attention(params, 132);
+}
+
 // On the GPU: the merge takes four query heads a block where the output is
 // rotated back (int2-rot's GQA 4 and 8) and its blocks are one-group, one
 // head elsewhere (split_plan.h's merge_heads, tested on the CPU, wired into
@@ -319,9 +328,7 @@ TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
   int grouped = 0;
   for (const Case& c : cases()) {
     with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
-      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      const kernels::DecodePlan plan = case_plan(c, params);
       const bool rotated = params.value_rotation.kind == kernels::RotationKind::kMatrix;
       const int64_t group = params.num_heads / params.key_cache.layout.spec.kv_heads;
       EXPECT_EQ(plan.merge_heads, rotated && !plan.wide_merge && group % 4 == 0 ? 4 : 1) << c.name;
@@ -342,11 +349,9 @@ TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRo
   int clustered = 0, merged = 0;
   for (const Case& c : cases()) {
     with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
       params.batch.count = static_cast<int32_t>(c.lengths.size());
       params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
-      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      const kernels::DecodePlan plan = case_plan(c, params);
       const bool rotated = params.key_rotation.kind == kernels::RotationKind::kMatrix ||
                            params.value_rotation.kind == kernels::RotationKind::kMatrix;
       if (!kernels::cluster_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits, 8)) {
@@ -370,9 +375,7 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
   int exact_kernel = 0, general = 0;
   for (const Case& c : cases()) {
     with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
-      const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+      const kernels::DecodePlan plan = case_plan(c, params);
       // The queries of a matrix key rotation are rotated once for the call
       // wherever tensor cores read the layout and the exact blocks do not
       // launch first.
