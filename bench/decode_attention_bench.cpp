@@ -218,10 +218,6 @@ int run(int argc, char** argv) {
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
                "default's (steps32_*, steps64_stages3_*, steps64_stages4_* columns)");
-  bool other_merges = false;
-  app.add_flag("--other-merges", other_merges,
-               "where the int8 kernel runs, also time the merges other than the plan's that its plan can take "
-               "(merge_kernel_*, clusters_*, last_split_* columns)");
   std::vector<int64_t> forced_splits, exact_chunks;
   add_multiples_option(app, "--tokens-per-split", forced_splits, 256,
                        "where a tensor-core kernel runs, also time the default plan with each of these tokens a split "
@@ -329,7 +325,7 @@ int run(int argc, char** argv) {
           // Planned once, as a serving loop would: the workspace outlives the steps.
           const int64_t workspace_bytes = kernels::decode_workspace_bytes(params);
           const at::Tensor workspace =
-              at::zeros({workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+              at::empty({workspace_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
           params.workspace = workspace.data_ptr();
           params.workspace_bytes = workspace_bytes;
           int multiprocessors = 0;
@@ -455,7 +451,6 @@ int run(int argc, char** argv) {
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
                                 {"cluster_merge", plan.cluster_merge},
-                                {"last_split_merge", plan.last_split_merge},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
@@ -480,7 +475,7 @@ int run(int argc, char** argv) {
           const auto time_choice = [&](kernels::DecodeParams other, const std::string& prefix) {
             const int64_t other_bytes = kernels::decode_workspace_bytes(other);
             const at::Tensor other_workspace =
-                at::zeros({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+                at::empty({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
             other.workspace = other_workspace.data_ptr();
             other.workspace_bytes = other_bytes;
             const kernels::DecodePlan other_plan = kernels::plan_decode_attention(other, multiprocessors);
@@ -505,26 +500,6 @@ int run(int argc, char** argv) {
               time_choice(other, prefix);
             }
           }
-          if (other_merges && plan.int8) {
-            const auto merge_of = [](const kernels::DecodePlan& p) {
-              return p.cluster_merge ? kernels::DecodeMerge::kClusters
-                     : p.last_split_merge ? kernels::DecodeMerge::kLastSplit
-                                          : kernels::DecodeMerge::kMergeKernel;
-            };
-            for (const auto& [merge, prefix] : {std::pair{kernels::DecodeMerge::kMergeKernel, "merge_kernel"},
-                                                std::pair{kernels::DecodeMerge::kClusters, "clusters"},
-                                                std::pair{kernels::DecodeMerge::kLastSplit, "last_split"}}) {
-              if (merge == merge_of(plan)) continue;  // the row's own time
-              kernels::DecodeParams other = params;
-              other.merge = merge;
-              try {
-                kernels::plan_decode_attention(other, multiprocessors);
-              } catch (const std::invalid_argument&) {
-                continue;  // a merge this plan cannot take
-              }
-              time_choice(other, prefix);
-            }
-          }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;
             kernels::DecodeParams other = params;
@@ -538,14 +513,10 @@ int run(int argc, char** argv) {
             other_plan.tokens_per_split = forced;
             other_plan.splits = static_cast<int32_t>((tokens + forced - 1) / forced);
             other_plan.states = other_plan.splits + other_plan.exact_splits;
-            // Splits past the cluster and last-split merges' limits: the merge kernel.
-            other_plan.cluster_merge = other_plan.cluster_merge && other_plan.splits <= 8;
-            other_plan.last_split_merge =
-                other_plan.last_split_merge && other_plan.splits <= kernels::kLastSplitMergeMaxStates;
             kernels::DecodeParams other = params;
             const int64_t other_bytes = kernels::DecodePlanner::workspace_bytes(other, other_plan);
             const at::Tensor other_workspace =
-                at::zeros({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+                at::empty({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
             other.workspace = other_workspace.data_ptr();
             other.workspace_bytes = other_bytes;
             kernels::DecodePlanner planner;

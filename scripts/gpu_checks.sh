@@ -268,10 +268,6 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # The int8 splits' cluster merge (distributed shared memory), empty
     # splits in a cluster among them.
     decode_filter="$decode_filter:*int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io"
-    # The last-split merge (counters taken and wrapped back to zero, the
-    # last block reading the others' states), with empty splits and with
-    # value outliers.
-    decode_filter="$decode_filter:*int8_steps64x4_rtn_last_split_4bit_d64_gqa1_page12_bf16io:*int8_rtn_outliers_last_split_2bit_d64_gqa4_page12"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.

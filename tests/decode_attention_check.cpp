@@ -434,7 +434,6 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.kernel = c.kernel;
   host.int8_steps = c.int8_steps;
   host.exact_chunk_tokens = c.exact_chunk_tokens;
-  host.merge = c.merge;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -464,11 +463,6 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
           << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
-    if (c.merge != kernels::DecodeMerge::kAuto) {
-      EXPECT_EQ(plan.cluster_merge, c.merge == kernels::DecodeMerge::kClusters) << c.name;
-      EXPECT_EQ(plan.last_split_merge, c.merge == kernels::DecodeMerge::kLastSplit) << c.name;
-    }
-    EXPECT_FALSE(plan.cluster_merge && plan.last_split_merge) << c.name;
     // The planner's chunk where there are exact ranges: the exact kernel's
     // two passes, the general kernel's one.
     if (plan.tensor_cores && plan.exact_splits > 0) {
@@ -489,27 +483,18 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.wide_merge, plan.wide_merge) << c.name;
       EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
       EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
-      EXPECT_EQ(planned.last_split_merge, plan.last_split_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
       EXPECT_EQ(planned.exact_chunk, plan.exact_chunk) << c.name;
     }
-    // The one-call launcher allocates and clears its workspace; the
-    // planner's launches share one the caller cleared once (a serving
-    // loop's): the direct launch, twice, then the graph's replay, so that
-    // the last-split merge's counters must be left zero by each launch.
     kernels::launch_decode_attention(on_device, nullptr);
-    kernels::DecodeParams with_workspace = on_device;
-    with_workspace.workspace_bytes = planner.workspace_bytes(on_device);
-    with_workspace.workspace = device.allocate(with_workspace.workspace_bytes);
-    kernels::clear_decode_workspace(with_workspace.workspace, with_workspace.workspace_bytes, nullptr);
-    for (int call = 0; call < 2; ++call) planner.launch(with_workspace, nullptr);
+    planner.launch(on_device, nullptr);
     KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
     KVFORGE_CUDA_CHECK(cudaMemcpy(got.data(), on_device.output, got.size(), cudaMemcpyDeviceToHost));
     // Captured in a CUDA graph and replayed, the same kernels write the
     // same bytes (every kernel's order of sums is fixed).
-    EXPECT_TRUE(replay_in_graph(planner, with_workspace, got.size()) == got)
+    EXPECT_TRUE(replay_in_graph(planner, on_device, got.size()) == got)
         << c.name << ": the decode replayed from a CUDA graph differs from its direct launch";
   }
   const double gpu_seconds = seconds_since(gpu_start);

@@ -78,9 +78,6 @@ struct DecodeCase : KernelCase {
   // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
   // checked.
   int32_t exact_chunk_tokens = 0;
-  // Not kAuto: the merge the launch must take (DecodeParams::merge; the
-  // plan's, checked).
-  kernels::DecodeMerge merge = kernels::DecodeMerge::kAuto;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

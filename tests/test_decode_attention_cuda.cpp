@@ -203,34 +203,6 @@ std::vector<Case> cases() {
     Case long_context = steps(make_case("int8_steps64x4_rtn_16k_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4);
     long_context.lengths = {16411, 97};
     all.push_back(long_context);
-    // The merges forced (DecodeParams::merge): the last split's
-    // (kernels/last_split_merge.cuh) on the 64-token steps (GQA 4, and the
-    // edges case's GQA 1 at head_dim 64, bf16 io, page 12, splits left
-    // empty by short sequences), on 32-token steps with value outliers, on
-    // KIVI's value groups of 32 channels and at GQA 8 (the unpacked
-    // kernel); at most 12 splits (the merge takes 16). The clusters' on
-    // the 64-token steps at 8 splits.
-    const auto merged = [](Case c, kernels::DecodeMerge merge, std::vector<int64_t> lengths) {
-      c.merge = merge;
-      if (!lengths.empty()) c.lengths = std::move(lengths);
-      return c;
-    };
-    constexpr auto kLastSplit = kernels::DecodeMerge::kLastSplit;
-    all.push_back(merged(steps(make_case("int8_steps64x4_rtn_last_split_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4),
-                         kLastSplit, {1, 5, 37, 300, 1031, 3001}));
-    Case edges_last = edges;
-    edges_last.name = "int8_steps64x4_rtn_last_split_4bit_d64_gqa1_page12_bf16io";
-    all.push_back(merged(edges_last, kLastSplit, {}));
-    Case outliers_last = with(make_case("int8_rtn_outliers_last_split_2bit_d64_gqa4_page12", QuantMethod::kRtn, 2, 64, 8), kInt8);
-    outliers_last.fit.outlier_fraction = 0.05;
-    outliers_last.page_size = 12;
-    all.push_back(merged(outliers_last, kLastSplit, {1, 37, 300, 1031, 2900}));
-    all.push_back(merged(with(decode_case(testing::kivi_layout("int8_kivi_last_split_2bit_d128_gqa4", 2, 128, 8)), kInt8),
-                         kLastSplit, {1, 37, 300, 1031, 3001}));
-    all.push_back(merged(with(make_case("int8_rtn_last_split_2bit_d128_gqa8", QuantMethod::kRtn, 2, 128, 16), kInt8),
-                         kLastSplit, {5, 300, 2049}));
-    all.push_back(merged(steps(make_case("int8_steps64x4_rtn_clusters_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), k4),
-                         kernels::DecodeMerge::kClusters, {1, 300, 1031, 2000}));
   }
   {  // The general kernel forced (DecodeKernel::kGeneral) on layouts the
      // tensor-core kernels take by default, so that its quantized tokens'
@@ -300,7 +272,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 24);
+  EXPECT_EQ(int8_cases, 18);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -335,16 +307,15 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 12);
+  EXPECT_EQ(wide_cases, 9);
 }
 
 // The default's plan of the case's layout (params from with_layout_params)
-// with the case's kernel, int8 steps and merge, on the H200's 132 multiprocessors
+// with the case's kernel and int8 steps, on the H200's 132 multiprocessors
 // (the residency questions ask the device).
 kernels::DecodePlan case_plan(const Case& c, kernels::DecodeParams& params) {
   params.kernel = c.kernel;
   params.int8_steps = c.int8_steps;
-  params.merge = c.merge;
   return kernels::plan_decode_attention(params, 132);
 }
 
@@ -375,7 +346,7 @@ TEST(DecodeAttentionCudaPlan, TheRotatedMergeTakesFourHeadsABlock) {
 // a cluster; the 16K context's merge kernel.
 TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRotations) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  int clustered = 0, last_split = 0, merged = 0;
+  int clustered = 0, merged = 0;
   for (const Case& c : cases()) {
     with_layout_params(c, [&](kernels::DecodeParams params) {
       params.batch.count = static_cast<int32_t>(c.lengths.size());
@@ -388,53 +359,11 @@ TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRo
       }
       if (c.name == "int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io") EXPECT_TRUE(plan.cluster_merge) << c.name;
       if (c.name == "int8_steps64x4_rtn_16k_2bit_d128_gqa4") EXPECT_FALSE(plan.cluster_merge) << c.name;
-      // Unclustered, the last split merges wherever its rule allows.
-      const int64_t pairs = static_cast<int64_t>(params.batch.count) * params.key_cache.layout.spec.kv_heads;
-      EXPECT_EQ(plan.last_split_merge,
-                c.merge != kernels::DecodeMerge::kMergeKernel && !plan.cluster_merge &&
-                    kernels::last_split_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits,
-                                                      kernels::kLastSplitMergeMaxStates, pairs,
-                                                      kernels::kDecodeTicketCounters))
-          << c.name;
-      if (plan.int8) ++(plan.cluster_merge ? clustered : plan.last_split_merge ? last_split : merged);
+      if (plan.int8) ++(plan.cluster_merge ? clustered : merged);
     });
   }
   EXPECT_GE(clustered, 1);
-  EXPECT_GE(last_split, 1);
   EXPECT_GE(merged, 1);
-}
-
-// On the GPU (the plan asks the device): a merge the plan cannot take is
-// refused in one line before anything is launched: the last split's and
-// the clusters' beside int2-rot's rotations and exact ranges, past their
-// splits, or without the int8 kernel.
-TEST(DecodeAttentionCudaPlan, MergeRequestsThePlanCannotTakeAreRefused) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  int refused = 0;
-  for (const Case& c : cases()) {
-    const bool rotated = c.name == "int8_steps64x4_int2rot_rotated_2bit_d128_gqa4";
-    const bool general = c.name == "kvquant_2bit_d128_gqa4";
-    const bool long_context = c.name == "int8_steps64x4_rtn_16k_2bit_d128_gqa4";
-    if (!rotated && !general && !long_context) continue;
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = 1;
-      params.batch.max_length = long_context ? 32768 : 4096;
-      params.kernel = c.kernel;
-      params.int8_steps = c.int8_steps;
-      for (const kernels::DecodeMerge merge : {kernels::DecodeMerge::kClusters, kernels::DecodeMerge::kLastSplit}) {
-        params.merge = merge;
-        try {
-          kernels::plan_decode_attention(params, 132);
-          ADD_FAILURE() << c.name << ": merge " << static_cast<int>(merge) << " was accepted";
-        } catch (const std::invalid_argument& e) {
-          EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
-          EXPECT_NE(std::string(e.what()).find("merge k"), std::string::npos) << e.what();
-          ++refused;
-        }
-      }
-    });
-  }
-  EXPECT_EQ(refused, 6);
 }
 
 TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
