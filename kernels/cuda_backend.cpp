@@ -204,7 +204,6 @@ void CudaBackend::decode_attention(const DecodeParams& params) {
       workspace_.bytes = 0;
       KVFORGE_CUDA_CHECK(cudaMalloc(&workspace_.data, static_cast<size_t>(bytes)));
       workspace_.bytes = bytes;
-      clear_decode_workspace(workspace_.data, bytes, stream_);  // once: the launches leave its counters zero
     }
     DecodeParams with_workspace = params;
     with_workspace.workspace = workspace_.data;

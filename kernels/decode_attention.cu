@@ -14,7 +14,6 @@
 #include "kernels/decode_attention_launch.h"
 #include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_int8_kernel.cuh"
-#include "kernels/last_split_merge.cuh"
 #include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
 
@@ -85,10 +84,6 @@ void check_params(const DecodeParams& p) {
       break;
     default:
       refuse("int8_steps " + std::to_string(static_cast<int>(p.int8_steps)) + " is not an Int8Steps value");
-  }
-  if (p.merge != DecodeMerge::kAuto && p.merge != DecodeMerge::kMergeKernel && p.merge != DecodeMerge::kClusters &&
-      p.merge != DecodeMerge::kLastSplit) {
-    refuse("merge " + std::to_string(static_cast<int>(p.merge)) + " is not a DecodeMerge value");
   }
 }
 
@@ -443,7 +438,7 @@ void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& wo
   } else {
     launch_for_bits<D, 4>(p, workspace, plan, stream);
   }
-  if (plan.cluster_merge || plan.last_split_merge) return;  // the int8 kernel wrote the output
+  if (plan.cluster_merge) return;  // the int8 kernel's clusters wrote the output
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
   if (plan.wide_merge) {
     launch_merge<D, device::kMergeMaxParts, 1>(p, workspace, grid, stream);
@@ -474,28 +469,13 @@ int multiprocessor_count() {
   return count;
 }
 
-// The workspace: the last-split merge's counters (kDecodeTicketCounters,
-// in every plan's), the split states' max and sum (padded to 16 bytes: the
-// last-split merge loads acc rows in 16-byte loads), their acc, then the
-// rotated queries where the plan rotates them first; offsets in floats.
-struct WorkspaceLayout {
-  int64_t max_sum = 0, acc = 0, queries = 0, floats = 0;
-};
-
-WorkspaceLayout workspace_layout(const DecodeParams& p, const DecodePlan& plan) {
+// The split states (max and sum, then acc), then the rotated queries where
+// the plan rotates them first.
+int64_t workspace_bytes_for(const DecodeParams& p, const DecodePlan& plan) {
   const int64_t states = static_cast<int64_t>(p.batch.count) * p.num_heads * plan.states;
   const int64_t queries = plan.rotate_queries_first ? static_cast<int64_t>(p.batch.count) * p.num_heads : 0;
-  const int64_t dim = p.key_cache.layout.spec.head_dim;
-  WorkspaceLayout l;
-  l.max_sum = kDecodeTicketCounters;  // 4-byte counters
-  l.acc = l.max_sum + (2 * states + 3) / 4 * 4;
-  l.queries = l.acc + states * dim;
-  l.floats = l.queries + queries * dim;
-  return l;
-}
-
-int64_t workspace_bytes_for(const DecodeParams& p, const DecodePlan& plan) {
-  return workspace_layout(p, plan).floats * static_cast<int64_t>(sizeof(float));
+  return (states * (p.key_cache.layout.spec.head_dim + 2) + queries * p.key_cache.layout.spec.head_dim) *
+         static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace
@@ -588,40 +568,19 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t kQuantum = plan.int8 ? device::kInt8Warps * step_tokens : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
-    // The merge: clusters where they add no wave (the device's clusters
-    // asked for only where the layout allows them), else the last split
-    // where it applies, else the merge kernel; or the caller's.
+    // The device's clusters are asked for only where the layout allows them.
     const bool rotated = p.key_rotation.kind == RotationKind::kMatrix || p.value_rotation.kind == RotationKind::kMatrix;
-    const bool clusters =
-        cluster_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits, device::kMaxClusterBlocks);
-    const bool last_split = last_split_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits,
-                                                     kLastSplitMergeMaxStates, per_split, kDecodeTicketCounters);
-    if (p.merge == DecodeMerge::kClusters && !clusters) {
-      refuse("merge kClusters: expected the int8 kernel without exact ranges or rotations and at most " +
-             std::to_string(device::kMaxClusterBlocks) + " splits, planned " + std::to_string(plan.splits));
-    }
-    if (p.merge == DecodeMerge::kLastSplit && !last_split) {
-      refuse("merge kLastSplit: expected the int8 kernel without exact ranges or rotations, at most " +
-             std::to_string(kLastSplitMergeMaxStates) + " splits (planned " + std::to_string(plan.splits) +
-             ") and at most " + std::to_string(kDecodeTicketCounters) + " sequence-KV head pairs");
-    }
-    if (p.merge == DecodeMerge::kAuto && clusters) {
+    if (cluster_merge_applies(plan.int8, plan.exact_splits, rotated, plan.splits, device::kMaxClusterBlocks)) {
       const int64_t in_clusters = static_cast<int64_t>(resident_clusters(plan.int8_steps, plan.splits)) * plan.splits;
       plan.cluster_merge = clusters_add_no_wave(per_split * plan.splits, resident, in_clusters);
     }
-    plan.cluster_merge = plan.cluster_merge || p.merge == DecodeMerge::kClusters;
-    plan.last_split_merge =
-        !plan.cluster_merge && last_split && (p.merge == DecodeMerge::kAuto || p.merge == DecodeMerge::kLastSplit);
   } else {
-    if (p.merge == DecodeMerge::kClusters || p.merge == DecodeMerge::kLastSplit) {
-      refuse("merge kClusters or kLastSplit: expected a layout the int8 kernel reads");
-    }
     // The caller's split (the CPU reference's) when it gives one.
     plan.tokens_per_split = p.tokens_per_split > 0 ? p.tokens_per_split : 0;
     plan.splits = static_cast<int32_t>(p.tokens_per_split > 0 ? ceil_div64(longest, p.tokens_per_split) : 1);
   }
   plan.states = plan.splits + plan.exact_splits;
-  if (plan.cluster_merge || plan.last_split_merge) return plan;  // no merge kernel
+  if (plan.cluster_merge) return plan;  // no merge kernel
   plan.wide_merge = wide_merge(plan.states, static_cast<int64_t>(p.num_heads) * p.batch.count, multiprocessors,
                                device::merge_per_part<1>());
   plan.merge_heads = merge_heads(p.value_rotation.kind == RotationKind::kMatrix, plan.wide_merge,
@@ -695,38 +654,16 @@ void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, c
 
 void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
-  // A caller's plan (DecodePlanner::launch with a plan) within the merges' limits.
-  if (plan.cluster_merge && (!plan.int8 || plan.exact_splits > 0 || plan.splits > device::kMaxClusterBlocks)) {
-    refuse("a cluster merge of " + std::to_string(plan.splits) + " splits: expected the int8 kernel's, at most " +
-           std::to_string(device::kMaxClusterBlocks) + " and no exact ranges");
-  }
-  if (plan.last_split_merge && (!plan.int8 || plan.exact_splits > 0 || plan.states > kLastSplitMergeMaxStates ||
-                                static_cast<int64_t>(params.batch.count) * params.key_cache.layout.spec.kv_heads >
-                                    kDecodeTicketCounters)) {
-    refuse("a last-split merge of " + std::to_string(plan.states) + " states: expected the int8 kernel's, at most " +
-           std::to_string(kLastSplitMergeMaxStates) + ", no exact ranges and at most " +
-           std::to_string(kDecodeTicketCounters) + " sequence-KV head pairs");
-  }
-  const WorkspaceLayout layout = workspace_layout(params, plan);
-  const int64_t bytes = layout.floats * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
   const bool owned = memory == nullptr || params.workspace_bytes < bytes;
-  if (!owned && (reinterpret_cast<uintptr_t>(memory) & 15u) != 0) refuse("a workspace not 16-byte aligned");
-  if (owned) {
-    KVFORGE_CUDA_CHECK(cudaMallocAsync(&memory, static_cast<size_t>(bytes), stream));
-    if (plan.last_split_merge) {  // the counters this launch takes
-      KVFORGE_CUDA_CHECK(cudaMemsetAsync(
-          memory, 0, static_cast<size_t>(params.batch.count) * params.key_cache.layout.spec.kv_heads * sizeof(unsigned),
-          stream));
-    }
-  }
-  float* const floats = static_cast<float*>(memory);
+  if (owned) KVFORGE_CUDA_CHECK(cudaMallocAsync(&memory, static_cast<size_t>(bytes), stream));
+  const int64_t states = static_cast<int64_t>(params.batch.count) * params.num_heads * plan.states;
   device::SplitWorkspace workspace;
-  workspace.max_sum = floats + layout.max_sum;
-  workspace.acc = floats + layout.acc;
+  workspace.max_sum = static_cast<float*>(memory);
+  workspace.acc = workspace.max_sum + 2 * states;
   workspace.max_splits = static_cast<int32_t>(plan.states);
-  if (plan.rotate_queries_first) workspace.queries = floats + layout.queries;
-  if (plan.last_split_merge) workspace.tickets = static_cast<unsigned*>(memory);
+  if (plan.rotate_queries_first) workspace.queries = workspace.acc + states * params.key_cache.layout.spec.head_dim;
   if (params.key_cache.layout.spec.head_dim == 64) {
     launch_for_head_dim<64>(params, workspace, plan, stream);
   } else {
@@ -735,12 +672,6 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   const cudaError_t launched = cudaGetLastError();
   if (owned) KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
   KVFORGE_CUDA_CHECK(launched);
-}
-
-void clear_decode_workspace(void* workspace, int64_t bytes, cudaStream_t stream) {
-  if (workspace != nullptr && bytes > 0) {
-    KVFORGE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, static_cast<size_t>(bytes), stream));
-  }
 }
 
 int64_t decode_workspace_bytes(const DecodeParams& p) { return DecodePlanner().workspace_bytes(p); }

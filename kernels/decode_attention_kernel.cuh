@@ -629,11 +629,6 @@ struct SplitWorkspace {
   // per decode call instead of once per block; null: each block rotates its
   // own (decode_split_kernel always does).
   float* queries = nullptr;
-  // [sequence][KV head]: the int8 kernel's counters of blocks done
-  // (DecodePlan::last_split_merge, kernels/last_split_merge.cuh), zero
-  // before a launch and after it; null: the merge kernel or the cluster
-  // merges.
-  unsigned* tickets = nullptr;
 };
 
 // Tokens per pass of a block of the exact ranges (decode_exact_kernel's

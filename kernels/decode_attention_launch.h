@@ -15,7 +15,6 @@
 #include <utility>
 
 #include "kernels/decode_params.h"
-#include "kernels/split_plan.h"
 
 namespace kvforge::kernels {
 
@@ -70,18 +69,7 @@ struct DecodePlan {
   // (64 clusters of 8 do not fit at once). wide_merge and merge_heads then
   // do not apply; the workspace's states are not used.
   bool cluster_merge = false;
-  // int8, not clustered: the last of the int8 kernel's blocks of a (KV
-  // head, sequence) to finish (a counter per pair at the workspace's start,
-  // taken after the block's state is written) merges the pair's states from
-  // the workspace and writes its output (kernels/last_split_merge.cuh): no
-  // merge kernel, and the merges of pairs that finish early overlap the
-  // others' walks. Where cluster_merge does not apply for want of resident
-  // clusters, and at most kLastSplitMergeMaxStates splits
-  // (split_plan.h's last_split_merge_applies): on the H200 rtn at batch 8
-  // at Llama-3-8B's shapes. wide_merge and merge_heads then do not apply.
-  bool last_split_merge = false;
 };
-
 
 // Whether the configuration's layout is one the tensor-core kernel reads:
 // head_dim 64 or 128, 2 or 4 bits, uniform levels, post-RoPE keys, at most 8
@@ -143,10 +131,6 @@ class DecodePlanner {
   SplitQuestion last_question_;  // the last split search and its answer
   int64_t last_splits_ = 1;
 };
-
-// Zero-fills a workspace of `bytes` on `stream`: once, before its first
-// launch (DecodeParams::workspace); the launches leave its counters zero.
-void clear_decode_workspace(void* workspace, int64_t bytes, cudaStream_t stream);
 
 // A planner of the current device for one call (what DecodePlanner caches
 // is asked again).

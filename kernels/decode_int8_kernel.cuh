@@ -42,9 +42,7 @@
 // softmax of the GQA group's heads (up to 8, the mma's N); the block merges
 // its warps' states into one split state for decode_merge_kernel, or, its
 // splits launched as one thread-block cluster (TensorCoreSplits::cluster_merge),
-// merges the cluster's states itself (kernels/cluster_merge.cuh), or, with
-// counters in the workspace (SplitWorkspace::tickets), the last block of a
-// (KV head, sequence) to finish merges its states (kernels/last_split_merge.cuh).
+// merges the cluster's states itself (kernels/cluster_merge.cuh).
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -53,7 +51,6 @@
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
-#include "kernels/last_split_merge.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -326,20 +323,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   static_assert(sizeof(ClusterMergeShared<kInt8Warps>) <= sizeof(shared.query), "the cluster merge's scratch");
   auto cluster_shared = [&] { return reinterpret_cast<ClusterMergeShared<kInt8Warps>*>(&shared.query[0][0]); };
   auto merged_rows = [&] { return reinterpret_cast<float (*)[D]>(dynamic_shared); };
-  // The last-split merge (workspace.tickets): its scratch over the query rows too.
-  static_assert(sizeof(LastSplitShared) <= sizeof(shared.query), "the last-split merge's scratch");
-  auto merge_if_last = [&] {
-    merge_if_last_split<D>(workspace.max_sum, workspace.acc, workspace.max_splits,
-                           workspace.tickets + entry * p.key_cache.layout.spec.kv_heads + kv_head, p.io, p.output,
-                           state_base, group, reinterpret_cast<LastSplitShared*>(&shared.query[0][0]));
-  };
   if (first >= last) {  // an empty split: a state the merge skips
     if (splits.cluster_merge) {
       merge_in_cluster<D, kInt8Warps>(p.io, p.output, state_base, group, false, cluster_shared(), nullptr, nullptr,
                                       nullptr, merged_rows());
     } else {
       write_empty_state(workspace, block, split);
-      if (workspace.tickets != nullptr) merge_if_last();
     }
     wait_for_prerequisite_grid();
     return;
@@ -1158,7 +1147,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                                     shared.state_sum, out, merged_rows());
   } else {
     write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
-    if (workspace.tickets != nullptr) merge_if_last();
   }
   wait_for_prerequisite_grid();
 }

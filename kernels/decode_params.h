@@ -177,18 +177,6 @@ enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 
 // that the layout or the kernel choice cannot take is refused.
 enum class Int8Steps : int32_t { kAuto = 0, kSteps32 = 1, kSteps64Stages3 = 2, kSteps64Stages4 = 3 };
 
-// How the split states of a (KV head, sequence) become its output (CUDA
-// only; DecodePlan): kAuto the planner's choice; kMergeKernel
-// decode_merge_kernel after the split kernels, the only merge of every
-// layout; kClusters the int8 kernel's splits as one thread-block cluster
-// that merges in shared memory (kernels/cluster_merge.cuh); kLastSplit the
-// last of the int8 kernel's blocks of a (KV head, sequence) to finish
-// merges their states from the workspace (kernels/last_split_merge.cuh).
-// The last two serve the int8 kernel where it writes every state (no exact
-// ranges) and nothing is rotated (split_plan.h: cluster_merge_applies,
-// last_split_merge_applies); a request the plan cannot take is refused.
-enum class DecodeMerge : int32_t { kAuto = 0, kMergeKernel = 1, kClusters = 2, kLastSplit = 3 };
-
 struct DecodeParams {
   SequenceBatch batch;  // one query per entry, at position lengths[i] - 1
   const void* queries = nullptr;  // [count][num_heads][D], post-RoPE
@@ -209,12 +197,9 @@ struct DecodeParams {
   // beside the tensor-core kernels, a multiple of 64; 0: the planner's
   // (DecodePlan::exact_chunk).
   int32_t exact_chunk_tokens = 0;
-  DecodeMerge merge = DecodeMerge::kAuto;     // CUDA only
   // CUDA only: scratch for the split states, planned once by the caller
-  // (decode_workspace_bytes in decode_attention_launch.h) and zero-filled
-  // once before its first launch (clear_decode_workspace): it begins with
-  // the last-split merge's counters, which every launch leaves at zero.
-  // Null or too small: the launch allocates and clears it on its stream.
+  // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
+  // the launch allocates it on its stream.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
 };

@@ -74,23 +74,4 @@ inline bool clusters_add_no_wave(int64_t blocks, int64_t resident, int64_t resid
   return resident_in_clusters >= std::min(blocks, resident);
 }
 
-// The last-split merge's limits: states one block merges, and (sequence,
-// KV head) pairs of a batch, one counter each at the workspace's start (64
-// KB, in every plan's workspace, so that a workspace shared by plans keeps
-// them zero).
-inline constexpr int kLastSplitMergeMaxStates = 16;
-inline constexpr int64_t kDecodeTicketCounters = 16384;
-
-// Whether the last of the int8 kernel's `splits` blocks of a (KV head,
-// sequence) to finish may merge their states (DecodePlan::last_split_merge,
-// kernels/last_split_merge.cuh) instead of the merge kernel: the int8
-// kernel writes every state (no `exact_splits`), nothing is rotated, at most
-// `max_states` splits (one block reads them all: at batch 1's many splits
-// the merge kernel's blocks share that work), and the batch's (sequence, KV
-// head) pairs, `tickets`, within the workspace's counters (`max_tickets`).
-inline bool last_split_merge_applies(bool int8, int64_t exact_splits, bool rotated, int64_t splits,
-                                     int64_t max_states, int64_t tickets, int64_t max_tickets) {
-  return int8 && exact_splits == 0 && !rotated && splits >= 1 && splits <= max_states && tickets <= max_tickets;
-}
-
 }  // namespace kvforge::kernels

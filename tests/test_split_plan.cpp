@@ -64,22 +64,6 @@ TEST(SplitPlan, ClustersOnlyWhereTheyAddNoWave) {
   EXPECT_FALSE(kernels::clusters_add_no_wave(2048, kResident, kResident - 2));
 }
 
-// The last split merges where the int8 kernel writes every state, nothing
-// is rotated, the splits are few enough for one block to read (16) and the
-// batch's (sequence, KV head) pairs fit the workspace's counters.
-TEST(SplitPlan, LastSplitMergeWhereOneBlockReadsEveryState) {
-  constexpr int64_t kMaxStates = 16, kCounters = 16384;
-  EXPECT_TRUE(kernels::last_split_merge_applies(true, 0, false, 8, kMaxStates, 8 * 8, kCounters));     // batch 8
-  EXPECT_TRUE(kernels::last_split_merge_applies(true, 0, false, 16, kMaxStates, 8, kCounters));        // at the limit
-  EXPECT_FALSE(kernels::last_split_merge_applies(true, 0, false, 17, kMaxStates, 8, kCounters));       // past it
-  EXPECT_FALSE(kernels::last_split_merge_applies(true, 0, false, 64, kMaxStates, 8, kCounters));       // batch 1
-  EXPECT_FALSE(kernels::last_split_merge_applies(false, 0, false, 8, kMaxStates, 64, kCounters));      // not int8
-  EXPECT_FALSE(kernels::last_split_merge_applies(true, 3, false, 8, kMaxStates, 64, kCounters));       // exact blocks
-  EXPECT_FALSE(kernels::last_split_merge_applies(true, 0, true, 8, kMaxStates, 64, kCounters));        // a rotation
-  EXPECT_TRUE(kernels::last_split_merge_applies(true, 0, false, 8, kMaxStates, kCounters, kCounters));
-  EXPECT_FALSE(kernels::last_split_merge_applies(true, 0, false, 8, kMaxStates, kCounters + 1, kCounters));
-}
-
 TEST(SplitPlan, Batch32FillsOneWaveWithTwoSplits) {
   // 256 blocks per split: one split, 1 wave of 32768 + 512; two, 1 wave of
   // 16384 + 512; three, 2 waves (768 blocks) of 10923 + 512.
