@@ -388,130 +388,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // rotated first), so that its round trip overlaps theirs (on the H200
   // within noise of loading it after the key operands: bench/README.md).
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
-
-  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
-  const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
-  const auto value_page_bytes = static_cast<uint32_t>(vl.page_bytes);
-  const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
-  const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
-  const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
-  const bool outliers = key_outliers || value_outliers;
-  int issue_stage = 0;   // the stage the next issue fills (issues go round the kStages)
-  int32_t to_issue = run_tokens;  // tokens of the run not yet issued
-
-  // Starts the copies of the next 32 tokens into their stage (every lane
-  // takes part): lane j's token's key and value pairs, then the code rows.
-  auto issue = [&]() {
-    const int tokens = to_issue < kInt8StepTokens ? to_issue : kInt8StepTokens;
-    const int stage_index = issue_stage;
-    const uint32_t stage_address = stages_address + stage_index * static_cast<uint32_t>(sizeof(Stage));
-    Stage& stage = stages[stage_index];
-    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
-    const int32_t issued = run_tokens - to_issue;  // the stage's first token in the run
-    to_issue -= kInt8StepTokens;
-    const bool valid = lane < tokens;
-    const int32_t page = next_page, in_page = next_in_page;
-    next_page_index += step_pages;
-    next_in_page += step_rest;
-    if (next_in_page >= page_size) {
-      next_in_page -= page_size;
-      ++next_page_index;
-    }
-    next_page = lane < to_issue ? page_row[next_page_index] : 0;
-    const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
-    const uint8_t* value_page =
-        p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
-    copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, key_pairs)) + 8 * lane,
-                       key_page + key_pairs.base + in_page * key_pairs.token_stride, static_cast<int32_t>(kl.pair_bytes),
-                       valid && !per_channel_keys);
-#pragma unroll
-    for (int vg = 0; vg < VG; ++vg) {
-      copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, value_pairs)) + 8 * (VG * lane + vg),
-                         value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
-                         static_cast<int32_t>(vl.pair_bytes), valid);
-    }
-    if constexpr (kGeneral) {
-      if (outliers) {
-        stage.page[lane] = page;
-        stage.in_page[lane] = in_page;
-      }
-    }
-    // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
-    // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
-    // lane runs every round and every shuffle.
-    const int32_t row_offset = head_rows + in_page * row_bytes;
-#pragma unroll
-    for (int round = 0; round < kInt8StepTokens * kRowChunks / kWarpSize; ++round) {
-      const int chunk = round * kWarpSize + lane;
-      const int row = chunk / kRowChunks, part = chunk % kRowChunks;
-      const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
-      const auto at = static_cast<uint32_t>(__shfl_sync(0xffffffffu, row_offset, row) + part * 16);
-      const bool copy = row < tokens;
-      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * chunk,
-                        p.key_cache.pages + (static_cast<uint64_t>(row_page) * key_page_bytes + at), copy);
-      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
-                            16 * (VG == 1 ? value_chunk<kRowChunks>(row, part) : chunk),
-                        p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
-    }
-    // per_channel_tokens keys: the key group's channel pairs come with the
-    // step that starts the group (or the run), lane j taking channels
-    // j + 32 i from their stream positions (docs/runtime-layout.md 3.2). A
-    // pair lies in a page of one of its group's slots: where the step holds
-    // a slot of that page, the page id is a lane's (a shuffle; the page
-    // table's load would hold up the issue), else the page table's.
-    if constexpr (VG > 1) {
-      if (!channel_tokens) return;
-      const int32_t slot_index = static_cast<int32_t>(run_first - sink) + issued;  // the step's first s
-      const int32_t in_group = slot_index % kl.spec.group;
-      const bool starts = in_group == 0 || issued == 0;
-      if (lane == 0) stage.channel_pairs = starts;
-      if (starts) {
-        const auto per_slot = static_cast<int32_t>(kl.pairs_per_slot);
-        const int32_t per_page = page_size * per_slot;
-        const StreamPlace first = stream_place(slot_index - in_group, per_slot, per_page, kv_head * D + lane);
-        const uint32_t slots = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_shared)) +
-                               static_cast<uint32_t>(int8_stage_bytes<D, VG, kBits>()) +
-                               static_cast<uint32_t>(((warp * kInt8Stages + stage_index) * D + lane) * channel_pair_bytes);
-#pragma unroll
-        for (int i = 0; i < D / kWarpSize; ++i) {
-          const StreamPlace at = stream_advance(first, i * kWarpSize, per_page);
-          const int32_t source = step_slot_in_page(at.entry, page_size, slot_index, tokens);  // < tokens <= 32
-          int32_t pair_page = __shfl_sync(0xffffffffu, page, source > 0 ? source : 0);
-          if (source < 0) pair_page = page_row[at.entry];
-          copy_pair_async_to(slots + static_cast<uint32_t>(i * kWarpSize * channel_pair_bytes),
-                             p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(pair_page)) * key_page_bytes +
-                                 kl.params_offset + at.offset * channel_pair_bytes,
-                             channel_pair_bytes, true);
-        }
-      }
-    }
-  };
-
-  // kStages - kStepStages stages in flight while a step computes: each
-  // stage its own commit group, so that a step's wait leaves that many.
-  constexpr int kAhead = kStages - kStepStages;
-#pragma unroll
-  for (int ahead = 0; ahead < kAhead; ++ahead) {
-    if (to_issue > 0) issue();
-    copy_async_commit();
-  }
-  // Then the queries: their round trip (or the wait for the queries'
-  // rotation kernel) and the key operands' build overlap the first stages'
-  // copies. (The KV pages are no prerequisite's writes: a kernel this one
-  // depends on started after the appends before it.) The wide steps' raw
-  // queries lie over the last warp's stages not issued yet (kStepStages of
-  // them), free again once the queries are rotated (load_group_queries
-  // synchronizes the block before it returns).
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
                                               shared.raw_query, &out[0][0][0],
                           value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
-  } else {
-    static_assert(kStepStages * sizeof(Stage) >= sizeof(float[kMaxTensorCoreGroup][D]), "the raw queries' room");
-    Stage* const unissued = reinterpret_cast<Stage*>(dynamic_shared) + (kInt8Warps - 1) * kStages + kAhead;
+  } else {  // the raw queries over the stages: no copy has started
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
-                          *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(unissued), nullptr, 0);
+                          *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
   }
 
   // B column g's head (zeros past the group); packed: part
@@ -654,6 +537,113 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     for (int h = 0; h < kHeads; ++h) value_a_term[vg][h] = 0.0f;
   }
 
+  Stage* stages = reinterpret_cast<Stage*>(dynamic_shared) + warp * kStages;
+  const auto stages_address = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  const auto key_page_bytes = static_cast<uint32_t>(kl.page_bytes);
+  const auto value_page_bytes = static_cast<uint32_t>(vl.page_bytes);
+  const auto row_bytes = static_cast<int32_t>(kl.row_bytes);
+  const auto head_rows = static_cast<int32_t>(code_row_offset(kl, kv_head, 0));
+  const PairPlace key_pairs = pair_place(kl, kv_head, 1), value_pairs = pair_place(vl, kv_head, VG);
+  const bool outliers = key_outliers || value_outliers;
+  int issue_stage = 0;   // the stage the next issue fills (issues go round the kStages)
+  int32_t to_issue = run_tokens;  // tokens of the run not yet issued
+
+  // Starts the copies of the next 32 tokens into their stage (every lane
+  // takes part): lane j's token's key and value pairs, then the code rows.
+  auto issue = [&]() {
+    const int tokens = to_issue < kInt8StepTokens ? to_issue : kInt8StepTokens;
+    const int stage_index = issue_stage;
+    const uint32_t stage_address = stages_address + stage_index * static_cast<uint32_t>(sizeof(Stage));
+    Stage& stage = stages[stage_index];
+    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
+    const int32_t issued = run_tokens - to_issue;  // the stage's first token in the run
+    to_issue -= kInt8StepTokens;
+    const bool valid = lane < tokens;
+    const int32_t page = next_page, in_page = next_in_page;
+    next_page_index += step_pages;
+    next_in_page += step_rest;
+    if (next_in_page >= page_size) {
+      next_in_page -= page_size;
+      ++next_page_index;
+    }
+    next_page = lane < to_issue ? page_row[next_page_index] : 0;
+    const uint8_t* key_page = p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * key_page_bytes;
+    const uint8_t* value_page =
+        p.value_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(page)) * value_page_bytes;
+    copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, key_pairs)) + 8 * lane,
+                       key_page + key_pairs.base + in_page * key_pairs.token_stride, static_cast<int32_t>(kl.pair_bytes),
+                       valid && !per_channel_keys);
+#pragma unroll
+    for (int vg = 0; vg < VG; ++vg) {
+      copy_pair_async_to(stage_address + static_cast<uint32_t>(offsetof(Stage, value_pairs)) + 8 * (VG * lane + vg),
+                         value_page + value_pairs.base + in_page * value_pairs.token_stride + vg * value_pairs.group_stride,
+                         static_cast<int32_t>(vl.pair_bytes), valid);
+    }
+    if constexpr (kGeneral) {
+      if (outliers) {
+        stage.page[lane] = page;
+        stage.in_page[lane] = in_page;
+      }
+    }
+    // Code rows: 16-byte chunks, chunk i of the step's 32 rows by lane
+    // i % 32, at the offset of row i / kRowChunks's page (a shuffle); every
+    // lane runs every round and every shuffle.
+    const int32_t row_offset = head_rows + in_page * row_bytes;
+#pragma unroll
+    for (int round = 0; round < kInt8StepTokens * kRowChunks / kWarpSize; ++round) {
+      const int chunk = round * kWarpSize + lane;
+      const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+      const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
+      const auto at = static_cast<uint32_t>(__shfl_sync(0xffffffffu, row_offset, row) + part * 16);
+      const bool copy = row < tokens;
+      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * chunk,
+                        p.key_cache.pages + (static_cast<uint64_t>(row_page) * key_page_bytes + at), copy);
+      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
+                            16 * (VG == 1 ? value_chunk<kRowChunks>(row, part) : chunk),
+                        p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
+    }
+    // per_channel_tokens keys: the key group's channel pairs come with the
+    // step that starts the group (or the run), lane j taking channels
+    // j + 32 i from their stream positions (docs/runtime-layout.md 3.2). A
+    // pair lies in a page of one of its group's slots: where the step holds
+    // a slot of that page, the page id is a lane's (a shuffle; the page
+    // table's load would hold up the issue), else the page table's.
+    if constexpr (VG > 1) {
+      if (!channel_tokens) return;
+      const int32_t slot_index = static_cast<int32_t>(run_first - sink) + issued;  // the step's first s
+      const int32_t in_group = slot_index % kl.spec.group;
+      const bool starts = in_group == 0 || issued == 0;
+      if (lane == 0) stage.channel_pairs = starts;
+      if (starts) {
+        const auto per_slot = static_cast<int32_t>(kl.pairs_per_slot);
+        const int32_t per_page = page_size * per_slot;
+        const StreamPlace first = stream_place(slot_index - in_group, per_slot, per_page, kv_head * D + lane);
+        const uint32_t slots = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_shared)) +
+                               static_cast<uint32_t>(int8_stage_bytes<D, VG, kBits>()) +
+                               static_cast<uint32_t>(((warp * kInt8Stages + stage_index) * D + lane) * channel_pair_bytes);
+#pragma unroll
+        for (int i = 0; i < D / kWarpSize; ++i) {
+          const StreamPlace at = stream_advance(first, i * kWarpSize, per_page);
+          const int32_t source = step_slot_in_page(at.entry, page_size, slot_index, tokens);  // < tokens <= 32
+          int32_t pair_page = __shfl_sync(0xffffffffu, page, source > 0 ? source : 0);
+          if (source < 0) pair_page = page_row[at.entry];
+          copy_pair_async_to(slots + static_cast<uint32_t>(i * kWarpSize * channel_pair_bytes),
+                             p.key_cache.pages + static_cast<uint64_t>(static_cast<uint32_t>(pair_page)) * key_page_bytes +
+                                 kl.params_offset + at.offset * channel_pair_bytes,
+                             channel_pair_bytes, true);
+        }
+      }
+    }
+  };
+
+  // kStages - kStepStages stages in flight while a step computes: each
+  // stage its own commit group, so that a step's wait leaves that many.
+  constexpr int kAhead = kStages - kStepStages;
+#pragma unroll
+  for (int ahead = 0; ahead < kAhead; ++ahead) {
+    if (to_issue > 0) issue();
+    copy_async_commit();
+  }
   int compute_stage = 0;
   int32_t left = run_tokens;  // tokens of the run from this step on
   for (int32_t step = 0; step < run_steps; ++step) {
