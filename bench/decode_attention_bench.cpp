@@ -29,11 +29,13 @@
 // same decode replayed from a CUDA graph (graph_time_us, graph_host_us; or
 // graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
-// tensor_cores, general) and `splits`, `exact_splits`, `exact_first`,
+// tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`,
 // `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads` and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
+// with --general also the general kernel's where the lookup kernel is the
+// default (general_time_us, general_splits, general_speedup_vs_sdpa);
 // with --int8-other-steps, where the int8 kernel's 64-token steps read the
 // layout (kernels::Int8Steps), the time of its step choices other than the
 // default's in the same run: 32-token steps (steps32_time_us, _splits,
@@ -214,6 +216,10 @@ int run(int argc, char** argv) {
   bool bf16_tensor_cores = false;
   app.add_flag("--bf16-tensor-cores", bf16_tensor_cores,
                "also time the bf16 tensor-core kernel where the int8 one is the default (bf16_tc_* columns)");
+  bool general = false;
+  app.add_flag("--general", general,
+               "also time the general kernel where the lookup kernel is the default (general_* columns), the "
+               "lookup kernel's predecessor on kvquant's layouts");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -441,7 +447,7 @@ int run(int argc, char** argv) {
                                 {"batch", batch},
                                 {"method", method},
                                 {"bits", b},
-                                {"kernel", plan.int8 ? "int8_tensor_cores" : plan.tensor_cores ? "tensor_cores" : "general"},
+                                {"kernel", plan.int8 ? "int8_tensor_cores" : plan.tensor_cores ? "tensor_cores" : plan.lookup ? "lookup" : "general"},
                                 {"splits", plan.splits},
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_chunk", plan.exact_chunk},
@@ -489,6 +495,11 @@ int run(int argc, char** argv) {
             kernels::DecodeParams bf16_params = params;
             bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;
             time_choice(bf16_params, "bf16_tc");
+          }
+          if (general && plan.lookup) {
+            kernels::DecodeParams general_params = params;
+            general_params.kernel = kernels::DecodeKernel::kGeneral;
+            time_choice(general_params, "general");
           }
           if (int8_other_steps && plan.int8 && kernels::int8_wide_steps_supported(params)) {
             for (const auto& [steps, prefix] : {std::pair{kernels::Int8Steps::kSteps32, "steps32"},

@@ -14,6 +14,7 @@
 #include "kernels/decode_attention_launch.h"
 #include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_int8_kernel.cuh"
+#include "kernels/decode_lookup_kernel.cuh"
 #include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
 
@@ -300,6 +301,41 @@ int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, cons
   return shared_bytes;
 }
 
+// The lookup kernel's instantiation for the GQA group (its heads padded to
+// 4 or 8) with its dynamic shared memory set as the function's attribute.
+using LookupKernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits);
+template <int D, int kBits, typename F>
+void with_lookup_kernel(const DecodeParams& p, F&& f) {
+  const auto prepared = [&](LookupKernel kernel, int shared_bytes) {
+    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    f(kernel, shared_bytes);
+  };
+  if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
+    prepared(device::decode_lookup_kernel<D, kBits, 4>, device::lookup_shared_bytes<D, kBits, 4>());
+  } else {
+    prepared(device::decode_lookup_kernel<D, kBits, 8>, device::lookup_shared_bytes<D, kBits, 8>());
+  }
+}
+constexpr int kLookupThreads = device::kLookupWarps * device::kWarpSize;
+
+template <int D, int kBits>
+void launch_lookup(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
+                   cudaStream_t stream) {
+  with_lookup_kernel<D, kBits>(p, [&](LookupKernel kernel, int shared_bytes) {
+    launch_kernel(kernel, split_grid(p, plan.splits), kLookupThreads, shared_bytes, stream, false, p, workspace,
+                  device::TensorCoreSplits{plan.tokens_per_split, false});
+  });
+}
+
+template <int D, int kBits>
+int lookup_residency(const DecodeParams& p) {
+  int blocks = 0;
+  with_lookup_kernel<D, kBits>(p, [&](LookupKernel kernel, int shared_bytes) {
+    KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kLookupThreads, shared_bytes));
+  });
+  return blocks > 0 ? blocks : 1;
+}
+
 // `dependent` as launch's. With plan.cluster_merge the splits of a (KV
 // head, sequence), consecutive along x, are one cluster.
 template <int D>
@@ -353,9 +389,13 @@ int tensor_core_residency(const DecodeParams& p) {
 
 // One number per kernel instantiation and dynamic shared-memory size (what
 // the occupancy depends on besides the device): the planner's cache key.
-int kernel_variant(const DecodeParams& p, bool int8, Int8Steps steps) {
+int kernel_variant(const DecodeParams& p, bool int8, bool lookup, Int8Steps steps) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int dim = k.head_dim == 64 ? 0 : 1;
+  if (lookup) {  // 8 to 15: head_dim, bits, heads padded to 8
+    const bool eight = p.num_heads / k.kv_heads > 4;
+    return 8 + 4 * dim + (k.bits == 4 ? 2 : 0) + (eight ? 1 : 0);
+  }
   if (int8) {  // 16 and up: steps, head_dim, bits, value groups, packed parts, value outliers, channel pairs' bytes
     const int channel_pairs =
         k.grouping != ScaleGrouping::kPerChannelTokens ? 0 : p.key_cache.layout.pair_bytes == 4 ? 1 : 2;
@@ -370,8 +410,12 @@ int kernel_variant(const DecodeParams& p, bool int8, Int8Steps steps) {
   return 4 * dim + (k.bits == 2 ? 0 : 2) + (grouped ? 1 : 0);
 }
 
-int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, Int8Steps steps) {
+int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, bool lookup, Int8Steps steps) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  if (lookup) {
+    if (k.head_dim == 64) return k.bits == 2 ? lookup_residency<64, 2>(p) : lookup_residency<64, 4>(p);
+    return k.bits == 2 ? lookup_residency<128, 2>(p) : lookup_residency<128, 4>(p);
+  }
   if (int8) return k.head_dim == 64 ? int8_residency<64>(p, steps) : int8_residency<128>(p, steps);
   if (k.head_dim == 64) return k.bits == 2 ? tensor_core_residency<64, 2>(p) : tensor_core_residency<64, 4>(p);
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
@@ -388,6 +432,11 @@ void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
+  if (plan.lookup) {
+    launch_lookup<D, kBits>(p, workspace, plan, stream);
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
+    return;
+  }
   if (plan.tensor_cores) {
     if (plan.rotate_queries_first) launch_rotate_queries<D>(p, workspace, stream);
     if (plan.int8) {
@@ -516,6 +565,19 @@ bool int8_decode_supported(const DecodeParams& p) {
   return keys_ok && (one_group_per_row(v) || int8_value_groups_of_32(p));
 }
 
+bool lookup_decode_supported(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  const int dim = k.head_dim;
+  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4) || v.bits != k.bits || v.head_dim != dim) return false;
+  if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
+  if (k.page_size != v.page_size) return false;
+  // 32-bit row offsets inside a page.
+  if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
+  if (p.key_dequantization.channel_scale == nullptr || p.key_dequantization.channel_offset == nullptr) return false;
+  return k.grouping == ScaleGrouping::kPerChannelOffline && one_group_per_row(v);
+}
+
 bool int8_wide_steps_supported(const DecodeParams& p) {
   return int8_decode_supported(p) && one_group_per_row(p.key_cache.layout.spec) &&
          one_group_per_row(p.value_cache.layout.spec) &&
@@ -528,7 +590,7 @@ Int8Steps default_int8_steps(const DecodeParams& p) {
 
 namespace {
 
-// resident_blocks(int8, steps): blocks per multiprocessor of the kernel;
+// resident_blocks(int8, lookup, steps): blocks per multiprocessor of the kernel;
 // choose_splits(longest, per_split, resident, max_splits): as
 // splits_for_whole_waves (kernels/split_plan.h); resident_clusters(steps,
 // splits): clusters of `splits` int8 blocks on the device.
@@ -543,8 +605,11 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   plan.int8 = (p.kernel == DecodeKernel::kAuto || p.kernel == DecodeKernel::kInt8TensorCores) && int8_decode_supported(p);
   if (plan.int8) plan.int8_steps = p.int8_steps != Int8Steps::kAuto ? p.int8_steps : default_int8_steps(p);
   const int64_t step_tokens = plan.int8_steps == Int8Steps::kSteps32 ? device::kInt8StepTokens : 2 * device::kInt8StepTokens;
-  plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && (plan.int8 || tensor_core_decode_supported(p));
-  if (plan.tensor_cores) {
+  plan.tensor_cores = p.kernel != DecodeKernel::kGeneral && p.kernel != DecodeKernel::kLookup &&
+                      (plan.int8 || tensor_core_decode_supported(p));
+  plan.lookup = !plan.tensor_cores && p.kernel != DecodeKernel::kGeneral && p.kernel != DecodeKernel::kBf16TensorCores &&
+                lookup_decode_supported(p);
+  if (plan.tensor_cores || plan.lookup) {
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
     const bool exact_kernel = exact_kernel_reads(p);
     plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens
@@ -559,13 +624,16 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     // blocks (DecodePlan::exact_first) take a slot each from the int8
     // kernel's (a general block needs fewer registers than an int8 one).
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
-    const int64_t all_resident = static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.int8_steps);
+    const int64_t all_resident =
+        static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.lookup, plan.int8_steps);
     plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
-    plan.rotate_queries_first = p.key_rotation.kind == RotationKind::kMatrix && !plan.exact_first;
+    plan.rotate_queries_first = plan.tensor_cores && p.key_rotation.kind == RotationKind::kMatrix && !plan.exact_first;
     const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
-    const int64_t kQuantum = plan.int8 ? device::kInt8Warps * step_tokens : device::kTensorCoreWarps * device::kTileRows;
+    const int64_t kQuantum = plan.int8     ? device::kInt8Warps * step_tokens
+                             : plan.lookup ? device::kLookupWarps * device::kLookupStepTokens
+                                           : device::kTensorCoreWarps * device::kTileRows;
     plan.tokens_per_split = std::max<int64_t>(256, ceil_div64(ceil_div64(longest, wave_splits), kQuantum) * kQuantum);
     plan.splits = static_cast<int32_t>(ceil_div64(longest, plan.tokens_per_split));
     // The device's clusters are asked for only where the layout allows them.
@@ -593,17 +661,19 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
 DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
   return plan_with(
       p, multiprocessors,
-      [&](bool int8, Int8Steps steps) { return tensor_core_blocks_per_multiprocessor(p, int8, steps); },
+      [&](bool int8, bool lookup, Int8Steps steps) {
+        return tensor_core_blocks_per_multiprocessor(p, int8, lookup, steps);
+      },
       splits_for_whole_waves,
       [&](Int8Steps steps, int32_t splits) { return int8_clusters_on_device(p, steps, splits); });
 }
 
 
-int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8, Int8Steps steps) {
-  const int variant = kernel_variant(params, int8, steps);
+int DecodePlanner::resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps) {
+  const int variant = kernel_variant(params, int8, lookup, steps);
   const auto known = resident_.find(variant);
   if (known != resident_.end()) return known->second;
-  const int blocks = tensor_core_blocks_per_multiprocessor(params, int8, steps);
+  const int blocks = tensor_core_blocks_per_multiprocessor(params, int8, lookup, steps);
   resident_.emplace(variant, blocks);
   return blocks;
 }
@@ -621,12 +691,13 @@ DecodePlan DecodePlanner::plan(const DecodeParams& params) {
     return last_splits_;
   };
   return plan_with(
-      params, multiprocessors_, [&](bool int8, Int8Steps steps) { return resident_blocks(params, int8, steps); },
+      params, multiprocessors_,
+      [&](bool int8, bool lookup, Int8Steps steps) { return resident_blocks(params, int8, lookup, steps); },
       choose_splits, [&](Int8Steps steps, int32_t splits) { return resident_clusters(params, steps, splits); });
 }
 
 int DecodePlanner::resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits) {
-  const std::pair<int, int32_t> key{kernel_variant(params, true, steps), splits};
+  const std::pair<int, int32_t> key{kernel_variant(params, true, false, steps), splits};
   const auto known = resident_clusters_.find(key);
   if (known != resident_clusters_.end()) return known->second;
   const int clusters = int8_clusters_on_device(params, steps, splits);

@@ -23,6 +23,10 @@ struct DecodePlan {
   // keys and values; the general kernel the others (sink, windows). Without
   // it the general kernel takes every token.
   bool tensor_cores = false;
+  // The lookup kernel (decode_lookup_kernel.cuh, CUDA cores) takes the
+  // quantized tokens instead, split and merged as the tensor-core kernels'
+  // (tokens_per_split, exact_splits, exact_kernel, exact_chunk as theirs).
+  bool lookup = false;
   bool int8 = false;  // the tensor-core kernel is the 8-bit integer one (DecodeKernel::kInt8TensorCores)
   Int8Steps int8_steps = Int8Steps::kSteps32;  // int8: its steps (DecodeParams::int8_steps resolved)
   int64_t tokens_per_split = 0;  // the context split of the kernel that takes the quantized tokens (0: one split)
@@ -86,6 +90,13 @@ bool tensor_core_decode_supported(const DecodeParams& params);
 // in groups of 32 channels).
 bool int8_decode_supported(const DecodeParams& params);
 
+// Whether the lookup kernel reads it: head_dim 64 or 128, 2 or 4 bits, at
+// most 8 query heads per KV head, keys per channel offline (any levels,
+// before or after RoPE, any outliers), values with one scale group per
+// token row (all heads, or per_token groups of head_dim; any levels and
+// outliers), one page size.
+bool lookup_decode_supported(const DecodeParams& params);
+
 // Whether its 64-token steps (Int8Steps) read it: the int8 kernel reads it
 // with one scale group per key and value row (all-heads, or per_token groups
 // of head_dim), no key or value outliers, at most 4 query heads per KV head.
@@ -122,7 +133,7 @@ class DecodePlanner {
       return longest == o.longest && per_split == o.per_split && resident == o.resident && max_splits == o.max_splits;
     }
   };
-  int resident_blocks(const DecodeParams& params, bool int8, Int8Steps steps);
+  int resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps);
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
   void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
   int multiprocessors_ = 0;  // 0: not asked yet

@@ -160,8 +160,13 @@ struct AppendParams {
 // kBf16TensorCores the bf16 tensor-core kernel where it reads the layout,
 // else the general one (the int8 kernel's predecessor, kept as its
 // comparison and for its 4-bit layouts); kGeneral the general kernel for
-// every token.
-enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2, kBf16TensorCores = 3 };
+// every token. Where neither tensor-core kernel reads the layout, kAuto and
+// kInt8TensorCores take the lookup kernel (kernels/decode_lookup_kernel.cuh:
+// keys per channel offline, KVQuant's non-uniform and pre-RoPE ones
+// included, values of one scale group per row) where it reads it;
+// kLookup asks for the lookup kernel wherever it reads the layout (else
+// the general one), the tensor-core kernels not considered.
+enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 2, kBf16TensorCores = 3, kLookup = 4 };
 
 // The int8 kernel's softmax steps (kernels/decode_int8_kernel.cuh; CUDA
 // only). kSteps32: 32 tokens a step, each warp holding three 32-token

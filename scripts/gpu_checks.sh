@@ -268,6 +268,9 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # The int8 splits' cluster merge (distributed shared memory), empty
     # splits in a cluster among them.
     decode_filter="$decode_filter:*int8_steps64x4_rtn_4bit_d64_gqa1_page12_bf16io"
+    # The lookup kernel (kvquant_2bit_d128_gqa4 above too): its 8-head
+    # instantiation at 4 bits, and lengths around its steps at head_dim 64.
+    decode_filter="$decode_filter:*lookup_kvquant_4bit_d128_gqa8:*lookup_kvquant_2bit_d64_gqa4_bf16io"
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.

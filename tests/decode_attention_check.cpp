@@ -317,12 +317,22 @@ double io_unit(ElementType io) {
 // alike; the bound below keeps 2 bits' looser 3 * 3 max |v'|):
 //   logits: |delta s| <= scale (3 D ||q'|| / (127 * 256) + (D + 16) 2^-23 3 sum_d |q'_d|) max |k'|;
 //   values: |delta o_d| <= (3 * n (1 / 2 + 65535 * 2^-21) / 65535 + 32 * 2^-23) 3 max |v'|.
+// The lookup kernel (plan.lookup; kernels/decode_lookup_kernel.cuh) is
+// float32 throughout, its splits planned as the tensor-core kernels'; it
+// adds a key outlier's change as its own correction of the dot (q' . RoPE
+// of x - x^: a subtraction, a product by sin or cos and two fmas per head,
+// each within 2^-23 of terms up to 2 max |k'| |q'_d|) and sums the values
+// as sum_t p_t a_t + sum_t (p_t b_t) L[code] (each product within 2^-23
+// relative, the two sums up to 3 max |v'| apart from their sum, rounded
+// once more when added), so
+//   logits: |delta s| <= scale 8 2^-23 3 sum_d |q'_d| max |k'|;
+//   values: |delta o_d| <= 32 * 2^-23 3 max |v'|.
 double attention_error_bound(const Float64Attention& f, double softmax_scale, int64_t dim, int64_t tokens,
                              int64_t tokens_per_split, ElementType io, const kernels::DecodePlan& plan) {
   // With tensor cores the longest sum of one block: a quantized split or
   // an exact chunk (plan.exact_chunk tokens, in passes whose rescales the
   // 4S below counts per token).
-  const int64_t split = plan.tensor_cores
+  const int64_t split = plan.tensor_cores || plan.lookup
                             ? std::max<int64_t>(plan.tokens_per_split, plan.exact_splits > 0 ? plan.exact_chunk : 0)
                             : tokens_per_split;
   const int64_t s = split > 0 ? std::min(split, tokens) : tokens;
@@ -340,6 +350,9 @@ double attention_error_bound(const Float64Attention& f, double softmax_scale, in
   } else if (plan.tensor_cores) {
     const double operand_logit = softmax_scale * (0x1p-16 + (dim + 16.0) * 0x1p-23) * 3 * f.query_l1 * f.key_max;
     bound += 4 * operand_logit * f.value_norm + (0x1p-16 + 32 * 0x1p-23) * 3 * f.value_max;
+  } else if (plan.lookup) {
+    const double correction_logit = softmax_scale * 8 * 0x1p-23 * 3 * f.query_l1 * f.key_max;
+    bound += 4 * correction_logit * f.value_norm + 32 * 0x1p-23 * 3 * f.value_max;
   }
   return bound;
 }
@@ -452,7 +465,16 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     if (c.kernel == kernels::DecodeKernel::kAuto) {  // the default: the int8 kernel wherever it reads the layout
       EXPECT_EQ(plan.int8, kernels::int8_decode_supported(on_device)) << c.name;
     }
-    if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8) << c.name;
+    if (c.kernel == kernels::DecodeKernel::kBf16TensorCores) EXPECT_FALSE(plan.int8 || plan.lookup) << c.name;
+    // The lookup kernel where no tensor-core kernel reads the layout and it
+    // does (the default), or where it reads it and is asked for.
+    if (c.kernel == kernels::DecodeKernel::kAuto) {
+      EXPECT_EQ(plan.lookup, !plan.tensor_cores && kernels::lookup_decode_supported(on_device)) << c.name;
+    }
+    if (c.kernel == kernels::DecodeKernel::kLookup) {
+      EXPECT_TRUE(plan.lookup) << c.name << ": the lookup kernel does not read this layout";
+      EXPECT_FALSE(plan.tensor_cores) << c.name;
+    }
     if (c.int8_steps != kernels::Int8Steps::kAuto) {
       EXPECT_TRUE(plan.int8) << c.name;
       EXPECT_EQ(plan.int8_steps, c.int8_steps) << c.name;
@@ -462,10 +484,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
                                                                               : kernels::Int8Steps::kSteps32)
           << c.name;
     }
-    if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores) << c.name;
+    if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores || plan.lookup) << c.name;
     // The planner's chunk where there are exact ranges: the exact kernel's
     // two passes, the general kernel's one.
-    if (plan.tensor_cores && plan.exact_splits > 0) {
+    if ((plan.tensor_cores || plan.lookup) && plan.exact_splits > 0) {
       EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0 ? c.exact_chunk_tokens : plan.exact_kernel ? 128 : 64)
           << c.name;
     }
@@ -476,6 +498,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     for (int call = 0; call < 2; ++call) {
       const kernels::DecodePlan planned = planner.plan(on_device);
       EXPECT_EQ(planned.tensor_cores, plan.tensor_cores) << c.name;
+      EXPECT_EQ(planned.lookup, plan.lookup) << c.name;
       EXPECT_EQ(planned.int8, plan.int8) << c.name;
       EXPECT_EQ(planned.splits, plan.splits) << c.name;
       EXPECT_EQ(planned.tokens_per_split, plan.tokens_per_split) << c.name;
@@ -548,7 +571,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
                                   (plan.merge_heads == 1 ? "" : "s") + " a block";
   std::printf("[ %s ] %s%s kernel%s, splits of %lld tokens, %lld states %s\n", c.name.c_str(),
               plan.rotate_queries_first ? "queries rotated first, " : "",
-              !plan.int8                                              ? (plan.tensor_cores ? "tensor-core" : "general")
+              plan.lookup                                             ? "lookup"
+              : !plan.int8                                            ? (plan.tensor_cores ? "tensor-core" : "general")
               : plan.int8_steps == kernels::Int8Steps::kSteps32       ? "int8 tensor-core"
               : plan.int8_steps == kernels::Int8Steps::kSteps64Stages3 ? "int8 tensor-core (64-token steps, 3 stages)"
                                                                       : "int8 tensor-core (64-token steps, 4 stages)",

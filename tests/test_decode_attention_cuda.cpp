@@ -220,6 +220,21 @@ std::vector<Case> cases() {
     rtn.tokens_per_split = 96;
     all.push_back(rtn);
   }
+  {  // The lookup kernel (DecodeKernel::kLookup; the default's for kvquant,
+     // whose cases above take it too): 4 bits at GQA 8 (its 8-head
+     // instantiation) on head_dim 128; head_dim 64 at 2 bits, bf16 io, lengths
+     // around its 32-token steps and a warp's run (the sink's token first);
+     // and the general kernel forced on kvquant's layout, which the default
+     // no longer takes to it.
+    constexpr auto kLookup = kernels::DecodeKernel::kLookup;
+    all.push_back(with(decode_case(testing::kvquant_layout("lookup_kvquant_4bit_d128_gqa8", 4, 128, 16)), kLookup));
+    Case edges = with(decode_case(testing::kvquant_layout("lookup_kvquant_2bit_d64_gqa4_bf16io", 2, 64, 8)), kLookup,
+                      ElementType::kBFloat16);
+    edges.lengths = {1, 2, 32, 33, 34, 128, 129, 130, 131, 161, 1000};
+    all.push_back(edges);
+    all.push_back(
+        with(decode_case(testing::kvquant_layout("general_kvquant_2bit_d128_gqa4", 2, 128, 8)), kernels::DecodeKernel::kGeneral));
+  }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
     Case c = make_case("kvquant_32k_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
     c.fit.outlier_fraction = 0.02;
@@ -273,6 +288,25 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
     });
   }
   EXPECT_EQ(int8_cases, 18);
+}
+
+// On any machine: the lookup kernel reads kvquant's layouts (keys per
+// channel offline, pre-RoPE on a grid, values of one group per row: all
+// heads, or per-head with tau outliers) and none of the others (per-token
+// or per-channel-token keys).
+TEST(DecodeAttentionCudaLookupLayouts, TheLookupKernelReadsKvquantsLayouts) {
+  int lookup_cases = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](const kernels::DecodeParams& params) {
+      const bool reads = kernels::lookup_decode_supported(params);
+      EXPECT_EQ(reads, c.fit.method == QuantMethod::kKvquant) << c.name;
+      if (c.kernel == kernels::DecodeKernel::kLookup) {
+        EXPECT_TRUE(reads) << c.name;
+        ++lookup_cases;
+      }
+    });
+  }
+  EXPECT_EQ(lookup_cases, 2);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
@@ -382,7 +416,7 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
       EXPECT_EQ(plan.rotate_queries_first, plan.tensor_cores && !plan.exact_first &&
                                                params.key_rotation.kind == kernels::RotationKind::kMatrix)
           << c.name;
-      if (!plan.tensor_cores || plan.exact_splits == 0) {
+      if (!(plan.tensor_cores || plan.lookup) || plan.exact_splits == 0) {
         EXPECT_FALSE(plan.exact_kernel) << c.name;
         return;
       }
