@@ -90,17 +90,16 @@ __device__ inline int row_code(const uint32_t (&row)[kWords], int d) {
   return static_cast<int>((row_word(row, d * kBits / 32) >> ((d * kBits) % 32)) & ((1u << kBits) - 1));
 }
 
-// Dequantized key channels c and c + 1 (c even) of a code row, from the
-// block's table (indices known at compile time in the unrolled key pass).
-template <int kBits, int kWords>
-__device__ inline float2 key_channel_pair(const float* table, const uint32_t (&row)[kWords], int c) {
+// Dequantized key channels c and c + 1 (c even, c mod 32 / kBits known at
+// compile time) of the word holding them, from the block's table: nibble
+// n = c kBits / 4 of the row.
+template <int kBits>
+__device__ inline float2 key_channel_pair(const float* table, uint32_t word, int c, int in_word) {
   if constexpr (kBits == 2) {
-    const int n = c / 2;
-    const uint32_t x = (row[c / 16] >> (2 * (c % 16))) & 15u;
-    return reinterpret_cast<const float2*>(table)[n * 16 + x];
+    const uint32_t x = (word >> (2 * in_word)) & 15u;
+    return reinterpret_cast<const float2*>(table)[(c / 2) * 16 + x];
   } else {
-    const uint32_t x0 = (row[c / 8] >> (4 * (c % 8))) & 15u;
-    const uint32_t x1 = (row[(c + 1) / 8] >> (4 * ((c + 1) % 8))) & 15u;
+    const uint32_t x0 = (word >> (4 * in_word)) & 15u, x1 = (word >> (4 * in_word + 4)) & 15u;
     return make_float2(table[c * 16 + x0], table[(c + 1) * 16 + x1]);
   }
 }
@@ -114,10 +113,17 @@ __device__ inline void for_each_row_entry(const PagedTensor& cache, const Outlie
                                           uint32_t end, int head, F&& f) {
   const TensorPageLayout& l = cache.layout;
   const bool all_heads = l.outlier_spans == 1;
+  const uint32_t per_page = pages.per_page.divisor;
   for (uint32_t e0 = begin; e0 < end; e0 += 4) {
+    // A row's entries are consecutive: the batch's four lie in e0's
+    // outlier page and, past its end, the next one's.
+    const uint32_t slot0 = pages.slot_in_page(e0);
+    const uint8_t* first_page = pages.page(cache, e0);
+    const uint8_t* next_page =
+        slot0 + 3 >= per_page && e0 + (per_page - slot0) < end ? pages.page(cache, e0 + (per_page - slot0)) : first_page;
     const uint8_t* page[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) page[j] = e0 + j < end ? pages.page(cache, e0 + j) : nullptr;
+    for (int j = 0; j < 4; ++j) page[j] = e0 + j < end ? (slot0 + j < per_page ? first_page : next_page) : nullptr;
     uint32_t index[4];
     float value[4];
 #pragma unroll
@@ -125,7 +131,7 @@ __device__ inline void for_each_row_entry(const PagedTensor& cache, const Outlie
       index[j] = 0;
       value[j] = 0.0f;
       if (page[j] != nullptr) {
-        const uint32_t slot = pages.slot_in_page(e0 + j);
+        const uint32_t slot = slot0 + j < per_page ? slot0 + j : slot0 + j - per_page;
         index[j] = load_index(page[j] + outlier_index_offset(l, slot), l.outlier_index_bytes);
         value[j] = load_element(l.spec.element, page[j] + outlier_value_offset(l, slot));
       }
@@ -162,33 +168,46 @@ struct LookupLaneLoads {
 };
 
 // The dots of lane's token with the GQA group's queries over the table's
-// dequantized keys, RoPE at `position` where kRope.
+// dequantized keys, RoPE at `position` where kRope. A word of the first
+// half of the row and its partner D/2 channels on (the RoPE pairs' other
+// halves) per iteration, not the whole row unrolled: the unrolled row (both
+// variants, ~3,000 instructions) had the warps waiting on instruction
+// fetches a third of the time (ncu, 32K tokens, batch 8).
 template <int D, int kBits, int kHeads, bool kRope, int kWords>
 __device__ inline void lookup_key_dots(const LookupShared<D, kBits, kHeads>& s, const uint32_t (&row)[kWords],
                                        float position, float (&dot)[kHeads]) {
-  constexpr int kHalf = D / 2;
+  constexpr int kHalf = D / 2, kHalfWords = kWords / 2, kPerWord = 32 / kBits;
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
+  uint32_t words[kWords];
 #pragma unroll
-  for (int m = 0; m < D / 4; ++m) {
-    const float2 low = key_channel_pair<kBits>(s.key_table, row, 2 * m);
-    const float2 high = key_channel_pair<kBits>(s.key_table, row, 2 * m + kHalf);
-    // RoPE pairs (2m, 2m + D/2) and (2m + 1, 2m + 1 + D/2).
-    float r0 = low.x, r1 = high.x, r2 = low.y, r3 = high.y;
-    if constexpr (kRope) {
-      const float2 f = *reinterpret_cast<const float2*>(&s.inverse_frequencies[2 * m]);
-      float s0, c0, s1, c1;
-      reduced_sin_cos(__fmul_rn(position, f.x), s0, c0);
-      reduced_sin_cos(__fmul_rn(position, f.y), s1, c1);
-      r0 = low.x * c0 + (-high.x) * s0;
-      r1 = high.x * c0 + low.x * s0;
-      r2 = low.y * c1 + (-high.y) * s1;
-      r3 = high.y * c1 + low.y * s1;
-    }
+  for (int i = 0; i < kWords; ++i) words[i] = row[i];
+#pragma unroll 1
+  for (int w = 0; w < kHalfWords; ++w) {
+    const uint32_t low_word = words[0], high_word = words[kHalfWords];
 #pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      const float4 q = s.query_pairs[h][m];
-      dot[h] = __fmaf_rn(q.w, r3, __fmaf_rn(q.z, r2, __fmaf_rn(q.y, r1, __fmaf_rn(q.x, r0, dot[h]))));
+    for (int i = 0; i < kWords - 1; ++i) words[i] = words[i + 1];  // the next word first
+#pragma unroll
+    for (int j = 0; j < kPerWord; j += 2) {
+      const int c = w * kPerWord + j;  // channels c, c + 1 and c + D/2, c + 1 + D/2
+      const float2 low = key_channel_pair<kBits>(s.key_table, low_word, c, j);
+      const float2 high = key_channel_pair<kBits>(s.key_table, high_word, c + kHalf, j);
+      float r0 = low.x, r1 = high.x, r2 = low.y, r3 = high.y;
+      if constexpr (kRope) {
+        const float2 f = *reinterpret_cast<const float2*>(&s.inverse_frequencies[c]);
+        float s0, c0, s1, c1;
+        reduced_sin_cos(__fmul_rn(position, f.x), s0, c0);
+        reduced_sin_cos(__fmul_rn(position, f.y), s1, c1);
+        r0 = low.x * c0 + (-high.x) * s0;
+        r1 = high.x * c0 + low.x * s0;
+        r2 = low.y * c1 + (-high.y) * s1;
+        r3 = high.y * c1 + low.y * s1;
+      }
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        const float4 q = s.query_pairs[h][c / 2];
+        dot[h] = __fmaf_rn(q.w, r3, __fmaf_rn(q.z, r2, __fmaf_rn(q.y, r1, __fmaf_rn(q.x, r0, dot[h]))));
+      }
     }
   }
 }
@@ -411,20 +430,47 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
 
     copy_async_wait<1>();  // this step's value rows (the next step's may still fly)
     __syncwarp();
-    if (value_outliers && valid) {
-      const uint32_t* row = s.value_rows[warp][stage][lane];
-      for_each_row_entry<D>(p.value_cache, value_pages, current.value_entries[0], current.value_entries[1], kv_head,
-                            [&](int d, float x) {
-                              const int code =
-                                  static_cast<int>((row[d * kBits / 32] >> ((d * kBits) % 32)) & static_cast<uint32_t>(kTop));
-                              const float deq = __fmaf_rn(value_affine.b, p.value_dequantization.levels[code],
-                                                          value_affine.a);
-                              const float delta = __fsub_rn(x, deq);
+    if (value_outliers) {
+      // The lane's entries of this head first (x - x^ at channel d), then
+      // their corrections in rounds the warp's lanes take together: the
+      // shared atomics are compare-and-swap loops, and issued inside the
+      // scan they ran once per entry position and lane path.
+      constexpr int kGathered = 4;
+      int channel[kGathered];
+      float change[kGathered];
+      int gathered = 0;
+      if (valid) {
+        const uint32_t* row = s.value_rows[warp][stage][lane];
+        for_each_row_entry<D>(p.value_cache, value_pages, current.value_entries[0], current.value_entries[1], kv_head,
+                              [&](int d, float x) {
+                                const int code = static_cast<int>((row[d * kBits / 32] >> ((d * kBits) % 32)) &
+                                                                  static_cast<uint32_t>(kTop));
+                                const float deq =
+                                    __fmaf_rn(value_affine.b, p.value_dequantization.levels[code], value_affine.a);
+                                const float delta = __fsub_rn(x, deq);
+                                if (gathered == kGathered) {  // rare: past the list, at once
+                                  for (int h = 0; h < group; ++h) {
+                                    atomicAdd(&s.out[warp][h][d], __fmul_rn(weight[h], delta));
+                                  }
+                                  return;
+                                }
 #pragma unroll
-                              for (int h = 0; h < kHeads; ++h) {
-                                if (h < group) atomicAdd(&s.out[warp][h][d], __fmul_rn(weight[h], delta));
-                              }
-                            });
+                                for (int g = 0; g < kGathered; ++g) {
+                                  if (g == gathered) channel[g] = d, change[g] = delta;
+                                }
+                                ++gathered;
+                              });
+      }
+#pragma unroll
+      for (int g = 0; g < kGathered; ++g) {
+        if (!__any_sync(0xffffffffu, g < gathered)) break;
+        if (g < gathered) {
+#pragma unroll
+          for (int h = 0; h < kHeads; ++h) {
+            if (h < group) atomicAdd(&s.out[warp][h][channel[g]], __fmul_rn(weight[h], change[g]));
+          }
+        }
+      }
     }
     __syncwarp();
 
