@@ -461,13 +461,29 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
                                 ++gathered;
                               });
       }
+      // Round g: each lane's g-th entry. A channel no other lane of the
+      // round holds (the common case) takes a plain read-modify-write, the
+      // others the atomics; the round's stores are visible to the next
+      // round's lanes after a __syncwarp.
 #pragma unroll
       for (int g = 0; g < kGathered; ++g) {
-        if (!__any_sync(0xffffffffu, g < gathered)) break;
-        if (g < gathered) {
+        const bool has = g < gathered;
+        if (!__any_sync(0xffffffffu, has)) break;
+        __syncwarp();
+        const unsigned active = __ballot_sync(0xffffffffu, has);
+        if (has) {
+          const int d = channel[g];
+          const bool alone = __match_any_sync(active, d) == (1u << lane);
 #pragma unroll
           for (int h = 0; h < kHeads; ++h) {
-            if (h < group) atomicAdd(&s.out[warp][h][channel[g]], __fmul_rn(weight[h], change[g]));
+            if (h >= group) break;
+            float& at = s.out[warp][h][d];
+            const float add = __fmul_rn(weight[h], change[g]);
+            if (alone) {
+              at = __fadd_rn(at, add);
+            } else {
+              atomicAdd(&at, add);
+            }
           }
         }
       }
