@@ -308,6 +308,9 @@ template <int D, int kBits, typename F>
 void with_lookup_kernel(const DecodeParams& p, F&& f) {
   const auto prepared = [&](LookupKernel kernel, int shared_bytes) {
     KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    // Four blocks of ~42 KB a multiprocessor (the occupancy the plan's
+    // splits assume) whatever split the kernels before it left.
+    prefer_max_shared_carveout(kernel);
     f(kernel, shared_bytes);
   };
   if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
