@@ -1,4 +1,4 @@
-// The launcher of the CUDA decode_attention (decode_attention_kernel.cuh,
+// The launcher of the CUDA decode_attention (decode_attention_kernel.cuh, decode_lookup_kernel.cuh,
 // decode_tensor_core_kernel.cuh, decode_int8_kernel.cuh): host checks with
 // one-line errors, the plan
 // (which kernel, how many splits), the workspace of the splits' states, the

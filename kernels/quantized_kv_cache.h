@@ -53,8 +53,9 @@ struct CacheOptions {
   bool asynchronous_append = false;
   // Which CUDA decode kernel takes the quantized tokens (DecodeParams::kernel):
   // kAuto the fastest that reads the layout (the 8-bit integer tensor-core
-  // kernel at 2 bits, docs/runtime-layout.md 6.5); kBf16TensorCores or
-  // kGeneral to compare. The CPU reference ignores it.
+  // kernel at 2 and 4 bits, docs/runtime-layout.md 6.5; kvquant's layouts
+  // the lookup kernel, 6.6); kBf16TensorCores, kLookup or kGeneral to
+  // compare. The CPU reference ignores it.
   DecodeKernel decode_kernel = DecodeKernel::kAuto;
   // The int8 kernel's softmax steps (DecodeParams::int8_steps): kAuto the
   // 64-token steps with four stages where they read the layout, else 32
