@@ -21,7 +21,7 @@ namespace kvforge::kernels {
 struct DecodePlan {
   // The tensor-core kernel (section 6.4) takes the tokens quantized for both
   // keys and values; the general kernel the others (sink, windows). Without
-  // it the general kernel takes every token.
+  // it (or the lookup kernel below) the general kernel takes every token.
   bool tensor_cores = false;
   // The lookup kernel (decode_lookup_kernel.cuh, CUDA cores) takes the
   // quantized tokens instead, split and merged as the tensor-core kernels'
