@@ -548,17 +548,29 @@ bool tensor_core_decode_supported(const DecodeParams& p) {
   return keys_ok && per_token_ok(v);
 }
 
-bool int8_decode_supported(const DecodeParams& p) {
+namespace {
+
+// The shapes the int8 and lookup kernels' walks take: head_dim 64 or 128,
+// 2 or 4 bits, the same head_dim and bits for keys and values, at most 8
+// query heads per KV head; their address arithmetic: 32-bit page sizes and
+// in-page offsets, one page table (one page size) for both pools.
+bool walk_shape_supported(const DecodeParams& p) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const TensorLayoutSpec& v = p.value_cache.layout.spec;
   const int dim = k.head_dim;
-  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4) || v.bits != k.bits) return false;
+  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4) || v.bits != k.bits || v.head_dim != dim) return false;
   if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
-  if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
-  // The walk's address arithmetic: 32-bit page sizes and in-page offsets,
-  // one page table for both pools.
   if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
-  if (k.page_size != v.page_size || v.head_dim != dim) return false;
+  return k.page_size == v.page_size;
+}
+
+}  // namespace
+
+bool int8_decode_supported(const DecodeParams& p) {
+  const TensorLayoutSpec& k = p.key_cache.layout.spec;
+  const TensorLayoutSpec& v = p.value_cache.layout.spec;
+  if (!walk_shape_supported(p)) return false;
+  if (p.keys_pre_rope || p.key_dequantization.non_uniform || p.value_dequantization.non_uniform) return false;
   // Keys in per-channel token groups (KIVI's) come with KIVI's values, in
   // groups of 32 channels: the one instantiation that stages their channel
   // pairs (the others keep the registers that costs).
@@ -571,12 +583,7 @@ bool int8_decode_supported(const DecodeParams& p) {
 bool lookup_decode_supported(const DecodeParams& p) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const TensorLayoutSpec& v = p.value_cache.layout.spec;
-  const int dim = k.head_dim;
-  if ((dim != 64 && dim != 128) || (k.bits != 2 && k.bits != 4) || v.bits != k.bits || v.head_dim != dim) return false;
-  if (k.kv_heads <= 0 || p.num_heads / k.kv_heads > device::kMaxTensorCoreGroup) return false;
-  if (k.page_size != v.page_size) return false;
-  // 32-bit row offsets inside a page.
-  if (p.key_cache.layout.page_bytes > 0x7fffffff || p.value_cache.layout.page_bytes > 0x7fffffff) return false;
+  if (!walk_shape_supported(p)) return false;
   if (p.key_dequantization.channel_scale == nullptr || p.key_dequantization.channel_offset == nullptr) return false;
   return k.grouping == ScaleGrouping::kPerChannelOffline && one_group_per_row(v);
 }
