@@ -19,6 +19,7 @@
 #include "kernels/decode_params.h"
 #include "kernels/reciprocal_division.h"
 #include "kernels/span_rank.h"
+#include "kernels/top_bottom_rounds.h"
 
 namespace kvforge::kernels::append_device {
 
@@ -233,6 +234,28 @@ __device__ inline Extreme shuffle_down(Extreme e, int offset) {
   return {__shfl_down_sync(0xffffffffu, e.value, offset), __shfl_down_sync(0xffffffffu, e.at, offset)};
 }
 
+// The warp's first candidate among the largest (top) or the smallest
+// (bottom), in every lane: the key's high word, its low word among the
+// lanes with that high word, then the lowest index with that key, by the
+// warp's integer reductions (lanes without a candidate pass the reduction's
+// neutral value; top_bottom_rounds::kNone is the largest index).
+__device__ inline top_bottom_rounds::Candidate warp_first_top(top_bottom_rounds::Candidate c) {
+  const auto high = static_cast<uint32_t>(c.key >> 32);
+  const uint32_t top_high = __reduce_max_sync(0xffffffffu, high);
+  const uint32_t top_low = __reduce_max_sync(0xffffffffu, high == top_high ? static_cast<uint32_t>(c.key) : 0u);
+  const uint64_t key = (static_cast<uint64_t>(top_high) << 32) | top_low;
+  return {key, __reduce_min_sync(0xffffffffu, c.key == key ? c.index : top_bottom_rounds::kNone)};
+}
+
+__device__ inline top_bottom_rounds::Candidate warp_first_bottom(top_bottom_rounds::Candidate c) {
+  const auto high = static_cast<uint32_t>(c.key >> 32);
+  const uint32_t bottom_high = __reduce_min_sync(0xffffffffu, high);
+  const uint32_t bottom_low =
+      __reduce_min_sync(0xffffffffu, high == bottom_high ? static_cast<uint32_t>(c.key) : 0xffffffffu);
+  const uint64_t key = (static_cast<uint64_t>(bottom_high) << 32) | bottom_low;
+  return {key, __reduce_min_sync(0xffffffffu, c.key == key ? c.index : top_bottom_rounds::kNone)};
+}
+
 template <ScaleGrouping kGrouping, int kBits>
 class BlockAppender {
  public:
@@ -413,12 +436,72 @@ class BlockAppender {
     __syncthreads();
   }
 
+  // token_top_bottom by rounds (top_bottom_rounds.h): per span, k rounds
+  // of a block-wide first-of-the-rest among the largest and the smallest,
+  // their elements' bits set in `mask` (zeroed before; the first round's
+  // barrier orders the zeroing before the bits).
+  __device__ void select_top_bottom_by_rounds(const double* y, uint32_t* mask) {
+    using top_bottom_rounds::Candidate;
+    constexpr int kSlots = top_bottom_rounds::kMaxSlots;
+    // Each round's warp winners, two rounds apart (one barrier a round: a
+    // round's slots are rewritten two rounds later, after every thread has
+    // passed the barrier between).
+    __shared__ Candidate firsts[2][2][kWarps];  // [round parity][top, bottom][warp]
+    const int n = l_.outlier_span_size, spans = l_.outlier_spans;
+    const int k = q_.top_bottom_count, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int parity = 0;
+    for (int span = 0; span < spans; ++span) {
+      const int base = span * n;
+      uint64_t key[kSlots];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        const int at = threadIdx.x + j * kThreads;
+        key[j] = at < n ? span_rank::order_key(y[base + at]) : 0;
+      }
+      uint32_t top_taken = 0, bottom_taken = 0;  // bit j: slot j's element taken
+      for (int round = 0; round < k; ++round) {
+        Candidate top, bottom;
+        top_bottom_rounds::thread_firsts(key, n, base, static_cast<int>(threadIdx.x), kThreads, top_taken, bottom_taken,
+                                         top, bottom);
+        top = warp_first_top(top);
+        bottom = warp_first_bottom(bottom);
+        if (lane == 0) {
+          firsts[parity][0][warp] = top;
+          firsts[parity][1][warp] = bottom;
+        }
+        __syncthreads();
+        top = firsts[parity][0][0];
+        bottom = firsts[parity][1][0];
+        for (int w = 1; w < kWarps; ++w) {
+          const Candidate t = firsts[parity][0][w], b = firsts[parity][1][w];
+          if (top_bottom_rounds::before_in_top(t, top)) top = t;
+          if (top_bottom_rounds::before_in_bottom(b, bottom)) bottom = b;
+        }
+        // Each round takes one of each: 2k < n leaves a candidate for both.
+        top_taken |= top_bottom_rounds::taken_bit(top.index, base, static_cast<int>(threadIdx.x), kThreads);
+        bottom_taken |= top_bottom_rounds::taken_bit(bottom.index, base, static_cast<int>(threadIdx.x), kThreads);
+        parity ^= 1;
+      }
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        const int i = base + static_cast<int>(threadIdx.x) + j * kThreads;
+        if ((((top_taken | bottom_taken) >> j) & 1u) != 0) atomicOr(&mask[i / 32], 1u << (i % 32));
+      }
+    }
+  }
+
   // The token's outliers (docs/artifact.md rule 3) as bits of `mask`.
   __device__ void mark_outliers(const double* y, uint32_t* mask) {
     for (int32_t w = threadIdx.x; w < m_.mask_words; w += kThreads) mask[w] = 0;
-    const bool sorted = q_.outliers == OutlierSelection::kTokenTopBottom && q_.top_bottom_count > 0 &&
+    const bool ranked = q_.outliers == OutlierSelection::kTokenTopBottom && q_.top_bottom_count > 0 &&
                         2 * static_cast<int64_t>(q_.top_bottom_count) < l_.outlier_span_size;
-    if (sorted) sort_spans(y);
+    const bool by_rounds = ranked && top_bottom_rounds::applies(l_.outlier_span_size, l_.outlier_spans,
+                                                                q_.top_bottom_count, kThreads);
+    if (by_rounds) {
+      select_top_bottom_by_rounds(y, mask);
+    } else if (ranked) {
+      sort_spans(y);
+    }
     if (q_.outliers == OutlierSelection::kTokenTau) {
       // Sums in channel order, as the reference: one thread per head.
       for (int64_t head = threadIdx.x; head < l_.spec.kv_heads; head += kThreads) {
@@ -448,7 +531,7 @@ class BlockAppender {
           // i is among the k largest when fewer than k elements precede it
           // in (value descending, index ascending), likewise the smallest.
           const int64_t n = l_.outlier_span_size, k = q_.top_bottom_count;
-          if (k <= 0) break;
+          if (k <= 0 || by_rounds) break;  // by rounds: marked already
           outlier = 2 * k >= n || span_rank::top_or_bottom(span_sort(), ranks_, y, i, k);
           break;
         }
@@ -486,11 +569,13 @@ class BlockAppender {
   // entries numbered by a block-wide prefix count of the mask, each row's end
   // pointer written by the thread holding the row's last element.
   __device__ bool write_outlier_rows(uint8_t* page, int64_t in_page, const double* y, const uint32_t* mask) {
-    const int64_t span = l_.outlier_span_size, spans = l_.outlier_spans;
-    const int64_t chunk = (width_ + kThreads - 1) / kThreads;
-    const int64_t begin = threadIdx.x * chunk, end = begin + chunk < width_ ? begin + chunk : width_;
+    // 32-bit index math (a row's width): the 64-bit remainders by the span
+    // were library calls, twice per element.
+    const int32_t span = l_.outlier_span_size, spans = l_.outlier_spans;
+    const int32_t chunk = (width_ + kThreads - 1) / kThreads;
+    const int32_t begin = static_cast<int32_t>(threadIdx.x) * chunk, end = begin + chunk < width_ ? begin + chunk : width_;
     int32_t count = 0;
-    for (int64_t i = begin; i < end; ++i) count += is_marked(mask, i) ? 1 : 0;
+    for (int32_t i = begin; i < end; ++i) count += is_marked(mask, i) ? 1 : 0;
     int32_t before = 0, total = 0;
     Scan(scan_).ExclusiveSum(count, before, total);
     const uint32_t base = entry_count_;
@@ -500,12 +585,12 @@ class BlockAppender {
     }
     __syncthreads();
     if (abort_ != 0) return false;
-    const int64_t per_page = l_.spec.outlier_page_entries;
+    const auto per_page = static_cast<uint32_t>(l_.spec.outlier_page_entries);
     const int32_t* table = a_.cache.outlier_page_table + static_cast<int64_t>(slot_) * a_.cache.outlier_table_stride;
     uint32_t next = base + static_cast<uint32_t>(before);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int32_t i = begin; i < end; ++i) {
       if (is_marked(mask, i)) {
-        const int64_t e = next++;
+        const uint32_t e = next++;
         uint8_t* outlier_page = a_.cache.outlier_pages + static_cast<int64_t>(table[e / per_page]) * l_.outlier_page_bytes;
         const auto index = static_cast<uint32_t>(i % span);
         uint8_t* index_at = outlier_page + outlier_index_offset(l_, e % per_page);
@@ -543,6 +628,39 @@ class BlockAppender {
     }
     min = __shfl_sync(0xffffffffu, low.at < 0 ? 0.0 : low.value, 0);
     max = __shfl_sync(0xffffffffu, high.at < 0 ? 0.0 : high.value, 0);
+  }
+
+  // The inlier (min, max) of channels [begin, end) of y by the whole block,
+  // in thread 0 (as group_range: per_token_all_heads has one group over the
+  // token, which one warp walked alone, 32 elements a lane, while the other
+  // warps waited).
+  __device__ void block_range(const uint32_t* mask, int32_t begin, int32_t end, double& min, double& max) const {
+    __shared__ Extreme lows[kWarps], highs[kWarps];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    Extreme low{0, -1}, high{0, -1};
+    for (int32_t i = begin + static_cast<int32_t>(threadIdx.x); i < end; i += kThreads) {
+      if (is_marked(mask, i)) continue;
+      const Extreme here{y_[i], i};
+      low = lower(low, here);
+      high = higher(high, here);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      low = lower(low, shuffle_down(low, offset));
+      high = higher(high, shuffle_down(high, offset));
+    }
+    if (lane == 0) {
+      lows[warp] = low;
+      highs[warp] = high;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarps; ++w) {
+        low = lower(low, lows[w]);
+        high = higher(high, highs[w]);
+      }
+      min = low.at < 0 ? 0.0 : low.value;
+      max = high.at < 0 ? 0.0 : high.value;
+    }
   }
 
   // A per-token grouping's pair of group g (of `size` channels) into the page.
@@ -594,9 +712,17 @@ class BlockAppender {
         if (!outliers) return true;
         return write_outlier_rows(page, in_page, y_, mask);
       }
-      // A warp per group: the inlier minimum and maximum, then the pair.
+      if (m_.groups == 1) {
+        double min = 0, max = 0;
+        block_range(mask, 0, width_, min, max);
+        if (threadIdx.x == 0) {
+          grids_[0] = runtime_grid<kBits>(q_, min, max);
+          store_group_pair(page, in_page, 0, width_, min, max);
+        }
+      }
+      // Else a warp per group: the inlier minimum and maximum, then the pair.
       const int lane = threadIdx.x % 32;
-      for (int32_t g = threadIdx.x / 32; g < m_.groups; g += kWarps) {
+      for (int32_t g = threadIdx.x / 32; m_.groups > 1 && g < m_.groups; g += kWarps) {
         double min, max;
         group_range(mask, g * size, (g + 1) * size, min, max);
         if (lane == 0) {

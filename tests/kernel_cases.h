@@ -27,6 +27,9 @@ struct KernelCase {
   bool key_centre = false;
   int64_t tokens_per_split = 16;  // decode's context split (the CPU tests' attention); append ignores it
   bool long_context = false;      // thousands of tokens in chunks of 1000 instead of the short schedule
+  // test_append_cuda: inputs rounded to multiples of this step (0: as
+  // drawn), so that outlier selections and group extremes meet ties.
+  double activation_step = 0;
   // The CUDA append kernel the case asks for (CacheOptions::append_kernel).
   kernels::AppendKernel append_kernel = kernels::AppendKernel::kAuto;
 };

@@ -154,7 +154,13 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
   std::vector<std::vector<Activations>> inputs(3);
   for (int s = 0; s < 3; ++s) {
     for (int64_t layer = 0; layer < kLayers; ++layer) {
-      inputs[s].push_back(synthetic(1, totals[s], c.head_dim, 1.0 + 0.5 * layer, c.element, rope));
+      Activations a = synthetic(1, totals[s], c.head_dim, 1.0 + 0.5 * layer, c.element, rope);
+      if (c.activation_step > 0) {
+        for (at::Tensor* t : {&a.keys_pre, &a.keys, &a.values}) {
+          *t = testing::to_element(at::round(*t / c.activation_step) * c.activation_step, c.element);
+        }
+      }
+      inputs[s].push_back(a);
     }
   }
   std::vector<int32_t> ids(3, -1);
@@ -240,6 +246,18 @@ std::vector<Case> cases() {
     k.fit.residual_tokens = 128;
     k.long_context = true;
     all.push_back(k);
+  }
+  // Inputs on a grid of 0.25 (signed zeros too): ties among the largest
+  // and smallest of a token's all-heads row (token_top_bottom by rounds,
+  // top_bottom_rounds.h) and of its per-head spans, and among the groups'
+  // extremes.
+  for (const char* name : {"kvquant_2bit_d128_gqa4", "rtn_groups32_outliers_2bit_d128_gqa4"}) {
+    const auto layout = std::find_if(all.begin(), all.end(), [&](const Case& c) { return c.name == name; });
+    if (layout == all.end()) continue;  // EveryCaseIsServedByTheRuntime names the layouts
+    Case c = *layout;
+    c.name += "_ties";
+    c.activation_step = 0.25;
+    all.push_back(c);
   }
   // head_dim 256 (eight channels a lane), rotated: the append's rotation
   // staged in 32 chunks of 8 rows, four in flight (no decode case: the
