@@ -23,7 +23,9 @@ inline constexpr int64_t kDecodeBenchHeads = 32, kDecodeBenchKvHeads = 8, kDecod
 kernels::ModelDimensions decode_bench_dimensions();
 
 // A configuration at those shapes. `method`: kvquant, kivi, int2-rot or rtn
-// (std::invalid_argument naming --methods otherwise); `bits`: 2 or 4.
+// (std::invalid_argument naming --methods otherwise); `bits`: 2 or 4. The
+// same for the same arguments, whatever was drawn before (torch's CPU
+// generator is seeded for the pair, then restored).
 QuantizerConfig decode_bench_config(const std::string& method, int bits);
 
 }  // namespace kvforge

@@ -66,6 +66,21 @@ TEST(DecodeBenchConfig, Int2RotCarriesOrthogonalCentredKeyAndValueMatricesAndIts
   EXPECT_EQ(config.settings.residual_tokens, 256);
 }
 
+// The grid fits eight configurations in a row, a targeted run one or two:
+// each must be the one its method and bits name, so that their rows compare.
+TEST(DecodeBenchConfig, AConfigurationDependsOnItsMethodAndBitsAloneAndLeavesTheGeneratorAsItWas) {
+  const QuantizerConfig first = decode_bench_config("kvquant", 2);
+  at::randn({1000});  // whatever the benchmark drew in between
+  (void)decode_bench_config("rtn", 4);
+  EXPECT_TRUE(decode_bench_config("kvquant", 2) == first);
+  EXPECT_FALSE(decode_bench_config("kvquant", 4) == first);
+  at::manual_seed(7);
+  const at::Tensor expected = at::randn({4});
+  at::manual_seed(7);
+  (void)decode_bench_config("kivi", 2);
+  EXPECT_TRUE(at::equal(at::randn({4}), expected)) << "the caller's generator state moved";
+}
+
 TEST(DecodeBenchConfig, AnUnknownMethodNamesTheFlag) {
   try {
     decode_bench_config("int3-rot", 2);
