@@ -610,13 +610,13 @@ class BlockAppender {
     return true;
   }
 
-  // The inlier (min, max) of channels [begin, end) of y by one warp (every
-  // lane gets them), in the reference's order (Extreme); (0, 0) without an
-  // inlier.
-  __device__ void group_range(const uint32_t* mask, int32_t begin, int32_t end, double& min, double& max) const {
-    const int lane = threadIdx.x % 32;
-    Extreme low{0, -1}, high{0, -1};
-    for (int32_t i = begin + lane; i < end; i += 32) {
+  // The inlier extremes of y over channels first, first + stride, ... below
+  // end, folded over the warp into lane 0 (Extreme: the reference's order).
+  __device__ void warp_extremes(const uint32_t* mask, int32_t first, int32_t end, int32_t stride, Extreme& low,
+                                Extreme& high) const {
+    low = {0, -1};
+    high = {0, -1};
+    for (int32_t i = first; i < end; i += stride) {
       if (is_marked(mask, i)) continue;
       const Extreme here{y_[i], i};
       low = lower(low, here);
@@ -626,6 +626,14 @@ class BlockAppender {
       low = lower(low, shuffle_down(low, offset));
       high = higher(high, shuffle_down(high, offset));
     }
+  }
+
+  // The inlier (min, max) of channels [begin, end) of y by one warp (every
+  // lane gets them), in the reference's order (Extreme); (0, 0) without an
+  // inlier.
+  __device__ void group_range(const uint32_t* mask, int32_t begin, int32_t end, double& min, double& max) const {
+    Extreme low, high;
+    warp_extremes(mask, begin + static_cast<int32_t>(threadIdx.x % 32), end, 32, low, high);
     min = __shfl_sync(0xffffffffu, low.at < 0 ? 0.0 : low.value, 0);
     max = __shfl_sync(0xffffffffu, high.at < 0 ? 0.0 : high.value, 0);
   }
@@ -637,17 +645,8 @@ class BlockAppender {
   __device__ void block_range(const uint32_t* mask, int32_t begin, int32_t end, double& min, double& max) const {
     __shared__ Extreme lows[kWarps], highs[kWarps];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    Extreme low{0, -1}, high{0, -1};
-    for (int32_t i = begin + static_cast<int32_t>(threadIdx.x); i < end; i += kThreads) {
-      if (is_marked(mask, i)) continue;
-      const Extreme here{y_[i], i};
-      low = lower(low, here);
-      high = higher(high, here);
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      low = lower(low, shuffle_down(low, offset));
-      high = higher(high, shuffle_down(high, offset));
-    }
+    Extreme low, high;
+    warp_extremes(mask, begin + static_cast<int32_t>(threadIdx.x), end, kThreads, low, high);
     if (lane == 0) {
       lows[warp] = low;
       highs[warp] = high;

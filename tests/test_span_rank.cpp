@@ -12,22 +12,14 @@
 #include <vector>
 
 #include "kernels/span_rank.h"
+#include "tests/top_bottom_definition.h"
 
 namespace kvforge {
 namespace {
 
 namespace rank = kernels::span_rank;
 
-bool by_definition(const std::vector<double>& row, int n, int i, int64_t k) {
-  const int begin = i / n * n;
-  int64_t larger = 0, smaller = 0;
-  for (int j = begin; j < begin + n; ++j) {
-    const double u = row[j], v = row[i];
-    larger += (u > v || (u == v && j < i)) ? 1 : 0;
-    smaller += (u < v || (u == v && j < i)) ? 1 : 0;
-  }
-  return larger < k || smaller < k;
-}
+using testing::top_or_bottom_by_definition;
 
 TEST(SpanRank, TopAndBottomEqualTheDefinitionWithTiesAndSignedZeros) {
   std::mt19937 random(20261201);
@@ -67,7 +59,7 @@ TEST(SpanRank, TopAndBottomEqualTheDefinitionWithTiesAndSignedZeros) {
         for (const int64_t k : {int64_t{1}, int64_t{2}, static_cast<int64_t>((n - 1) / 2)}) {
           if (k < 1 || 2 * k >= n) continue;
           for (int i = 0; i < n * spans; ++i) {
-            const bool want = by_definition(row, n, i, k);
+            const bool want = top_or_bottom_by_definition(row, n, i, k);
             ASSERT_EQ(rank::top_or_bottom(sort, ranks.data(), row.data(), i, k), want)
                 << "n " << n << " spans " << spans << " trial " << trial << " k " << k << " element " << i;
             ++checked;

@@ -16,6 +16,7 @@
 
 #include "kernels/span_rank.h"
 #include "kernels/top_bottom_rounds.h"
+#include "tests/top_bottom_definition.h"
 
 namespace kvforge {
 namespace {
@@ -23,16 +24,7 @@ namespace {
 namespace rounds = kernels::top_bottom_rounds;
 constexpr int kSlots = rounds::kMaxSlots;
 
-bool by_definition(const std::vector<double>& row, int n, int i, int64_t k) {
-  const int begin = i / n * n;
-  int64_t larger = 0, smaller = 0;
-  for (int j = begin; j < begin + n; ++j) {
-    const double u = row[j], v = row[i];
-    larger += (u > v || (u == v && j < i)) ? 1 : 0;
-    smaller += (u < v || (u == v && j < i)) ? 1 : 0;
-  }
-  return larger < k || smaller < k;
-}
+using testing::top_or_bottom_by_definition;
 
 // The kernel's rounds over `threads` emulated threads: the taken elements.
 std::vector<bool> select_by_rounds(const std::vector<double>& row, int n, int spans, int k, int threads,
@@ -94,7 +86,7 @@ TEST(TopBottomRounds, TakeTheDefinitionsLargestAndSmallestWithTiesAndSignedZeros
             }
             const std::vector<bool> taken = select_by_rounds(row, n, spans, static_cast<int>(k), threads, random);
             for (int i = 0; i < n * spans; ++i) {
-              const bool want = by_definition(row, n, i, k);
+              const bool want = top_or_bottom_by_definition(row, n, i, k);
               ASSERT_EQ(taken[static_cast<size_t>(i)], want)
                   << "threads " << threads << " n " << n << " spans " << spans << " k " << k << " trial " << trial
                   << " element " << i;
