@@ -4,7 +4,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <mutex>
-
 #include <optional>
 #include <stdexcept>
 #include <tuple>
