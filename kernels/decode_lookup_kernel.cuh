@@ -37,6 +37,7 @@
 // state for decode_merge_kernel; the exact ranges (sink, windows) are the
 // exact or the general kernel's, as beside the tensor-core kernels.
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/decode_tensor_core_kernel.cuh"
 
@@ -107,10 +108,12 @@ __device__ inline float2 key_channel_pair(const float* table, uint32_t word, int
 // The outlier entries [begin, end) of a token's CSR row, four at a time
 // (their pages, then their indices and values, loaded at once: two round
 // trips per four entries instead of three per entry), f(d, x) for each of
-// head `head` (an all-heads row's index is head * D + d).
+// head `head` (an all-heads row's index is head * D + d). An f returning
+// bool stops the walk by returning false for an entry it did not take;
+// the result is that entry (where a later walk resumes), else `end`.
 template <int D, class F>
-__device__ inline void for_each_row_entry(const PagedTensor& cache, const OutlierPages& pages, uint32_t begin,
-                                          uint32_t end, int head, F&& f) {
+__device__ inline uint32_t for_each_row_entry(const PagedTensor& cache, const OutlierPages& pages, uint32_t begin,
+                                              uint32_t end, int head, F&& f) {
   const TensorPageLayout& l = cache.layout;
   const bool all_heads = l.outlier_spans == 1;
   const uint32_t per_page = pages.per_page.divisor;
@@ -144,9 +147,14 @@ __device__ inline void for_each_row_entry(const PagedTensor& cache, const Outlie
         if (d / static_cast<uint32_t>(D) != static_cast<uint32_t>(head)) continue;
         d %= static_cast<uint32_t>(D);
       }
-      f(static_cast<int>(d), value[j]);
+      if constexpr (std::is_same_v<decltype(f(0, 0.0f)), bool>) {
+        if (!f(static_cast<int>(d), value[j])) return e0 + j;
+      } else {
+        f(static_cast<int>(d), value[j]);
+      }
     }
   }
+  return end;
 }
 
 // Element `which` (0: min, 1: max) of a (min, max) pair loaded as raw
@@ -431,58 +439,75 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
     copy_async_wait<1>();  // this step's value rows (the next step's may still fly)
     __syncwarp();
     if (value_outliers) {
-      // The lane's entries of this head first (x - x^ at channel d), then
-      // their corrections in rounds the warp's lanes take together: the
-      // shared atomics are compare-and-swap loops, and issued inside the
-      // scan they ran once per entry position and lane path.
+      // The lane's entries of this head, up to kGathered at a time (x - x^
+      // at channel d), then their corrections in rounds the warp's lanes
+      // take together, until every lane's row is done (a head with more
+      // entries than the list resumes the walk where it stopped; shared
+      // atomics would be compare-and-swap loops, and issued inside the walk
+      // they ran once per entry position and lane path).
       constexpr int kGathered = 4;
-      int channel[kGathered];
-      float change[kGathered];
-      int gathered = 0;
-      if (valid) {
-        const uint32_t* row = s.value_rows[warp][stage][lane];
-        for_each_row_entry<D>(p.value_cache, value_pages, current.value_entries[0], current.value_entries[1], kv_head,
-                              [&](int d, float x) {
-                                const int code = static_cast<int>((row[d * kBits / 32] >> ((d * kBits) % 32)) &
-                                                                  static_cast<uint32_t>(kTop));
-                                const float deq =
-                                    __fmaf_rn(value_affine.b, p.value_dequantization.levels[code], value_affine.a);
-                                const float delta = __fsub_rn(x, deq);
-                                if (gathered == kGathered) {  // rare: past the list, at once
-                                  for (int h = 0; h < group; ++h) {
-                                    atomicAdd(&s.out[warp][h][d], __fmul_rn(weight[h], delta));
-                                  }
-                                  return;
-                                }
+      const uint32_t row_end = valid ? current.value_entries[1] : 0u;
+      uint32_t cursor = valid ? current.value_entries[0] : 0u;
+      while (__any_sync(0xffffffffu, cursor < row_end)) {
+        int channel[kGathered];
+        float change[kGathered];
+        int gathered = 0;
+        if (cursor < row_end) {
+          const uint32_t* row = s.value_rows[warp][stage][lane];
+          cursor = for_each_row_entry<D>(p.value_cache, value_pages, cursor, row_end, kv_head, [&](int d, float x) {
+            if (gathered == kGathered) return false;
+            const int code =
+                static_cast<int>((row[d * kBits / 32] >> ((d * kBits) % 32)) & static_cast<uint32_t>(kTop));
+            const float deq = __fmaf_rn(value_affine.b, p.value_dequantization.levels[code], value_affine.a);
 #pragma unroll
-                                for (int g = 0; g < kGathered; ++g) {
-                                  if (g == gathered) channel[g] = d, change[g] = delta;
-                                }
-                                ++gathered;
-                              });
-      }
-      // Round g: each lane's g-th entry. A channel no other lane of the
-      // round holds (the common case) takes a plain read-modify-write, the
-      // others the atomics; the round's stores are visible to the next
-      // round's lanes after a __syncwarp.
+            for (int g = 0; g < kGathered; ++g) {
+              if (g == gathered) channel[g] = d, change[g] = __fsub_rn(x, deq);
+            }
+            ++gathered;
+            return true;
+          });
+        }
+        // Round g: each lane's g-th entry. The lanes of the round that
+        // hold one channel (all of them where the step's tokens share
+        // their outlier channels, as persistent outlier channels and
+        // repeated tokens do) sum their changes into the lowest of them
+        // by a tree over their ranks (log2 of their count shuffles a
+        // head), which alone writes: a plain read-modify-write per
+        // channel. A round where every channel has one lane (the common
+        // case) takes no shuffle. The round's stores are visible to the
+        // next round's lanes after a __syncwarp.
 #pragma unroll
-      for (int g = 0; g < kGathered; ++g) {
-        const bool has = g < gathered;
-        if (!__any_sync(0xffffffffu, has)) break;
-        __syncwarp();
-        const unsigned active = __ballot_sync(0xffffffffu, has);
-        if (has) {
-          const int d = channel[g];
-          const bool alone = __match_any_sync(active, d) == (1u << lane);
+        for (int g = 0; g < kGathered; ++g) {
+          const bool has = g < gathered;
+          if (!__any_sync(0xffffffffu, has)) break;
+          __syncwarp();
+          const unsigned active = __ballot_sync(0xffffffffu, has);
+          if (has) {
+            const int d = channel[g];
+            const unsigned same = __match_any_sync(active, d);
+            const int count = __popc(same), rank = __popc(same & ((1u << lane) - 1u));
+            const int most = static_cast<int>(__reduce_max_sync(active, static_cast<unsigned>(count)));
+            float sum[kHeads];
 #pragma unroll
-          for (int h = 0; h < kHeads; ++h) {
-            if (h >= group) break;
-            float& at = s.out[warp][h][d];
-            const float add = __fmul_rn(weight[h], change[g]);
-            if (alone) {
-              at = __fadd_rn(at, add);
-            } else {
-              atomicAdd(&at, add);
+            for (int h = 0; h < kHeads; ++h) sum[h] = __fmul_rn(weight[h], change[g]);
+            for (int stride = 1; stride < most; stride *= 2) {
+              // Rank r takes rank r + stride's sum where r is a multiple of 2 stride.
+              const bool takes = rank % (2 * stride) == 0 && rank + stride < count;
+              const int from = takes ? static_cast<int>(__fns(same, 0, rank + stride + 1)) : lane;
+#pragma unroll
+              for (int h = 0; h < kHeads; ++h) {
+                if (h >= group) break;
+                const float other = __shfl_sync(active, sum[h], from);
+                if (takes) sum[h] = __fadd_rn(sum[h], other);
+              }
+            }
+            if (rank == 0) {
+#pragma unroll
+              for (int h = 0; h < kHeads; ++h) {
+                if (h >= group) break;
+                float& at = s.out[warp][h][d];
+                at = __fadd_rn(at, sum[h]);
+              }
             }
           }
         }

@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
 # binaries; empty: none), KERNEL_TEST_FILTER, SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
-# SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
+# SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SANITIZER_DECODE_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
@@ -271,6 +271,10 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # The lookup kernel (kvquant_2bit_d128_gqa4 above too): its 8-head
     # instantiation at 4 bits, and lengths around its steps at head_dim 64.
     decode_filter="$decode_filter:*lookup_kvquant_4bit_d128_gqa8:*lookup_kvquant_2bit_d64_gqa4_bf16io"
+    # Its value corrections summed by a leader lane through shuffles (every
+    # lane of a step on the same channels).
+    decode_filter="$decode_filter:*lookup_kvquant_repeated_2bit_d128_gqa4"
+    decode_filter=${SANITIZER_DECODE_FILTER:-$decode_filter}
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"
     # The token-parallel kernel takes rtn and int2-rot: their block-per-sequence runs too.

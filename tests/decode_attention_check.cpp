@@ -420,6 +420,9 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     const KernelActivations a = synthetic(1, n, c.head_dim, c.element, rope);
     const at::Tensor keys = (config.settings.keys_pre_rope ? a.keys_pre : a.keys)[0].permute({1, 0, 2}).contiguous();
     const at::Tensor values = a.values[0].permute({1, 0, 2}).contiguous();
+    if (c.repeat_from >= 0 && c.repeat_from < n) {
+      for (const at::Tensor& x : {keys, values}) x.slice(0, c.repeat_from).copy_(x[c.repeat_from].expand_as(x.slice(0, c.repeat_from)));
+    }
     int64_t position = 0;
     while (position < n) {
       const int64_t chunk = n - position > 3 ? std::min<int64_t>(1000, n - 3 - position) : 1;

@@ -78,6 +78,10 @@ struct DecodeCase : KernelCase {
   // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
   // checked.
   int32_t exact_chunk_tokens = 0;
+  // From this token on (>= 0), every token of a sequence repeats that
+  // token's keys and values: each step's tokens then share their outlier
+  // channels (the kernels' colliding corrections); -1: every token drawn.
+  int64_t repeat_from = -1;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

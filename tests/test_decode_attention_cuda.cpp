@@ -234,6 +234,19 @@ std::vector<Case> cases() {
     all.push_back(edges);
     all.push_back(
         with(decode_case(testing::kvquant_layout("general_kvquant_2bit_d128_gqa4", 2, 128, 8)), kernels::DecodeKernel::kGeneral));
+    // Repeated tokens from the 40th on: every lane of a step holds the same
+    // value outlier channels (the lookup kernel's corrections summed by a
+    // leader lane through shuffles, and past its 4 gathered entries of a
+    // head the atomics; the general kernel's atomics on one address).
+    for (const auto kernel : {kLookup, kernels::DecodeKernel::kGeneral}) {
+      Case repeated = with(decode_case(testing::kvquant_layout(
+                               std::string(kernel == kLookup ? "lookup" : "general") + "_kvquant_repeated_2bit_d128_gqa4",
+                               2, 128, 8)),
+                           kernel);
+      repeated.repeat_from = 40;
+      repeated.lengths = {41, 100, 1031, 4099};
+      all.push_back(repeated);
+    }
   }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
     Case c = make_case("kvquant_32k_2bit_d128_gqa4", QuantMethod::kKvquant, 2, 128, 8);
@@ -306,7 +319,7 @@ TEST(DecodeAttentionCudaLookupLayouts, TheLookupKernelReadsKvquantsLayouts) {
       }
     });
   }
-  EXPECT_EQ(lookup_cases, 2);
+  EXPECT_EQ(lookup_cases, 3);
 }
 
 // On any machine: the 64-token steps read the int8 layouts of one scale
