@@ -173,6 +173,10 @@ double median_wall_us(const std::function<void()>& work, int repeats) {
 
 // Decoding steps whose appends the throughput measurement queues back to back.
 constexpr int kAppendRun = 16;
+// Distinct tokens the decode-step appends cycle through by default: more
+// than a decode kernel's step of 32 tokens, so that no step holds one token
+// twice.
+constexpr int64_t kDefaultStepTokens = 64;
 
 struct Row {
   nlohmann::json json;
@@ -224,6 +228,11 @@ int run(int argc, char** argv) {
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
                "default's (steps32_*, steps64_stages3_*, steps64_stages4_* columns)");
+  int64_t step_tokens = kDefaultStepTokens;
+  app.add_option("--step-tokens", step_tokens,
+                 "distinct random tokens the decode-step appends cycle through (1: one token appended at every step)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   bool no_append = false;
   app.add_flag("--no-append", no_append,
                "leave the decode-step append's measurements out (no append_* columns): the cache then holds only "
@@ -371,9 +380,15 @@ int run(int argc, char** argv) {
             }
           }
           bytes += static_cast<int64_t>(batch) * kHeads * kHeadDim * 2 * 2;  // queries in, output out (bf16)
-          // One decoding step's append: a token for every sequence.
-          const at::Tensor one_k = at::randn({batch, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
-          const at::Tensor one_v = at::randn_like(one_k);
+          // One decoding step's append: a token for every sequence, each
+          // step the next of step_tokens distinct ones (a serving loop's
+          // tokens differ; one token appended again and again, as
+          // --step-tokens 1 does, puts its outliers on the same channels of
+          // every later step's tokens, which the decode of the larger
+          // contexts reads: the worst case of colliding corrections).
+          const at::Tensor step_keys =
+              at::randn({step_tokens, batch, kKvHeads, kHeadDim}, at::TensorOptions().device(at::kCUDA));
+          const at::Tensor step_values = at::randn_like(step_keys);
           KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());  // made on torch's stream, read on the cache's
           kernels::AppendBatch step;
           step.sequences = sequences;
@@ -381,9 +396,8 @@ int run(int argc, char** argv) {
             step.positions.push_back(cache.length(s, 0));
             step.tokens.push_back(1);
           }
-          step.keys = one_k.data_ptr<float>();
-          step.values = one_v.data_ptr<float>();
           step.backend_memory = true;
+          int64_t step_index = 0;
           // One decoding step's append (a token for every sequence): its
           // latency (the append, then synchronize()) and its throughput
           // (kAppendRun steps queued back to back, then one synchronize(),
@@ -391,6 +405,9 @@ int run(int argc, char** argv) {
           // is the throughput's.
           const auto one_step = [&] {
             for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
+            const int64_t offset = (step_index++ % step_tokens) * batch * kKvHeads * kHeadDim;
+            step.keys = step_keys.data_ptr<float>() + offset;
+            step.values = step_values.data_ptr<float>() + offset;
             cache.append(0, step);
           };
           const int append_repeats = std::max(3, repeats / 4);
@@ -564,6 +581,7 @@ int run(int argc, char** argv) {
                                  {"commit", commit},
                                  {"command", command},
                                  {"arguments", arguments},
+                                 {"step_tokens", no_append ? 0 : step_tokens},
                                  {"copy_bandwidth_bytes_per_s", copy_bandwidth},
                                  {"empty_kernel_us", empty_kernel_us},
                                  {"empty_dependent_pair_us", empty_dependent_pair_us},
