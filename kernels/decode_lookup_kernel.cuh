@@ -30,8 +30,9 @@
 //     rows staged in shared memory by cp.async a step ahead, its weights
 //     W = p b per token and head from shared memory, levels looked up per
 //     nibble as the keys', acc[h][c] += W[t][h] L[code]; value outliers add
-//     p (x - x^) into a shared correction row (shared atomics by the
-//     token's lane), folded into the accumulators once per step.
+//     p (x - x^) into a shared correction row (the lanes on one channel
+//     summed into one of them, which writes; no atomics), folded into the
+//     accumulators once per step.
 //
 // The block joins its warps' states (write_block_state) into one split
 // state for decode_merge_kernel; the exact ranges (sink, windows) are the

@@ -271,8 +271,8 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # The lookup kernel (kvquant_2bit_d128_gqa4 above too): its 8-head
     # instantiation at 4 bits, and lengths around its steps at head_dim 64.
     decode_filter="$decode_filter:*lookup_kvquant_4bit_d128_gqa8:*lookup_kvquant_2bit_d64_gqa4_bf16io"
-    # Its value corrections summed by a leader lane through shuffles (every
-    # lane of a step on the same channels).
+    # Its value corrections of lanes on one channel summed by a tree over
+    # their ranks (every lane of a step on the same channels).
     decode_filter="$decode_filter:*lookup_kvquant_repeated_2bit_d128_gqa4"
     decode_filter=${SANITIZER_DECODE_FILTER:-$decode_filter}
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'

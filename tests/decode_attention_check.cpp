@@ -421,7 +421,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     const at::Tensor keys = (config.settings.keys_pre_rope ? a.keys_pre : a.keys)[0].permute({1, 0, 2}).contiguous();
     const at::Tensor values = a.values[0].permute({1, 0, 2}).contiguous();
     if (c.repeat_from >= 0 && c.repeat_from < n) {
-      for (const at::Tensor& x : {keys, values}) x.slice(0, c.repeat_from).copy_(x[c.repeat_from].expand_as(x.slice(0, c.repeat_from)));
+      for (const at::Tensor& x : {keys, values}) {
+        at::Tensor repeated = x.slice(0, c.repeat_from);
+        repeated.copy_(x[c.repeat_from].expand_as(repeated));
+      }
     }
     int64_t position = 0;
     while (position < n) {

@@ -235,9 +235,10 @@ std::vector<Case> cases() {
     all.push_back(
         with(decode_case(testing::kvquant_layout("general_kvquant_2bit_d128_gqa4", 2, 128, 8)), kernels::DecodeKernel::kGeneral));
     // Repeated tokens from the 40th on: every lane of a step holds the same
-    // value outlier channels (the lookup kernel's corrections summed by a
-    // leader lane through shuffles, and past its 4 gathered entries of a
-    // head the atomics; the general kernel's atomics on one address).
+    // value outlier channels (the lookup kernel sums them into one lane by
+    // a tree over the lanes' ranks, and takes further passes where a head
+    // holds more than 4 of a row's 12 entries; the general kernel's atomics
+    // meet on one address).
     for (const auto kernel : {kLookup, kernels::DecodeKernel::kGeneral}) {
       Case repeated = with(decode_case(testing::kvquant_layout(
                                std::string(kernel == kLookup ? "lookup" : "general") + "_kvquant_repeated_2bit_d128_gqa4",
