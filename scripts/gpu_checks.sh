@@ -95,17 +95,29 @@ else
 fi
 # BUILD_TARGETS: only these (a benchmark-only call).
 [ -z "${BUILD_TARGETS:-}" ] || targets="--target $BUILD_TARGETS"
-# BASELINE_TAR (kernels mode): a `git archive` of another commit, carried
-# (e.g. in .carry/); its decode benchmark builds beside this tree's, and
-# after the checks both run alternately with COMPARE_ARGS (compare_commits:
-# the same-run comparisons of bench/README.md).
+# BASELINE_TAR (kernels mode): `git archive`s of other trees (one or
+# several, space-separated), carried (e.g. in .carry/); each one's decode
+# benchmark builds beside this tree's (in /tmp/kvforge-base/NAME, NAME the
+# archive's name without .tar), and after the checks all run alternately
+# with COMPARE_ARGS (compare_commits: the same-run comparisons of
+# bench/README.md).
 baseline_build=""
+baseline_names=""
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ] && [ -n "${BASELINE_TAR:-}" ]; then
-  rm -rf /tmp/kvforge-base && mkdir -p /tmp/kvforge-base && tar -xf "$BASELINE_TAR" -C /tmp/kvforge-base
-  (cmake -S /tmp/kvforge-base -B /tmp/kvforge-base/build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DTORCH_CUDA_ARCH_LIST=9.0 -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" &&
-   cmake --build /tmp/kvforge-base/build -j "$(nproc)" --target kvforge_bench_decode_attention) \
-    > "$LOGS/baseline_build.log" 2>&1 &
+  rm -rf /tmp/kvforge-base && mkdir -p /tmp/kvforge-base
+  for tar in $BASELINE_TAR; do
+    name=$(basename "$tar" .tar)
+    mkdir -p "/tmp/kvforge-base/$name" && tar -xf "$tar" -C "/tmp/kvforge-base/$name"
+    baseline_names="$baseline_names $name"
+  done
+  (for name in $baseline_names; do  # side by side: each one's longest file is its critical path
+     (cmake -S "/tmp/kvforge-base/$name" -B "/tmp/kvforge-base/$name/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DTORCH_CUDA_ARCH_LIST=9.0 -DKVFORGE_SHARED_DIR="$KVFORGE_SHARED" &&
+      cmake --build "/tmp/kvforge-base/$name/build" -j "$(nproc)" --target kvforge_bench_decode_attention) &
+   done
+   failed=0
+   for job in $(jobs -p); do wait "$job" || failed=1; done
+   exit $failed) > "$LOGS/baseline_build.log" 2>&1 &
   baseline_build=$!
 fi
 cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
@@ -298,18 +310,19 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     done
   fi
 }
-# This tree's decode benchmark and BASELINE_TAR's, alternately, twice each
-# (COMPARE_ARGS: the benchmark's flags), into one file: $OUT/decode-compare.json.
+# This tree's decode benchmark and each BASELINE_TAR's, alternately, twice
+# each (COMPARE_ARGS: the benchmark's flags), into one file:
+# $OUT/decode-compare.json (the runs' commits: new and the archives' names).
 compare_commits() {
-  step "decode attention: this tree against BASELINE_TAR, alternately (${COMPARE_ARGS:-})"
+  step "decode attention: this tree against BASELINE_TAR ($baseline_names), alternately (${COMPARE_ARGS:-})"
   if ! wait "$baseline_build"; then
-    echo "FAILED: the baseline's build"; grep -E 'error|FAILED' -A5 "$LOGS/baseline_build.log" | head -30; status=1; return
+    echo "FAILED: the baselines' build"; grep -E 'error|FAILED' -A5 "$LOGS/baseline_build.log" | head -30; status=1; return
   fi
   local files=""
   for round in 1 2; do
-    for which in new base; do
+    for which in new $baseline_names; do
       local bin=./build-gpu/bench/kvforge_bench_decode_attention
-      [ $which = base ] && bin=/tmp/kvforge-base/build/bench/kvforge_bench_decode_attention
+      [ $which = new ] || bin=/tmp/kvforge-base/$which/build/bench/kvforge_bench_decode_attention
       $bin ${COMPARE_ARGS:-} --commit "$which" --out "/tmp/compare_${which}_$round.json" > "$LOGS/compare_${which}_$round.log" 2>&1 ||
         { tail -5 "$LOGS/compare_${which}_$round.log"; status=1; }
       files="$files /tmp/compare_${which}_$round.json"
@@ -325,11 +338,12 @@ for run in runs:
         key = (r["method"], r["bits"], r["context"], r["batch"])
         table.setdefault(key, {}).setdefault(run["commit"], []).append(
             (r["time_us"], r.get("append_time_us", 0.0), r.get("append_device_us", 0.0)))
-print("method bits context batch: new decode/append/append-device us (rounds) | base (rounds)")
+names = list(dict.fromkeys(run["commit"] for run in runs))
+print("method bits context batch: decode/append/append-device us (rounds) of", " | ".join(names))
 def cells(ts):
     return " ".join(f"{d:.1f}/{a:.1f}/{ad:.1f}" for d, a, ad in ts)
 for key, t in sorted(table.items()):
-    print(*key, ":", cells(t.get("new", [])), "|", cells(t.get("base", [])))
+    print(*key, ":", " | ".join(cells(t.get(name, [])) for name in names))
 PY
 }
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
