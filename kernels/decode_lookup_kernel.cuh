@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/warp_channel_sums.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -109,7 +110,8 @@ __device__ inline float2 key_channel_pair(const float* table, uint32_t word, int
 // The outlier entries [begin, end) of a token's CSR row, four at a time
 // (their pages, then their indices and values, loaded at once: two round
 // trips per four entries instead of three per entry), f(d, x) for each of
-// head `head` (an all-heads row's index is head * D + d). An f returning
+// head `head` (an all-heads row's index is head * D + d; its indices
+// ascend, so the walk ends at the first entry of a later head). An f returning
 // bool stops the walk by returning false for an entry it did not take;
 // the result is that entry (where a later walk resumes), else `end`.
 template <int D, class F>
@@ -145,7 +147,9 @@ __device__ inline uint32_t for_each_row_entry(const PagedTensor& cache, const Ou
       if (page[j] == nullptr) break;
       uint32_t d = index[j];
       if (all_heads) {
-        if (d / static_cast<uint32_t>(D) != static_cast<uint32_t>(head)) continue;
+        const uint32_t entry_head = d / static_cast<uint32_t>(D);
+        if (entry_head < static_cast<uint32_t>(head)) continue;
+        if (entry_head > static_cast<uint32_t>(head)) return end;  // a row's indices ascend: the head's are behind
         d %= static_cast<uint32_t>(D);
       }
       if constexpr (std::is_same_v<decltype(f(0, 0.0f)), bool>) {
@@ -468,15 +472,9 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
             return true;
           });
         }
-        // Round g: each lane's g-th entry. The lanes of the round that
-        // hold one channel (all of them where the step's tokens share
-        // their outlier channels, as persistent outlier channels and
-        // repeated tokens do) sum their changes into the lowest of them
-        // by a tree over their ranks (log2 of their count shuffles a
-        // head), which alone writes: a plain read-modify-write per
-        // channel. A round where every channel has one lane (the common
-        // case) takes no shuffle. The round's stores are visible to the
-        // next round's lanes after a __syncwarp.
+        // Round g: each lane's g-th entry, summed with the other lanes' on
+        // its channel (add_at_channels); the round's stores are visible to
+        // the next round's lanes after a __syncwarp.
 #pragma unroll
         for (int g = 0; g < kGathered; ++g) {
           const bool has = g < gathered;
@@ -484,41 +482,10 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
           __syncwarp();
           const unsigned active = __ballot_sync(0xffffffffu, has);
           if (has) {
-            const int d = channel[g];
-            const unsigned same = __match_any_sync(active, d);
-            const int count = __popc(same), rank = __popc(same & ((1u << lane) - 1u));
-            const int most = static_cast<int>(__reduce_max_sync(active, static_cast<unsigned>(count)));
             float sum[kHeads];
 #pragma unroll
             for (int h = 0; h < kHeads; ++h) sum[h] = __fmul_rn(weight[h], change[g]);
-            for (int stride = 1; stride < most; stride *= 2) {
-              // Rank r takes rank r + stride's sum where r is a multiple of
-              // 2 stride: the stride-th lane of its channel above its own,
-              // found by clearing the lowest bits (stride - 1 of them, none
-              // in the common collision of two lanes: a modulo by 2 stride
-              // and __fns there cost ~5% of batch 8's and 32's time).
-              const bool takes = (rank & (2 * stride - 1)) == 0 && rank + stride < count;
-              int from = lane;
-              if (takes) {
-                uint32_t above = same & ~((2u << lane) - 1u);
-                for (int k = 1; k < stride; ++k) above &= above - 1u;
-                from = __ffs(above) - 1;
-              }
-#pragma unroll
-              for (int h = 0; h < kHeads; ++h) {
-                if (h >= group) break;
-                const float other = __shfl_sync(active, sum[h], from);
-                if (takes) sum[h] = __fadd_rn(sum[h], other);
-              }
-            }
-            if (rank == 0) {
-#pragma unroll
-              for (int h = 0; h < kHeads; ++h) {
-                if (h >= group) break;
-                float& at = s.out[warp][h][d];
-                at = __fadd_rn(at, sum[h]);
-              }
-            }
+            add_at_channels(active, channel[g], sum, group, s.out[warp]);
           }
         }
       }
