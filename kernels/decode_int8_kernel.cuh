@@ -1076,16 +1076,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
         // step's: lane j takes token j.
         for (int i = lane; i < group * D; i += kWarpSize) out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
         __syncwarp();
-        if (lane < tokens) {
-          const SlotAddress at{p.value_cache.pages + static_cast<int64_t>(stage.page[lane]) * vl.page_bytes,
-                               stage.in_page[lane]};
-          for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
-            const int code = code_at<kBits>(vl, at, kv_head, d);
-            const Affine affine = shared.value_affine[warp][lane][VG == 1 ? 0 : d / 32];
-            const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-            for (int h = 0; h < group; ++h) atomicAdd(&out[warp][h][d], shared.weights[warp][lane][h] * delta);
-          });
-        }
+        const auto at = [&](int l) {
+          return SlotAddress{p.value_cache.pages + static_cast<int64_t>(stage.page[l]) * vl.page_bytes,
+                             stage.in_page[l]};
+        };
+        add_value_outliers(
+            p.value_cache, slot, kv_head, static_cast<int>(tokens), group, at,
+            [&](int l, int d, float x) {
+              const int code = code_at<kBits>(vl, at(l), kv_head, d);
+              const Affine affine = shared.value_affine[warp][l][VG == 1 ? 0 : d / 32];
+              return x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+            },
+            [&](int l, int h) { return shared.weights[warp][l][h]; }, out[warp]);
       }
     }
     __syncwarp();  // the step's weights are read before the next step writes them

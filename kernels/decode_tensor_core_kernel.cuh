@@ -45,6 +45,7 @@
 
 #include "kernels/async_copy.cuh"
 #include "kernels/decode_attention_kernel.cuh"
+#include "kernels/warp_channel_sums.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -212,27 +213,84 @@ __device__ inline int code_at(const TensorPageLayout& l, SlotAddress at, int hea
   return static_cast<int>((word >> ((d * kBits) % 32)) & ((1u << kBits) - 1));
 }
 
+// One token's CSR row of outliers walked an entry of head `head` at a time
+// (a span per head, or the all-heads span narrowed to the head: its
+// indices ascend, so the head's entries end at the first of a later head).
+// Empty until opened.
+struct OutlierRowWalk {
+  OutlierPages pages;  // by shifts, not a 64-bit division per entry
+  uint32_t entry = 0, end = 0;
+
+  __device__ OutlierRowWalk(const PagedTensor& cache, int32_t slot) : pages(cache, slot) {}
+  __device__ void open(const PagedTensor& cache, SlotAddress at, int head) {
+    const TensorPageLayout& l = cache.layout;
+    const int64_t span = l.outlier_spans == 1 ? 0 : head;
+    const uint8_t* pointer = at.page + row_pointer_offset(l, at.in_page * l.outlier_spans + span);
+    entry = load_u32(pointer);
+    end = load_u32(pointer + kRowPointerBytes);
+  }
+  // The next entry of head `head`: its channel d and value x; false once
+  // the head's entries are done.
+  __device__ bool next(const PagedTensor& cache, int head, int& d, float& x) {
+    const TensorPageLayout& l = cache.layout;
+    while (entry < end) {
+      const uint32_t e = entry++;
+      const uint8_t* page = pages.page(cache, e);
+      const uint32_t in_page = pages.slot_in_page(e);
+      uint32_t index = load_index(page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
+      if (l.outlier_spans == 1) {  // all heads: index = head * D + d, in 32 bits
+        const auto dim = static_cast<uint32_t>(l.spec.head_dim);
+        const uint32_t entry_head = index / dim;
+        if (entry_head < static_cast<uint32_t>(head)) continue;
+        if (entry_head > static_cast<uint32_t>(head)) {
+          entry = end;
+          return false;
+        }
+        index %= dim;
+      }
+      d = static_cast<int>(index);
+      x = load_element(l.spec.element, page + outlier_value_offset(l, in_page));
+      return true;
+    }
+    return false;
+  }
+};
+
 // Calls f(d, value) for every outlier entry of head `head` in token slot s's row.
 template <class F>
 __device__ inline void for_each_outlier(const PagedTensor& cache, int32_t slot, SlotAddress at, int head, F&& f) {
-  const TensorPageLayout& l = cache.layout;
-  const int D = l.spec.head_dim;
-  const int64_t span = l.outlier_spans == 1 ? 0 : head;
-  const uint8_t* pointer = at.page + row_pointer_offset(l, at.in_page * l.outlier_spans + span);
-  const uint32_t begin = load_u32(pointer), end = load_u32(pointer + kRowPointerBytes);
-  const OutlierPages pages(cache, slot);  // by shifts, not a 64-bit division per entry
-  for (uint32_t e = begin; e < end; ++e) {
-    const uint8_t* page = pages.page(cache, e);
-    const uint32_t in_page = pages.slot_in_page(e);
-    uint32_t index = load_index(page + outlier_index_offset(l, in_page), l.outlier_index_bytes);
-    if (l.outlier_spans == 1) {  // all heads: index = head * D + d, in 32 bits
-      const auto dim = static_cast<uint32_t>(D);
-      const uint32_t entry_head = index / dim;
-      if (entry_head < static_cast<uint32_t>(head)) continue;
-      if (entry_head > static_cast<uint32_t>(head)) break;  // a row's indices ascend: the head's are behind
-      index %= dim;
+  OutlierRowWalk walk(cache, slot);
+  walk.open(cache, at, head);
+  int d = 0;
+  float x = 0.0f;
+  while (walk.next(cache, head, d, x)) f(d, x);
+}
+
+// A warp's value outlier corrections of one step or tile (lanes below
+// `tokens` hold a token each; at(lane) its slot address, delta(lane, d, x)
+// its x - x^ at channel d, weight(lane, h) its weight for head h) added to
+// rows[h][d] for h < group: one entry a lane a round, the lanes on one
+// channel summed into one (add_at_channels), no atomics.
+template <class At, class Delta, class Weight, class Rows>
+__device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot, int head, int tokens, int group,
+                                          At&& at, Delta&& delta, Weight&& weight, Rows& rows) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  OutlierRowWalk walk(cache, slot);
+  if (lane < tokens) walk.open(cache, at(lane), head);
+  for (;;) {
+    int d = 0;
+    float x = 0.0f;
+    const bool has = walk.next(cache, head, d, x);
+    const unsigned active = __ballot_sync(0xffffffffu, has);
+    if (active == 0u) break;
+    __syncwarp();  // the previous round's stores
+    if (has) {
+      const float change = delta(lane, d, x);
+      float add[kMaxTensorCoreGroup];
+#pragma unroll
+      for (int h = 0; h < kMaxTensorCoreGroup; ++h) add[h] = h < group ? __fmul_rn(weight(lane, h), change) : 0.0f;
+      add_at_channels(active, d, add, group, rows);
     }
-    f(static_cast<int>(index), load_element(l.spec.element, page + outlier_value_offset(l, in_page)));
   }
 }
 
@@ -853,16 +911,15 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
       // tile's: lanes 0..15 take one token each.
       for (int i = lane; i < group * D; i += kWarpSize) shared.out[warp][i / D][i % D] *= shared.alpha[warp][i / D];
       __syncwarp();
-      const int64_t t = t0 + lane;
-      if (lane < kTileRows && t < last) {
-        const SlotAddress at = stage.value_at[lane];
-        for_each_outlier(p.value_cache, slot, at, kv_head, [&](int d, float x) {
-          const int code = code_at<kBits>(vl, at, kv_head, d);
-          const Affine affine = shared.value_affine[warp][lane][d / value_group_channels];
-          const float delta = x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
-          for (int h = 0; h < group; ++h) atomicAdd(&shared.out[warp][h][d], shared.weights[warp][lane][h] * delta);
-        });
-      }
+      const int tokens = static_cast<int>(last - t0 < kTileRows ? last - t0 : kTileRows);
+      add_value_outliers(
+          p.value_cache, slot, kv_head, tokens, group, [&](int l) { return stage.value_at[l]; },
+          [&](int l, int d, float x) {
+            const int code = code_at<kBits>(vl, stage.value_at[l], kv_head, d);
+            const Affine affine = shared.value_affine[warp][l][d / value_group_channels];
+            return x - __fmaf_rn(affine.b, static_cast<float>(code), affine.a);
+          },
+          [&](int l, int h) { return shared.weights[warp][l][h]; }, shared.out[warp]);
     }
     __syncwarp();  // the tile's weights are read before the next tile writes them
   }

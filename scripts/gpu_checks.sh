@@ -286,6 +286,8 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # Its value corrections of lanes on one channel summed by a tree over
     # their ranks (every lane of a step on the same channels).
     decode_filter="$decode_filter:*lookup_kvquant_repeated_2bit_d128_gqa4"
+    # The same sums in the int8 and bf16 tensor-core kernels (add_value_outliers).
+    decode_filter="$decode_filter:*int8_rtn_outliers_repeated_2bit_d64_gqa4_page12:*rtn_groups32_outliers_repeated_4bit_d128_gqa8"
     decode_filter=${SANITIZER_DECODE_FILTER:-$decode_filter}
     append_filter='*AppendCuda.*/rtn_2bit_d128_gqa1:*AppendCuda.*/kivi_sliding_sink*:*AppendCuda.*/kvquant_2bit_d128_gqa4'
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4:AppendCudaOutlierPool.*:AppendCudaAsynchronous.*"

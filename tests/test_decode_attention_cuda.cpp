@@ -71,6 +71,13 @@ std::vector<Case> cases() {
     Case c = decode_case(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_4bit_d128_gqa8", 4, 128, 16));
     c.tokens_per_split = 128;
     all.push_back(c);
+    // Repeated tokens from the 40th on: every lane of a tile holds the same
+    // value outlier channels (summed into one lane by add_at_channels).
+    Case repeated = c;
+    repeated.name = "rtn_groups32_outliers_repeated_4bit_d128_gqa8";
+    repeated.repeat_from = 40;
+    repeated.lengths = {41, 100, 1031};
+    all.push_back(repeated);
   }
   {  // The 8-bit integer tensor-core kernel (DecodeKernel::kInt8TensorCores):
      // rtn at head_dim 128 and 64 with value outliers, int2-rot rotated with a
@@ -85,6 +92,11 @@ std::vector<Case> cases() {
     outliers.fit.outlier_fraction = 0.05;
     outliers.page_size = 12;
     all.push_back(outliers);
+    Case repeated = outliers;  // every lane of a step on the same value outlier channels, as above
+    repeated.name = "int8_rtn_outliers_repeated_2bit_d64_gqa4_page12";
+    repeated.repeat_from = 40;
+    repeated.lengths = {41, 100, 1031};
+    all.push_back(repeated);
     all.push_back(with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_2bit_d128_gqa8", 2, 128, 16)), kInt8));
     Case channels = with(decode_case(testing::kivi_layout("auto_kivi_keys_all_heads_values_2bit_d128_gqa4_bf16", 2, 128, 8)),
                          kAuto, ElementType::kBFloat16);
@@ -301,7 +313,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 18);
+  EXPECT_EQ(int8_cases, 19);
 }
 
 // On any machine: the lookup kernel reads kvquant's layouts (keys per
