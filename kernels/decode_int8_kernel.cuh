@@ -1081,7 +1081,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                              stage.in_page[l]};
         };
         add_value_outliers(
-            p.value_cache, slot, kv_head, static_cast<int>(tokens), group, at,
+            p.value_cache, slot, kv_head, tokens, group, at,
             [&](int l, int d, float x) {
               const int code = code_at<kBits>(vl, at(l), kv_head, d);
               const Affine affine = shared.value_affine[warp][l][VG == 1 ? 0 : d / 32];
