@@ -37,6 +37,16 @@ Case make_case(std::string name, QuantMethod method, int bits, int64_t head_dim,
   return testing::make_decode_case(std::move(name), method, bits, head_dim, heads);
 }
 
+// Case c renamed, with every token from the 40th on a repeat of the 40th:
+// every lane of a step then holds the same value outlier channels, which
+// the kernels sum into one lane (add_at_channels).
+Case repeating_tokens(Case c, std::string name, std::vector<int64_t> lengths) {
+  c.name = std::move(name);
+  c.repeat_from = 40;
+  c.lengths = std::move(lengths);
+  return c;
+}
+
 // tests/kernel_cases.h's layouts, at other GQA ratios, io types and kernels
 // than the CPU tests' list, and the CUDA kernels' own cases.
 std::vector<Case> cases() {
@@ -71,13 +81,7 @@ std::vector<Case> cases() {
     Case c = decode_case(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_4bit_d128_gqa8", 4, 128, 16));
     c.tokens_per_split = 128;
     all.push_back(c);
-    // Repeated tokens from the 40th on: every lane of a tile holds the same
-    // value outlier channels (summed into one lane by add_at_channels).
-    Case repeated = c;
-    repeated.name = "rtn_groups32_outliers_repeated_4bit_d128_gqa8";
-    repeated.repeat_from = 40;
-    repeated.lengths = {41, 100, 1031};
-    all.push_back(repeated);
+    all.push_back(repeating_tokens(c, "rtn_groups32_outliers_repeated_4bit_d128_gqa8", {41, 100, 1031}));
   }
   {  // The 8-bit integer tensor-core kernel (DecodeKernel::kInt8TensorCores):
      // rtn at head_dim 128 and 64 with value outliers, int2-rot rotated with a
@@ -92,11 +96,7 @@ std::vector<Case> cases() {
     outliers.fit.outlier_fraction = 0.05;
     outliers.page_size = 12;
     all.push_back(outliers);
-    Case repeated = outliers;  // every lane of a step on the same value outlier channels, as above
-    repeated.name = "int8_rtn_outliers_repeated_2bit_d64_gqa4_page12";
-    repeated.repeat_from = 40;
-    repeated.lengths = {41, 100, 1031};
-    all.push_back(repeated);
+    all.push_back(repeating_tokens(outliers, "int8_rtn_outliers_repeated_2bit_d64_gqa4_page12", {41, 100, 1031}));
     all.push_back(with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_2bit_d128_gqa8", 2, 128, 16)), kInt8));
     Case channels = with(decode_case(testing::kivi_layout("auto_kivi_keys_all_heads_values_2bit_d128_gqa4_bf16", 2, 128, 8)),
                          kAuto, ElementType::kBFloat16);
@@ -246,19 +246,13 @@ std::vector<Case> cases() {
     all.push_back(edges);
     all.push_back(
         with(decode_case(testing::kvquant_layout("general_kvquant_2bit_d128_gqa4", 2, 128, 8)), kernels::DecodeKernel::kGeneral));
-    // Repeated tokens from the 40th on: every lane of a step holds the same
-    // value outlier channels (the lookup kernel sums them into one lane by
-    // a tree over the lanes' ranks, and takes further passes where a head
-    // holds more than 4 of a row's 12 entries; the general kernel's atomics
-    // meet on one address).
+    // Repeated tokens (the lookup kernel takes further passes where a head
+    // holds more than 4 of a row's 12 entries; the general kernel puts the
+    // outliers back into its dequantized tile).
     for (const auto kernel : {kLookup, kernels::DecodeKernel::kGeneral}) {
-      Case repeated = with(decode_case(testing::kvquant_layout(
-                               std::string(kernel == kLookup ? "lookup" : "general") + "_kvquant_repeated_2bit_d128_gqa4",
-                               2, 128, 8)),
-                           kernel);
-      repeated.repeat_from = 40;
-      repeated.lengths = {41, 100, 1031, 4099};
-      all.push_back(repeated);
+      const std::string name = std::string(kernel == kLookup ? "lookup" : "general") + "_kvquant_repeated_2bit_d128_gqa4";
+      all.push_back(repeating_tokens(with(decode_case(testing::kvquant_layout(name, 2, 128, 8)), kernel), name,
+                                     {41, 100, 1031, 4099}));
     }
   }
   {  // One 32K context (and a short sequence beside it): KVQuant, splits of 512.
