@@ -78,11 +78,16 @@ struct QuantizedKVCache::CallScratch {
     std::unique_ptr<Buffer> buffer_;
   };
 
-  explicit CallScratch(KernelBackend& backend) : call_arrays(backend), rows(backend), queries(backend), output(backend) {}
-  GrowingBuffer call_arrays;  // lengths, token offsets, slots (call_arrays_layout)
+  explicit CallScratch(KernelBackend& backend)
+      : call_arrays(backend), decode_arrays(backend), rows(backend), queries(backend), output(backend) {}
+  GrowingBuffer call_arrays;  // append's lengths, token offsets, slots (call_arrays_layout)
+  // decode_attention's (a decode_step queues them before the append's kernel,
+  // which reads call_arrays after).
+  GrowingBuffer decode_arrays;
   GrowingBuffer rows;         // staged keys, then values
   GrowingBuffer queries, output;
   std::vector<uint8_t> host_call_arrays;  // their host side (unchanged until the call's final sync)
+  std::vector<uint8_t> host_decode_arrays;
   std::vector<uint8_t> appending;         // [max_sequences]: append's marks of the call's sequences (all 0 between calls)
 };
 
@@ -703,6 +708,12 @@ int64_t QuantizedKVCache::ensure_pages(int32_t sequence, int64_t tokens) {
 // frees the host sides of the queued copies for the next call.
 
 void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
+  const AppendParams params = stage_append(layer, batch);
+  launch_staged_append(layer, batch, params);
+  finish_append(layer, batch);
+}
+
+AppendParams QuantizedKVCache::stage_append(int64_t layer, const AppendBatch& batch) {
   const auto context = [&] { return "quantized KV cache '" + name_ + "': append to layer " + std::to_string(layer); };
   if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context() + ": no such layer");
   const size_t count = batch.sequences.size();
@@ -817,19 +828,30 @@ void QuantizedKVCache::append(int64_t layer, const AppendBatch& batch) {
   params.value_rotation = v.rotation;
   params.key_outliers = k.allocator();
   params.value_outliers = v.allocator();
+  return params;
+}
+
+void QuantizedKVCache::launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params) {
   try {
     backend_->append(params);
   } catch (...) {
     // The inline new pages never reached the kernels' table: upload them
     // with the next call's changes.
-    for (size_t i = 0; i < count; ++i) {
+    const TensorLayoutSpec& spec = tensor(layer, TensorKind::kKeys).layout.spec;
+    for (size_t i = 0; i < batch.sequences.size(); ++i) {
       if (params.inline_arrays.new_page_plus_one[i] == 0) continue;
-      const int64_t at = static_cast<int64_t>(batch.sequences[i]) * page_table_stride_ +
-                         new_page_index(spec, lengths[i]);
+      const int32_t sequence = batch.sequences[i];
+      const int64_t at = static_cast<int64_t>(sequence) * page_table_stride_ +
+                         new_page_index(spec, lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)]);
       page_table_changes_.push_back({at, at + 1});
     }
     throw;
   }
+}
+
+void QuantizedKVCache::finish_append(int64_t layer, const AppendBatch& batch) {
+  const size_t count = batch.sequences.size();
+  const TensorState& k = tensor(layer, TensorKind::kKeys);
   if (options_.asynchronous_append) {
     // No sync: the flags are read by the next call that synchronizes.
     for (size_t i = 0; i < count; ++i) {
@@ -894,42 +916,84 @@ void QuantizedKVCache::synchronize() {
 
 void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> sequences, const void* queries,
                                         void* output, ReadTally* tally, bool backend_memory, ElementType io) {
+  const StagedDecode staged = stage_decode(layer, sequences, {}, queries, output, backend_memory, io);
+  if (staged.params.batch.count == 0) return;  // an empty batch: no output rows, nothing to plan
+  DecodeParams params = staged.params;
+  params.read_tally = tally;
+  backend_->decode_attention(params);
+  finish_decode(staged, output);
+}
+
+void QuantizedKVCache::decode_step(int64_t layer, const AppendBatch& batch, const void* queries, void* output,
+                                   bool backend_memory, ElementType io) {
+  // The decode's arrays and queries are queued first, so that nothing lies
+  // between the append's kernel and the decode's first, its programmatic
+  // dependent; lengths as the append leaves them (its checks follow).
+  if (batch.tokens.size() != batch.sequences.size()) {
+    throw std::invalid_argument("quantized KV cache '" + name_ + "': decode_step on layer " + std::to_string(layer) +
+                                ": sequences, positions and tokens differ in length");
+  }
+  int64_t most = 0;
+  for (const int64_t tokens : batch.tokens) most = std::max(most, tokens);
+  const StagedDecode staged = stage_decode(layer, batch.sequences, batch.tokens, queries, output, backend_memory, io);
+  const AppendParams append_params = stage_append(layer, batch);
+  launch_staged_append(layer, batch, append_params);
+  if (staged.params.batch.count > 0) {
+    DecodeParams params = staged.params;
+    params.prior_append_tokens = static_cast<int32_t>(std::min<int64_t>(most, INT32_MAX));
+    backend_->decode_attention(params);
+  }
+  // The append's lengths and (a synchronous append's) exhaustion flags
+  // before the output: an exhausted pool throws here, its output undefined.
+  finish_append(layer, batch);
+  if (staged.params.batch.count == 0) return;
+  if (options_.asynchronous_append && backend_memory) return;  // queued, as the append
+  finish_decode(staged, output);
+}
+
+QuantizedKVCache::StagedDecode QuantizedKVCache::stage_decode(int64_t layer, std::span<const int32_t> sequences,
+                                                              std::span<const int64_t> appended, const void* queries,
+                                                              void* output, bool backend_memory, ElementType io) {
   const auto context = [&] {
-    return "quantized KV cache '" + name_ + "': decode_attention on layer " + std::to_string(layer);
+    return "quantized KV cache '" + name_ + "': " + (appended.empty() ? "decode_attention" : "decode_step") +
+           " on layer " + std::to_string(layer);
   };
   if (layer < 0 || layer >= model_.num_layers) throw std::invalid_argument(context() + ": no such layer");
   const auto count = static_cast<int64_t>(sequences.size());
   const CallArrays arrays = call_arrays_layout(count, false);
-  std::vector<uint8_t>& host = scratch_->host_call_arrays;
+  std::vector<uint8_t>& host = scratch_->host_decode_arrays;
   host.resize(static_cast<size_t>(arrays.bytes));
   const auto lengths = reinterpret_cast<int64_t*>(host.data() + arrays.lengths);
   int64_t max_length = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int32_t sequence = sequences[static_cast<size_t>(i)];
-    check_sequence(sequence, "decode_attention");
-    lengths[i] = lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)];
+    check_sequence(sequence, appended.empty() ? "decode_attention" : "decode_step");
+    lengths[i] = lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)] +
+                 (appended.empty() ? 0 : std::max<int64_t>(appended[static_cast<size_t>(i)], 0));
     if (lengths[i] < 1) {
       throw std::invalid_argument(context() + ": sequence " + std::to_string(sequence) + " holds no tokens");
     }
     max_length = std::max(max_length, lengths[i]);
   }
-  if (count == 0) return;  // an empty batch: no output rows, nothing to plan
-  if (count > 0) std::memcpy(host.data() + arrays.slots, sequences.data(), static_cast<size_t>(count) * 4);
-  auto* const device = static_cast<uint8_t*>(scratch_->call_arrays.reserve(std::max<int64_t>(arrays.bytes, 1)));
+  StagedDecode staged;
+  if (count == 0) return staged;
+  std::memcpy(host.data() + arrays.slots, sequences.data(), static_cast<size_t>(count) * 4);
+  auto* const device = static_cast<uint8_t*>(scratch_->decode_arrays.reserve(std::max<int64_t>(arrays.bytes, 1)));
   backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
   // Host queries and output are staged through the scratch (none when the
   // caller's arrays are already in backend memory).
-  const int64_t io_bytes = count * model_.num_heads * model_.head_dim * element_bytes(io);
+  staged.io_bytes = count * model_.num_heads * model_.head_dim * element_bytes(io);
+  staged.backend_memory = backend_memory;
   const void* kernel_queries = queries;
   void* kernel_output = output;
-  if (!backend_memory && io_bytes > 0) {
-    void* const staged = scratch_->queries.reserve(io_bytes);
-    backend_->enqueue_copy_in(staged, queries, io_bytes);
-    kernel_queries = staged;
-    kernel_output = scratch_->output.reserve(io_bytes);
+  if (!backend_memory && staged.io_bytes > 0) {
+    void* const staged_queries = scratch_->queries.reserve(staged.io_bytes);
+    backend_->enqueue_copy_in(staged_queries, queries, staged.io_bytes);
+    kernel_queries = staged_queries;
+    kernel_output = scratch_->output.reserve(staged.io_bytes);
   }
-
-  DecodeParams params = decode_params(layer);
+  DecodeParams& params = staged.params;
+  params = decode_params(layer);
   params.batch.count = static_cast<int32_t>(count);
   params.batch.slots = reinterpret_cast<const int32_t*>(device + arrays.slots);
   params.batch.lengths = reinterpret_cast<const int64_t*>(device + arrays.lengths);
@@ -937,13 +1001,15 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
   params.queries = kernel_queries;
   params.output = kernel_output;
   params.io = io;
-  params.read_tally = tally;
-  backend_->decode_attention(params);
+  return staged;
+}
+
+void QuantizedKVCache::finish_decode(const StagedDecode& staged, void* output) {
   // The call's one sync: the output is the caller's to read on return.
-  if (backend_memory || io_bytes == 0) {
+  if (staged.backend_memory || staged.io_bytes == 0) {
     backend_->synchronize();
   } else {
-    backend_->copy_out(output, kernel_output, io_bytes);
+    backend_->copy_out(output, staged.params.output, staged.io_bytes);
   }
   check_pending_appends();  // after the sync: one small read, only when appends are pending
 }

@@ -190,6 +190,23 @@ class QuantizedKVCache {
                         ReadTally* tally = nullptr, bool backend_memory = false,
                         ElementType io = ElementType::kFloat32);
 
+  // One decoding step of `layer`: append(layer, batch), then
+  // decode_attention over batch.sequences (one query each, at its new last
+  // position), with the same results (the same kernels, bit for bit) and the
+  // same errors. On a CUDA backend the decode's kernels launch as the
+  // append's programmatic dependents (DecodeParams::prior_append_tokens): a
+  // block starts while the append runs and waits for it only before it
+  // reads what the append wrote (the new tokens, the group they complete),
+  // so that a step pays little more than the decode (bench/README.md). A
+  // synchronous append's exhausted outlier pool throws after the decode
+  // ran, the output then undefined. With asynchronous_append and
+  // `backend_memory` the call returns once both are queued, as such an
+  // append does: the output is complete for work queued after it on the
+  // backend's stream and after synchronize() (a serving loop's layers
+  // queued back to back); otherwise it is complete on return.
+  void decode_step(int64_t layer, const AppendBatch& batch, const void* queries, void* output,
+                   bool backend_memory = false, ElementType io = ElementType::kFloat32);
+
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,
   // batch.lengths (length(sequence, layer) of each), queries and output are
@@ -232,6 +249,25 @@ class QuantizedKVCache {
     std::vector<int32_t> sequences;
   };
 
+  // A decode call's params with its arrays and queries queued (the output
+  // staged where it is not in backend memory); count 0 for an empty batch.
+  struct StagedDecode {
+    DecodeParams params;
+    int64_t io_bytes = 0;
+    bool backend_memory = false;
+  };
+
+  // append's parts, which decode_step runs around the decode's: the checks,
+  // new pages and uploads; the kernel; the lengths and exhaustion flags.
+  AppendParams stage_append(int64_t layer, const AppendBatch& batch);
+  void launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params);
+  void finish_append(int64_t layer, const AppendBatch& batch);
+  // decode_attention's: the checks and uploads (lengths plus `appended`
+  // tokens each where given: a decode_step's), then, after the kernels, the
+  // output's copy or the sync.
+  StagedDecode stage_decode(int64_t layer, std::span<const int32_t> sequences, std::span<const int64_t> appended,
+                            const void* queries, void* output, bool backend_memory, ElementType io);
+  void finish_decode(const StagedDecode& staged, void* output);
   TensorState& tensor(int64_t layer, TensorKind kind);
   const TensorState& tensor(int64_t layer, TensorKind kind) const;
   void check_sequence(int32_t sequence, const char* what) const;

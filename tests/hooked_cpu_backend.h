@@ -1,7 +1,7 @@
 #pragma once
-// The CPU reference backend with a hook before each append: for tests that
-// watch the calls a QuantizedKVCache makes (which kernel a launcher would
-// pick) or make one fail.
+// The CPU reference backend with hooks before each append and decode: for
+// tests that watch the calls a QuantizedKVCache makes (which kernel a
+// launcher would pick, in which order, with which params) or make one fail.
 #include <functional>
 
 #include "kernels/quantized_kv_cache.h"
@@ -19,11 +19,15 @@ class HookedCpuBackend final : public kernels::KernelBackend {
     if (before_append) before_append(params);
     cpu_.append(params);
   }
-  void decode_attention(const kernels::DecodeParams& params) override { cpu_.decode_attention(params); }
+  void decode_attention(const kernels::DecodeParams& params) override {
+    if (before_decode) before_decode(params);
+    cpu_.decode_attention(params);
+  }
   void synchronize() override {}
 
   // Runs before each append; an exception it throws is the append's.
   std::function<void(const kernels::AppendParams&)> before_append;
+  std::function<void(const kernels::DecodeParams&)> before_decode;
 
  private:
   kernels::CpuReferenceBackend cpu_;

@@ -1479,5 +1479,129 @@ TEST(RuntimeKernelsCpuRefusals, ASequenceTwiceInOneAppendIsRefusedWithoutATrace)
   }
 }
 
+// first_token_appended: the first token an append may have written, by
+// hand. Per-token groupings: its first new token; per_channel_tokens: the
+// first slot of the group that token lies in (the group is quantized when
+// it completes), tokens of the sink aside.
+TEST(RuntimeLayout, FirstTokenAppendedIsTheFirstNewTokenOrItsGroupsFirstSlot) {
+  const auto per_token = spec(kernels::ScaleGrouping::kPerToken, 128);
+  EXPECT_EQ(kernels::first_token_appended(per_token, 300, 1), 299);
+  EXPECT_EQ(kernels::first_token_appended(per_token, 300, 300), 0);
+  EXPECT_EQ(kernels::first_token_appended(per_token, 3, 7), 0);  // more than the sequence: from its start
+  auto groups = spec(kernels::ScaleGrouping::kPerChannelTokens, 32);
+  groups.sink_tokens = 2;
+  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 70, 1), 2 + 64);  // slot 69 lies in the group of slots 64-95
+  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 64, 1), 2 + 32);  // slot 63 completes the group of 32-63
+  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 64, 40), 2);     // slots 24-63: from the group of 0-31
+  EXPECT_EQ(kernels::first_token_appended(groups, 2, 1), 1);           // a sink token
+  // A decode's: the earlier of keys' and values', none without an append.
+  kernels::DecodeParams p;
+  p.key_cache.layout.spec = groups;
+  p.value_cache.layout.spec = per_token;
+  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), INT64_MAX);
+  p.prior_append_tokens = 1;
+  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), 2 + 64);
+  p.key_cache.layout.spec = per_token;
+  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), 2 + 69);
+}
+
+// decode_step on the CPU reference: the same pools, lengths and outputs as
+// append then decode_attention, over prefill chunks and decoding steps of a
+// layout with a sink and a window; the decode after the append in the
+// backend's calls, its params naming the step's most tokens a sequence
+// (prior_append_tokens, what the CUDA launch makes its kernels wait for),
+// a plain decode_attention's none.
+TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  c.settings.residual_tokens = 4;
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  auto hooked = std::make_unique<testing::HookedCpuBackend>();
+  testing::HookedCpuBackend& backend = *hooked;
+  kernels::QuantizedKVCache stepped(c, small_dims(), options, std::move(hooked)), plain(c, small_dims(), options);
+  std::vector<std::string> calls;
+  int32_t prior_append_tokens = -1;
+  backend.before_append = [&](const kernels::AppendParams&) { calls.push_back("append"); };
+  backend.before_decode = [&](const kernels::DecodeParams& p) {
+    calls.push_back("decode");
+    prior_append_tokens = p.prior_append_tokens;
+  };
+  const at::Tensor keys = at::randn({40, 2, 64}, at::kFloat), values = at::randn({40, 2, 64}, at::kFloat);
+  const int32_t a = stepped.add_sequence(), b = stepped.add_sequence();
+  ASSERT_EQ(plain.add_sequence(), a);
+  ASSERT_EQ(plain.add_sequence(), b);
+  const std::vector<std::pair<int64_t, int64_t>> rounds = {{9, 3}, {1, 1}, {0, 1}, {1, 0}, {6, 1}, {1, 1}, {1, 1}};
+  int64_t row = 0;
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      kernels::AppendBatch batch{{a, b},
+                                 {stepped.length(a, layer), stepped.length(b, layer)},
+                                 {rounds[r].first, rounds[r].second},
+                                 keys.data_ptr<float>() + row * 2 * 64,
+                                 values.data_ptr<float>() + row * 2 * 64};
+      const at::Tensor queries = at::randn({2, 4, 64}, at::kFloat);
+      std::vector<float> want(2 * 4 * 64, -1.0f), got(2 * 4 * 64, -2.0f);
+      plain.append(layer, batch);
+      plain.decode_attention(layer, batch.sequences, queries.data_ptr<float>(), want.data());
+      calls.clear();
+      stepped.decode_step(layer, batch, queries.data_ptr<float>(), got.data());
+      EXPECT_EQ(calls, (std::vector<std::string>{"append", "decode"}));
+      EXPECT_EQ(prior_append_tokens, std::max(rounds[r].first, rounds[r].second));
+      EXPECT_EQ(got, want) << "round " << r << " layer " << layer;
+      EXPECT_EQ(stepped.length(a, layer), plain.length(a, layer));
+      EXPECT_EQ(stepped.length(b, layer), plain.length(b, layer));
+      for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+        EXPECT_EQ(stepped.copy_pools(layer, kind).pages, plain.copy_pools(layer, kind).pages);
+        EXPECT_EQ(stepped.copy_pools(layer, kind).exact, plain.copy_pools(layer, kind).exact);
+      }
+    }
+    row += rounds[r].first + rounds[r].second;
+  }
+  float q[2 * 4 * 64] = {}, o[2 * 4 * 64];
+  stepped.decode_attention(0, std::vector<int32_t>{a, b}, q, o);
+  EXPECT_EQ(prior_append_tokens, 0);
+}
+
+// A decode_step the append refuses (a position that is not the length, a
+// sequence past max_context) or whose decode has nothing to attend is one
+// line and leaves the cache as it was: no kernel ran.
+TEST(RuntimeKernelsCpuDecodeStep, RefusedStepsAreOneLineAndRunNothing) {
+  kernels::CacheOptions options;
+  options.max_context = 40;
+  options.max_sequences = 2;
+  auto hooked = std::make_unique<testing::HookedCpuBackend>();
+  testing::HookedCpuBackend& backend = *hooked;
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options, std::move(hooked));
+  int kernels_run = 0;
+  backend.before_append = [&](const kernels::AppendParams&) { ++kernels_run; };
+  backend.before_decode = [&](const kernels::DecodeParams&) { ++kernels_run; };
+  const int32_t a = cache.add_sequence(), b = cache.add_sequence();
+  std::vector<float> rows(50 * 2 * 64, 0.5f);
+  float q[2 * 4 * 64] = {}, o[2 * 4 * 64];
+  const auto refused = [&](kernels::AppendBatch batch, const std::string& expected) {
+    try {
+      cache.decode_step(0, batch, q, o);
+      ADD_FAILURE() << "accepted; expected a refusal saying " << expected;
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+      EXPECT_NE(what.find(expected), std::string::npos) << what;
+    }
+  };
+  refused({{a}, {3}, {2}, rows.data(), rows.data()}, "expected its length 0");
+  refused({{a, b}, {0, 0}, {41, 1}, rows.data(), rows.data()}, "max_context");
+  refused({{a, b}, {0, 0}, {1, 0}, rows.data(), rows.data()}, "holds no tokens");
+  refused({{a}, {0}, {}, rows.data(), rows.data()}, "differ in length");
+  EXPECT_EQ(kernels_run, 0);
+  EXPECT_EQ(cache.length(a, 0), 0);
+  EXPECT_EQ(cache.length(b, 0), 0);
+  cache.decode_step(0, {{a, b}, {0, 0}, {2, 1}, rows.data(), rows.data()}, q, o);
+  EXPECT_EQ(kernels_run, 2);
+  EXPECT_EQ(cache.length(a, 0), 2);
+  EXPECT_EQ(cache.length(b, 0), 1);
+}
+
 }  // namespace
 }  // namespace kvforge
