@@ -177,6 +177,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
         backend_stream_ = cuda->stream();
         backend = std::move(cuda);
         C10_CUDA_CHECK(cudaEventCreateWithFlags(&torch_ready_, cudaEventDisableTiming));
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&backend_done_, cudaEventDisableTiming));
       }
 #endif
       layers_ = model.num_layers;
@@ -191,6 +192,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   ~QuantizedKVCacheClass() override {
 #ifdef KVFORGE_TORCH_OPS_CUDA
     if (torch_ready_ != nullptr) cudaEventDestroy(torch_ready_);  // no throwing from a destructor
+    if (backend_done_ != nullptr) cudaEventDestroy(backend_done_);
 #endif
   }
   QuantizedKVCacheClass(const QuantizedKVCacheClass&) = delete;
@@ -216,27 +218,9 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values, std::vector<int64_t> sequences,
               std::vector<int64_t> tokens) {
     check_layer("append", layer);
-    TORCH_CHECK(sequences.size() == tokens.size(), "kvforge.QuantizedKVCache.append: ", sequences.size(),
-                " sequences and ", tokens.size(), " token counts: expected one count per sequence");
-    int64_t rows = 0;
-    for (int64_t t : tokens) {
-      TORCH_CHECK(t >= 0, "kvforge.QuantizedKVCache.append: token count ", t, ": expected >= 0");
-      rows += t;
-    }
-    check_rows("append", "keys", keys, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
-    check_rows("append", "values", values, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
-    const kernels::ElementType input = io_element(keys, "append", "keys");
-    TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "kvforge.QuantizedKVCache.append: values of dtype ",
-                values.scalar_type(), " with keys of dtype ", keys.scalar_type(), ": expected the keys' dtype");
+    check_append_rows("append", keys, values, sequences, tokens);
     refusing([&] {
-      kernels::AppendBatch batch;
-      batch.sequences = sequence_ids(sequences, "append");
-      for (int32_t s : batch.sequences) batch.positions.push_back(cache_->length(s, layer));
-      batch.tokens = tokens;
-      batch.keys = keys.const_data_ptr();
-      batch.values = values.const_data_ptr();
-      batch.input = input;
-      batch.backend_memory = true;
+      const kernels::AppendBatch batch = append_batch("append", layer, keys, values, sequences, tokens);
       order_after_torch();
       cache_->append(layer, batch);
       // Asynchronous: the kernel reads keys and values after the call; torch
@@ -246,6 +230,30 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
         keep_until_read(values);
       }
     });
+  }
+
+  // One decoding step of the layer: append's keys, values, sequences and
+  // tokens, then decode_attention's queries over the same sequences (one
+  // each, at its new last position); returns decode_attention's output. The
+  // decode's kernels run as the append's dependents on the device
+  // (QuantizedKVCache::decode_step); with asynchronous_append the call
+  // returns once both are queued and torch's stream waits for them there.
+  at::Tensor decode_step(int64_t layer, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries,
+                         std::vector<int64_t> sequences, std::vector<int64_t> tokens) {
+    check_layer("decode_step", layer);
+    check_append_rows("decode_step", keys, values, sequences, tokens);
+    const auto count = static_cast<int64_t>(sequences.size());
+    check_rows("decode_step", "queries", queries, {count, heads_, head_dim_}, "[len(sequences), num_heads, head_dim]");
+    const kernels::ElementType io = io_element(queries, "decode_step", "queries");
+    at::Tensor output = at::empty({count, heads_, head_dim_}, queries.options());
+    refusing([&] {
+      const kernels::AppendBatch batch = append_batch("decode_step", layer, keys, values, sequences, tokens);
+      order_after_torch();
+      cache_->decode_step(layer, batch, queries.const_data_ptr(), output.mutable_data_ptr(), /*backend_memory=*/true,
+                          io);
+      order_torch_after();
+    });
+    return output;
   }
 
   // Waits for every queued append; reports an outlier pool an asynchronous
@@ -279,6 +287,37 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
     TORCH_CHECK(layer >= 0 && layer < layers_, "kvforge.QuantizedKVCache.", method, ": no such layer ", layer,
                 ": expected 0..", layers_ - 1);
   }
+  // append's rows: one token count (>= 0) per sequence, keys and values of
+  // one dtype and [sum(tokens), kv_heads, head_dim].
+  void check_append_rows(const char* method, const at::Tensor& keys, const at::Tensor& values,
+                         const std::vector<int64_t>& sequences, const std::vector<int64_t>& tokens) const {
+    TORCH_CHECK(sequences.size() == tokens.size(), "kvforge.QuantizedKVCache.", method, ": ", sequences.size(),
+                " sequences and ", tokens.size(), " token counts: expected one count per sequence");
+    int64_t rows = 0;
+    for (int64_t t : tokens) {
+      TORCH_CHECK(t >= 0, "kvforge.QuantizedKVCache.", method, ": token count ", t, ": expected >= 0");
+      rows += t;
+    }
+    check_rows(method, "keys", keys, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
+    check_rows(method, "values", values, {rows, kv_heads_, head_dim_}, "[sum(tokens), kv_heads, head_dim]");
+    io_element(keys, method, "keys");
+    TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "kvforge.QuantizedKVCache.", method, ": values of dtype ",
+                values.scalar_type(), " with keys of dtype ", keys.scalar_type(), ": expected the keys' dtype");
+  }
+  // The checked rows as the cache's batch, at the sequences' lengths.
+  kernels::AppendBatch append_batch(const char* method, int64_t layer, const at::Tensor& keys, const at::Tensor& values,
+                                    const std::vector<int64_t>& sequences, const std::vector<int64_t>& tokens) const {
+    kernels::AppendBatch batch;
+    batch.sequences = sequence_ids(sequences, method);
+    for (int32_t s : batch.sequences) batch.positions.push_back(cache_->length(s, layer));
+    batch.tokens = tokens;
+    batch.keys = keys.const_data_ptr();
+    batch.values = values.const_data_ptr();
+    batch.input = io_element(keys, method, "keys");
+    batch.backend_memory = true;
+    return batch;
+  }
+
   void check_rows(const char* method, const char* name, const at::Tensor& t, const std::vector<int64_t>& shape,
                   const char* shape_text) const {
     TORCH_CHECK(t.device() == device_, "kvforge.QuantizedKVCache.", method, ": ", name, " on ", t.device().str(),
@@ -302,6 +341,16 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
 #endif
   }
 
+  // Torch's current stream waits, on the device, for what the backend's has
+  // queued (a queued decode_step's output, its inputs' last reads).
+  void order_torch_after() const {
+#ifdef KVFORGE_TORCH_OPS_CUDA
+    if (!device_.is_cuda()) return;
+    C10_CUDA_CHECK(cudaEventRecord(backend_done_, backend_stream_));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), backend_done_, 0));
+#endif
+  }
+
   // Tells torch's allocator that the backend's stream uses the tensor's
   // memory, so it is not reused before that stream's queued work has run.
   void keep_until_read(const at::Tensor& t) const {
@@ -319,6 +368,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
 #ifdef KVFORGE_TORCH_OPS_CUDA
   cudaStream_t backend_stream_ = nullptr;
   cudaEvent_t torch_ready_ = nullptr;  // torch's stream at the call, for the backend's to wait on
+  cudaEvent_t backend_done_ = nullptr;  // the backend's stream after a decode_step, for torch's to wait on
 #endif
   int64_t layers_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   bool keys_pre_rope_ = false;
@@ -341,7 +391,8 @@ TORCH_LIBRARY(kvforge, m) {
       .def("append", &QuantizedKVCacheClass::append)
       .def("synchronize", &QuantizedKVCacheClass::synchronize)
       .def("asynchronous_append", &QuantizedKVCacheClass::asynchronous_append)
-      .def("decode_attention", &QuantizedKVCacheClass::decode_attention);
+      .def("decode_attention", &QuantizedKVCacheClass::decode_attention)
+      .def("decode_step", &QuantizedKVCacheClass::decode_step);
 }
 
 }  // namespace kvforge

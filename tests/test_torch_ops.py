@@ -23,7 +23,11 @@ torch.classes.load_library and checks
       without the CUDA kernels): a 'cuda' cache and a 'cpu' cache fed the same prefill
       chunks and single tokens of several sequences of different lengths, with a sequence
       removed and its slot reused, in float32, float16 and bfloat16: the same lengths and
-      decode outputs within 1e-3 of the values' magnitude (issue 10) plus the io rounding.
+      decode outputs within 1e-3 of the values' magnitude (issue 10) plus the io rounding;
+  (g) decode_step (an append and the decode over it in one call) against append then
+      decode_attention on a second cache of the same device: the same lengths and outputs,
+      bit for bit, on the cpu and (where (f) runs) on cuda, with synchronous and
+      asynchronous appends.
 Exit code 77 (ctest SKIP_RETURN_CODE) only when python3 has no torch.
 
 Diagnosable when it crashes: stdout is line-buffered (ctest's pipe would otherwise hold
@@ -483,6 +487,36 @@ def check_cuda(make_on, model, cases):
             del gpu, cpu, ids, rows, compare
 
 
+def check_decode_step(make_on, device, config, keys, values, queries, lengths, layer, asynchronous):
+    """(g): decode_step against append then decode_attention, bit for bit."""
+    step(f"(g) decode_step on {device}, {config}{' (asynchronous appends)' if asynchronous else ''}")
+    stepped, plain = make_on(device, config, "fp16", asynchronous), make_on(device, config, "fp16", asynchronous)
+    k, v, q = keys.to(device), values.to(device), queries.to(device)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    ids = {cache: [cache.add_sequence() for _ in lengths] for cache in (stepped, plain)}
+    done = [0] * len(lengths)
+    compared = 0
+    for tokens in schedule(lengths, 3):
+        active = [i for i, n in enumerate(tokens) if done[i] + n > 0]
+        rows_k = torch.cat([k[starts[i] + done[i]:starts[i] + done[i] + tokens[i]] for i in active]).contiguous()
+        rows_v = torch.cat([v[starts[i] + done[i]:starts[i] + done[i] + tokens[i]] for i in active]).contiguous()
+        counts = [tokens[i] for i in active]
+        query = q[:len(active)].contiguous()
+        plain.append(layer, rows_k, rows_v, [ids[plain][i] for i in active], counts)
+        want = plain.decode_attention(layer, query, [ids[plain][i] for i in active])
+        got = stepped.decode_step(layer, rows_k, rows_v, query, [ids[stepped][i] for i in active], counts)
+        assert got.device == want.device and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), f"{config} on {device}: decode_step differs after appending {tokens}"
+        for i in active:
+            done[i] += tokens[i]
+        for a, b in zip(ids[stepped], ids[plain]):
+            assert stepped.length(a, layer) == plain.length(b, layer)
+        compared += 1
+    stepped.synchronize()
+    print(f"  (g) {config} on {device}{' (asynchronous appends)' if asynchronous else ''}: {compared} steps, "
+          f"lengths {lengths}, equal bit for bit")
+
+
 def expect_refusal(call, *words):
     try:
         call()
@@ -522,6 +556,13 @@ def check_refusals(make, model, artifact, model_dir):
     expect_refusal(lambda: cache.append(0, good, good, [s, s], [3]), "one count per sequence")
     strided = torch.randn(3, d, kv).transpose(1, 2)
     expect_refusal(lambda: cache.append(0, strided, good, [s], [3]), "keys", "contiguous")
+    expect_refusal(lambda: cache.decode_step(0, good, good, torch.randn(2, h, d), [s], [3]), "decode_step",
+                   "queries", f"expected [1, {h}, {d}]")
+    expect_refusal(lambda: cache.decode_step(0, good, good, torch.randn(1, h, d), [s], [2]), "decode_step", "keys",
+                   "[sum(tokens), kv_heads, head_dim]")
+    expect_refusal(lambda: cache.decode_step(0, good[:0], good[:0], torch.randn(1, h, d), [s], [0]), "decode_step",
+                   "holds no tokens")
+    assert cache.length(s, 0) == 0, "a refused decode_step appended"
     if torch.cuda.is_available():
         expect_refusal(lambda: cache.append(0, good.cuda(), good, [s], [3]), "keys", "expected the cache's device cpu")
     expect_refusal(lambda: cache.append(0, good, good, [s + 1], [3]), f"sequence {s + 1}", "not an active sequence")
@@ -599,6 +640,20 @@ def main():
             cases.append(("kvquant-2bit", False, *captured, 2))
         step("(f) a cuda cache against a cpu cache")
         check_cuda(make_on, model, cases)
+        step("(g) decode_step against append then decode_attention")
+        devices = ["cpu"]
+        if torch.cuda.is_available():
+            try:
+                make_on("cuda", "int2-rot-2bit", "fp16")
+                devices.append("cuda")
+            except RuntimeError as e:
+                if "built without the CUDA kernels" not in str(e):
+                    raise
+        for device in devices:
+            for asynchronous in (False, True):
+                check_decode_step(make_on, device, "int2-rot-2bit", *random_case(model), 0, asynchronous)
+                if captured is not None:
+                    check_decode_step(make_on, device, "kvquant-2bit", *captured, 2, asynchronous)
         step("(c) refusals")
         check_refusals(make, model, artifact, model_dir)
     print("PASS")
