@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # GPU_CHECKS_ONLY=kernels is narrowed by: KERNEL_TESTS (the CUDA test
 # binaries; empty: none), KERNEL_TEST_FILTER, SKIP_MATRIX, SKIP_TORCH_OPS, SKIP_SANITIZER,
-# SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SANITIZER_DECODE_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
+# SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SANITIZER_DECODE_FILTER, SANITIZER_STEP_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
@@ -81,7 +81,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
-  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix kvforge_bench_decode_attention"
+  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix test_decode_step_cuda kvforge_bench_decode_attention"
   # The op library's CUDA test builds its artifact with the kvforge binary.
   [ -n "${SKIP_TORCH_OPS:-}" ] || targets="$targets kvforge kvforge_torch_ops"
 elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
@@ -205,7 +205,9 @@ kernel_checks() {
   # per case ("[ case ] ..."). SKIP_MATRIX=1 leaves the matrix out.
   # KERNEL_TESTS names others (empty: none); KERNEL_TEST_FILTER narrows
   # their cases (a gtest filter).
-  kernel_tests="test_append_cuda test_decode_attention_cuda"
+  # test_decode_step_cuda: decode_step (the decode as the append's
+  # programmatic dependent) against append then decode_attention, bit for bit.
+  kernel_tests="test_append_cuda test_decode_attention_cuda test_decode_step_cuda"
   [ -n "${SKIP_MATRIX:-}" ] || kernel_tests="$kernel_tests test_decode_attention_cuda_matrix"
   kernel_tests=${KERNEL_TESTS-$kernel_tests}
   for t in $kernel_tests; do
@@ -296,11 +298,15 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 4 in flight).
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
     append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
+    # decode_step's waits for the append on three kernels: the int8 one's
+    # warps, the exact ranges (a window), the lookup kernel's blocks.
+    step_filter=${SANITIZER_STEP_FILTER:-'*/rtn_2bit_d128_gqa4:*/int2rot_window_2bit_d128_gqa4:*/kvquant_2bit_d128_gqa4'}
     matrix_filter='*kivi_sliding_sink_page12_2bit_d64_gqa1_batch8:*kvquant_tau_bf16_2bit_d64_gqa4_batch8:*int2rot_rotated_centred_4bit_d128_gqa8_batch8'
     for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
-      for t in ${SANITIZER_TESTS:-test_decode_attention_cuda_matrix test_decode_attention_cuda test_append_cuda}; do
+      for t in ${SANITIZER_TESTS:-test_decode_attention_cuda_matrix test_decode_attention_cuda test_append_cuda test_decode_step_cuda}; do
         case $t in
           test_append_cuda) filter=$append_filter ;;
+          test_decode_step_cuda) filter=$step_filter ;;
           test_decode_attention_cuda_matrix) filter=$matrix_filter ;;
           *) filter=$decode_filter ;;
         esac

@@ -1,0 +1,202 @@
+// QuantizedKVCache::decode_step on CUDA against the same append and
+// decode_attention in plain stream order (kernels/decode_attention.cu,
+// launch_for_bits): in a step the decode's kernels are the append's
+// programmatic dependents and their blocks may run while it does, waiting
+// for it only before they read a token it wrote (first_token_appended). Two
+// CUDA caches get the same appends and queries, one by decode_step, one by
+// append then decode_attention; the decode kernels and plans are the same,
+// so every output must be equal bit for bit: a block that read a token before
+// the append had written it (its codes still zero, or a ring row still the
+// token it replaced) would differ. Prefill chunks of hundreds of tokens make
+// the append long beside the blocks that do not wait, and single tokens cross
+// page, group and window boundaries; every decode kernel and both chain
+// orders of the exact ranges take part. After the schedule the two caches'
+// pools are equal too. Skipped without a GPU.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_backend.h"
+#include "kernels/cuda_runtime_check.h"
+#include "kernels/quantized_kv_cache.h"
+#include "model/rope.h"
+#include "tests/kernel_activations.h"
+#include "tests/kernel_cases.h"
+
+namespace kvforge {
+namespace {
+
+using kernels::DecodeKernel;
+using kernels::TensorKind;
+using testing::KernelCase;
+
+constexpr int64_t kKvHeads = 2, kLayers = 2;
+
+struct StepCase {
+  KernelCase layout;
+  DecodeKernel kernel = DecodeKernel::kAuto;
+  int sequences = 3;
+  int64_t tokens_per_split = 256;
+};
+
+void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
+
+// Rounds of (tokens per sequence): prefill chunks of different lengths (some
+// sequences idle), then decoding steps; sequence s of n. The totals stay
+// under 3000 tokens.
+std::vector<std::vector<int64_t>> schedule(int n) {
+  std::vector<std::vector<int64_t>> rounds;
+  const auto round = [&](auto tokens_of) {
+    std::vector<int64_t> r;
+    for (int s = 0; s < n; ++s) r.push_back(tokens_of(s));
+    rounds.push_back(r);
+  };
+  round([](int s) { return int64_t{700} + 131 * (s % 5); });
+  for (int i = 0; i < 3; ++i) round([](int) { return int64_t{1}; });
+  round([](int s) { return s % 3 == 1 ? int64_t{0} : int64_t{997} - 17 * (s % 7); });
+  for (int i = 0; i < 18; ++i) round([i](int s) { return (s + i) % 4 == 3 ? int64_t{0} : int64_t{1}; });
+  round([](int s) { return int64_t{33} + s % 40; });
+  for (int i = 0; i < 3; ++i) round([](int) { return int64_t{1}; });
+  return rounds;
+}
+
+class DecodeStepCuda : public ::testing::TestWithParam<StepCase> {};
+
+TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const StepCase& c = GetParam();
+  const KernelCase& l = c.layout;
+  at::manual_seed(23);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, l.head_dim, at::kCPU);
+  const QuantizerConfig config = testing::fitted_kernel_config(l.name, l.fit, kLayers, kKvHeads, l.head_dim, l.element,
+                                                               l.key_rotation, l.value_rotation, l.key_centre, rope);
+  kernels::CacheOptions options;
+  options.page_size = l.page_size;
+  options.element = l.element;
+  options.max_sequences = c.sequences;
+  options.max_context = 4096;
+  options.outlier_page_entries = 64;
+  options.tokens_per_split = c.tokens_per_split;
+  options.decode_kernel = c.kernel;
+  const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
+  kernels::QuantizedKVCache stepped(config, dims, options, std::make_unique<kernels::CudaBackend>());
+  kernels::QuantizedKVCache plain(config, dims, options, std::make_unique<kernels::CudaBackend>());
+
+  const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences);
+  std::vector<int64_t> totals(static_cast<size_t>(c.sequences), 0);
+  for (const auto& r : rounds) {
+    for (int s = 0; s < c.sequences; ++s) totals[static_cast<size_t>(s)] += r[static_cast<size_t>(s)];
+  }
+  // [sequence][layer]: the activations every round takes its tokens from.
+  std::vector<std::vector<testing::KernelActivations>> inputs(static_cast<size_t>(c.sequences));
+  for (int s = 0; s < c.sequences; ++s) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      inputs[static_cast<size_t>(s)].push_back(testing::synthetic_activations(
+          1, kKvHeads, totals[static_cast<size_t>(s)], l.head_dim, 1.0 + 0.5 * layer, l.element, rope));
+    }
+  }
+  std::vector<int32_t> ids;
+  for (int s = 0; s < c.sequences; ++s) {
+    ids.push_back(stepped.add_sequence());
+    ASSERT_EQ(plain.add_sequence(), ids.back());
+  }
+  std::vector<int64_t> lengths(static_cast<size_t>(c.sequences), 0);
+  int64_t outputs_compared = 0;
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    kernels::AppendBatch batch;
+    for (int s = 0; s < c.sequences; ++s) {
+      // A sequence that would hold no token after the step sits it out.
+      if (lengths[static_cast<size_t>(s)] + rounds[r][static_cast<size_t>(s)] == 0) continue;
+      batch.sequences.push_back(ids[static_cast<size_t>(s)]);
+      batch.positions.push_back(lengths[static_cast<size_t>(s)]);
+      batch.tokens.push_back(rounds[r][static_cast<size_t>(s)]);
+    }
+    const auto count = static_cast<int64_t>(batch.sequences.size());
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      std::vector<float> keys, values;
+      for (int s = 0; s < c.sequences; ++s) {
+        const int64_t n = rounds[r][static_cast<size_t>(s)];
+        if (n == 0) continue;
+        const testing::KernelActivations& a = inputs[static_cast<size_t>(s)][static_cast<size_t>(layer)];
+        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[static_cast<size_t>(s)], n);
+        const at::Tensor v = a.values.narrow(2, lengths[static_cast<size_t>(s)], n);
+        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
+        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
+        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+      }
+      batch.keys = keys.data();
+      batch.values = values.data();
+      const at::Tensor queries = at::randn({count, l.heads, l.head_dim}).contiguous();
+      std::vector<float> expected(static_cast<size_t>(queries.numel())), actual(expected.size());
+      plain.append(layer, batch);
+      plain.decode_attention(layer, batch.sequences, queries.data_ptr<float>(), expected.data());
+      stepped.decode_step(layer, batch, queries.data_ptr<float>(), actual.data());
+      for (size_t i = 0; i < expected.size(); ++i) {
+        ASSERT_EQ(0, std::memcmp(&expected[i], &actual[i], sizeof(float)))
+            << l.name << " round " << r << " layer " << layer << ": output " << i << " (sequence entry "
+            << i / static_cast<size_t>(l.heads * l.head_dim) << ") is " << actual[i] << " after decode_step, "
+            << expected[i] << " after append and decode_attention";
+      }
+      outputs_compared += static_cast<int64_t>(expected.size());
+      for (int s = 0; s < c.sequences; ++s) {
+        ASSERT_EQ(stepped.length(ids[static_cast<size_t>(s)], layer), plain.length(ids[static_cast<size_t>(s)], layer));
+      }
+    }
+    for (int s = 0; s < c.sequences; ++s) lengths[static_cast<size_t>(s)] += rounds[r][static_cast<size_t>(s)];
+  }
+  EXPECT_GT(outputs_compared, 0);
+  // The pools the two orders left (outlier pages aside: the append's blocks
+  // take them from a shared stack in any order).
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    for (const TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+      const kernels::TensorPoolCopy a = plain.copy_pools(layer, kind), b = stepped.copy_pools(layer, kind);
+      EXPECT_TRUE(a.exact == b.exact) << l.name << " layer " << layer;
+      EXPECT_EQ(a.entry_counts, b.entry_counts) << l.name << " layer " << layer;
+      if (plain.layout(kind).outlier_spans == 0) EXPECT_TRUE(a.pages == b.pages) << l.name << " layer " << layer;
+    }
+  }
+  EXPECT_EQ(stepped.copy_page_table(), plain.copy_page_table());
+}
+
+std::vector<StepCase> step_cases() {
+  using testing::make_kernel_case;
+  std::vector<StepCase> all;
+  const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
+                       int64_t tokens_per_split = 256) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split});
+  };
+  // The int8 kernel's 64-token steps (rtn), per warp; 40 sequences: the
+  // append's arrays uploaded, not carried in its launch.
+  add(make_kernel_case("rtn_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8));
+  add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
+  // int2-rot: a sink and a window (the exact ranges first at few blocks,
+  // else behind the int8 kernel), rotated (the queries rotated first).
+  add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
+  add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
+      40, 256);
+  // KIVI: keys in per-channel groups of tokens quantized when the group
+  // completes (the int8 kernel's general variant, the general kernel's
+  // exact ranges).
+  add(testing::kivi_layout("kivi_2bit_d128_gqa4", 2, 128, 8));
+  add(testing::kivi_sliding_sink_layout("kivi_sliding_sink_4bit_d64_gqa1", 4, 64, 2), DecodeKernel::kAuto, 3, 128);
+  // KVQuant: the lookup kernel, outliers.
+  add(testing::kvquant_layout("kvquant_2bit_d128_gqa4", 2, 128, 8));
+  // RTN with outliers on the int8 kernel's general variant, on the bf16
+  // tensor-core kernel, and on the general kernel.
+  add(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_2bit_d128_gqa4", 2, 128, 8));
+  add(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_bf16_tensor_cores_2bit_d128_gqa4", 2, 128, 8),
+      DecodeKernel::kBf16TensorCores);
+  add(testing::int2rot_window_layout("int2rot_window_general_2bit_d64_gqa4", 2, 64, 8), DecodeKernel::kGeneral);
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, DecodeStepCuda, ::testing::ValuesIn(step_cases()),
+                         [](const ::testing::TestParamInfo<StepCase>& info) { return info.param.layout.name; });
+
+}  // namespace
+}  // namespace kvforge
