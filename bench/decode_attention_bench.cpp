@@ -309,7 +309,7 @@ int run(int argc, char** argv) {
         const QuantizerConfig config = decode_bench_config(method, b);
         kernels::CacheOptions options;
         options.max_sequences = batch;
-        options.max_context = contexts.back() + 1024;  // the append measurements add tokens
+        options.max_context = contexts.back() + 2048;  // the append and step measurements add tokens
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
@@ -460,6 +460,57 @@ int run(int argc, char** argv) {
             cache.set_append_kernel(kernels::AppendKernel::kAuto);
             return t;
           };
+          // A whole decoding step (QuantizedKVCache::decode_step: the append,
+          // then the decode as its programmatic dependent) against the same
+          // two calls in plain stream order and the decode alone, each
+          // kAppendRun times back to back behind a busy kernel on the cache's
+          // stream (device time a step): what the append adds to a step, the
+          // rate the decode must be kept up with being the decode's own.
+          struct StepTimes {
+            double fused_us = 0, sequential_us = 0, decode_us = 0;
+          };
+          const auto device_per_step = [&](const std::function<void()>& one) {
+            std::vector<double> device_us;
+            cudaEvent_t start, stop;
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
+            for (int i = 0; i < append_repeats + 2; ++i) {
+              busy_wait_on(append_stream, 5'000'000);
+              KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
+              for (int r = 0; r < kAppendRun; ++r) one();
+              KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
+              cache.synchronize();
+              float ms = 0;
+              KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+              if (i >= 2) device_us.push_back(ms * 1e3 / kAppendRun);  // two warm-up runs
+            }
+            cudaEventDestroy(start);
+            cudaEventDestroy(stop);
+            return median(std::move(device_us));
+          };
+          const auto measure_steps = [&] {
+            StepTimes t;
+            // Alternately, so that the device's clocks treat them alike.
+            std::vector<double> fused, sequential, decode;
+            for (int round = 0; round < 3; ++round) {
+              fused.push_back(device_per_step([&] {
+                for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
+                const int64_t offset = (step_index++ % step_tokens) * batch * kKvHeads * kHeadDim;
+                step.keys = step_keys.data_ptr<float>() + offset;
+                step.values = step_values.data_ptr<float>() + offset;
+                cache.decode_step(0, step, queries.data_ptr(), output.data_ptr(), true, kernels::ElementType::kBFloat16);
+              }));
+              sequential.push_back(device_per_step([&] {
+                one_step();
+                kernels::launch_decode_attention(params, append_stream);
+              }));
+              decode.push_back(device_per_step([&] { kernels::launch_decode_attention(params, append_stream); }));
+            }
+            t.fused_us = median(std::move(fused));
+            t.sequential_us = median(std::move(sequential));
+            t.decode_us = median(std::move(decode));
+            return t;
+          };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
                                 {"batch", batch},
@@ -498,6 +549,13 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_latency_us", per_sequence.latency_us},
                         {"append_per_sequence_host_us", per_sequence.host_us},
                         {"append_per_sequence_device_us", per_sequence.device_us}});
+            const StepTimes steps = measure_steps();
+            const double added = steps.fused_us - steps.decode_us;
+            row.update({{"step_device_us", steps.fused_us},
+                        {"step_sequential_device_us", steps.sequential_us},
+                        {"step_decode_device_us", steps.decode_us},
+                        {"append_in_step_us", added},
+                        {"append_in_step_over_decode_rate", added > 0 ? nlohmann::json(steps.decode_us / added) : nlohmann::json()}});
           }
           row.update(graph_replay_columns(params, repeats));
           // Another kernel choice on the same cache and queries: its time,
