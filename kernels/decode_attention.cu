@@ -123,12 +123,16 @@ void launch_general(const DecodeParams& p, const device::SplitWorkspace& workspa
 // kernel does): every token of them exact in both tensors
 // (same_quantized_ranges), one element type, both stores 16-byte aligned
 // (every row is then: D elements of 2 or 4 bytes), at most 8 query heads per
-// KV head (the tensor-core kernels' limit).
+// KV head (the tensor-core kernels' limit), and keys stored after RoPE or
+// only token 0 exact (the kernel applies no RoPE, and at position 0 it is
+// the identity: kvquant's one-token sink; a longer sink or a window of
+// pre-RoPE keys goes to the general kernel, which rotates them).
 bool exact_kernel_reads(const DecodeParams& p) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const TensorLayoutSpec& v = p.value_cache.layout.spec;
   const auto aligned = [](const void* at) { return (reinterpret_cast<uintptr_t>(at) & 15u) == 0; };
-  return same_quantized_ranges(k, v) && k.element == v.element && aligned(p.key_cache.exact) &&
+  const bool rope_free = !p.keys_pre_rope || (k.sink_tokens <= 1 && p.key_cache.layout.ring_capacity == 0);
+  return rope_free && same_quantized_ranges(k, v) && k.element == v.element && aligned(p.key_cache.exact) &&
          aligned(p.value_cache.exact) && p.num_heads / k.kv_heads <= 8;
 }
 

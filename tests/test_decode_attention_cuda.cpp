@@ -246,6 +246,13 @@ std::vector<Case> cases() {
     all.push_back(edges);
     all.push_back(
         with(decode_case(testing::kvquant_layout("general_kvquant_2bit_d128_gqa4", 2, 128, 8)), kernels::DecodeKernel::kGeneral));
+    // A sink of 5 pre-RoPE keys (tokens past position 0, where RoPE is no
+    // identity): the exact ranges beside the lookup kernel go to the
+    // general kernel, which rotates them (the exact kernel does not).
+    Case sink = decode_case(testing::kvquant_layout("lookup_kvquant_sink5_2bit_d128_gqa4", 2, 128, 8));
+    sink.fit.sink_tokens = 5;
+    sink.lengths = {1, 3, 5, 6, 40, 1031};
+    all.push_back(sink);
     // Repeated tokens (the lookup kernel takes further passes where a head
     // holds more than 4 of a row's 12 entries; the general kernel puts the
     // outliers back into its dequantized tile).
@@ -440,8 +447,13 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
         EXPECT_FALSE(plan.exact_kernel) << c.name;
         return;
       }
-      const bool same = kernels::same_quantized_ranges(params.key_cache.layout.spec, params.value_cache.layout.spec);
-      EXPECT_EQ(plan.exact_kernel, same) << c.name;
+      const kernels::TensorPageLayout& keys = params.key_cache.layout;
+      const bool same = kernels::same_quantized_ranges(keys.spec, params.value_cache.layout.spec);
+      const bool rotated_by_rope = params.keys_pre_rope && (keys.spec.sink_tokens > 1 || keys.ring_capacity > 0);
+      EXPECT_EQ(plan.exact_kernel, same && !rotated_by_rope) << c.name;
+      if (c.name == "lookup_kvquant_sink5_2bit_d128_gqa4") {
+        EXPECT_TRUE(plan.lookup && plan.exact_splits > 0 && !plan.exact_kernel) << c.name;
+      }
       if (plan.int8 && c.name.find("int2rot") != std::string::npos) EXPECT_TRUE(plan.exact_kernel) << c.name;
       if (c.name.rfind("int8_kivi_sliding_sink", 0) == 0) EXPECT_FALSE(plan.exact_kernel) << c.name;
       ++(plan.exact_kernel ? exact_kernel : general);
