@@ -29,7 +29,6 @@
 #include "model/rope.h"
 
 #ifdef KVFORGE_TORCH_OPS_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -224,11 +223,13 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
       order_after_torch();
       cache_->append(layer, batch);
       // Asynchronous: the kernel reads keys and values after the call; torch
-      // must not hand their memory to a new tensor before it has.
-      if (asynchronous_append_) {
-        keep_until_read(keys);
-        keep_until_read(values);
-      }
+      // must not hand their memory to a new tensor before it has. Torch's
+      // stream waits for it on the device: a block freed on that stream is
+      // reused only by work queued after the wait. (recordStream on the
+      // backend's stream did it too, but the allocator records an event on
+      // that stream when the tensor dies, a segfault once the cache, and its
+      // stream, had been destroyed first.)
+      if (asynchronous_append_) order_torch_after();
     });
   }
 
@@ -342,7 +343,8 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
   }
 
   // Torch's current stream waits, on the device, for what the backend's has
-  // queued (a queued decode_step's output, its inputs' last reads).
+  // queued (an asynchronous append's reads of its inputs, a queued
+  // decode_step's output).
   void order_torch_after() const {
 #ifdef KVFORGE_TORCH_OPS_CUDA
     if (!device_.is_cuda()) return;
@@ -351,24 +353,12 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
 #endif
   }
 
-  // Tells torch's allocator that the backend's stream uses the tensor's
-  // memory, so it is not reused before that stream's queued work has run.
-  void keep_until_read(const at::Tensor& t) const {
-#ifdef KVFORGE_TORCH_OPS_CUDA
-    if (!device_.is_cuda()) return;
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
-                                                  c10::cuda::getStreamFromExternal(backend_stream_, device_.index()));
-#else
-    (void)t;
-#endif
-  }
-
   c10::Device device_;
   bool asynchronous_append_ = false;
 #ifdef KVFORGE_TORCH_OPS_CUDA
   cudaStream_t backend_stream_ = nullptr;
   cudaEvent_t torch_ready_ = nullptr;  // torch's stream at the call, for the backend's to wait on
-  cudaEvent_t backend_done_ = nullptr;  // the backend's stream after a decode_step, for torch's to wait on
+  cudaEvent_t backend_done_ = nullptr;  // the backend's stream after a queued call, for torch's to wait on
 #endif
   int64_t layers_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   bool keys_pre_rope_ = false;

@@ -513,6 +513,10 @@ def check_decode_step(make_on, device, config, keys, values, queries, lengths, l
             assert stepped.length(a, layer) == plain.length(b, layer)
         compared += 1
     stepped.synchronize()
+    # The caches go before the tensors their asynchronous appends read (the op
+    # library once made torch record an event on a cache's stream when such a
+    # tensor died: a segfault once the cache was gone).
+    del stepped, plain
     print(f"  (g) {config} on {device}{' (asynchronous appends)' if asynchronous else ''}: {compared} steps, "
           f"lengths {lengths}, equal bit for bit")
 
