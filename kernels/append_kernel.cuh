@@ -17,7 +17,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/decode_params.h"
-#include "kernels/programmatic_launch.cuh"
 #include "kernels/reciprocal_division.h"
 #include "kernels/span_rank.h"
 #include "kernels/top_bottom_rounds.h"
@@ -858,16 +857,10 @@ class BlockAppender {
   const int32_t* page_row_ = nullptr;
 };
 
-// Every append kernel lets a decode launched as its programmatic dependent
-// (QuantizedKVCache::decode_step, DecodeParams::prior_append_tokens) start
-// at once: the decode's blocks wait for the append's completion before they
-// read what it writes. Nothing else is launched as an append's dependent.
-
 // One block per batch entry (blockIdx.x) for one tensor kind.
 template <ScaleGrouping kGrouping, int kBits>
 __global__ void __launch_bounds__(kThreads)
     append_kernel(const __grid_constant__ TensorAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
-  allow_dependent_launch();
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ typename BlockAppender<kGrouping, kBits>::Scan::TempStorage scan;
   __shared__ uint32_t entry_count;
@@ -884,7 +877,6 @@ template <ScaleGrouping kKeys, ScaleGrouping kValues, int kBits>
 __global__ void __launch_bounds__(kThreads)
     append_pair_kernel(const __grid_constant__ TensorAppendArgs keys, const __grid_constant__ TensorAppendArgs values,
                        const __grid_constant__ InlineBatchArrays arrays) {
-  allow_dependent_launch();
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;

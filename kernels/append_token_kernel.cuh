@@ -258,7 +258,6 @@ __device__ inline void append_unrotated_token(const TokenAppendArgs& args, const
 template <int kE, int kBits, ElementType kElement>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_kernel(const __grid_constant__ TokenAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
-  allow_dependent_launch();  // a decode_step's decode (append_kernel.cuh)
   const int warp = threadIdx.x / 32;
   const int kind = static_cast<int>(blockIdx.z);
   const TokenTensorArgs& t = args.kinds[kind];
@@ -285,7 +284,6 @@ template <int kE, int kBits, ElementType kElement, int kBlockRows>
 __global__ void __launch_bounds__(32 * kTokenWarps)
     append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
                                 const __grid_constant__ InlineBatchArrays arrays) {
-  allow_dependent_launch();  // a decode_step's decode (append_kernel.cuh)
   constexpr int kDim = 32 * kE;
   constexpr int kThreads = 32 * kTokenWarps;
   // The output channels a thread sums (head_dim 64: threads 64 and up none).

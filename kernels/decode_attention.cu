@@ -203,12 +203,11 @@ void allow_tensor_core_shared_memory() {
 
 template <int D, int kBits, int KG, int VG>
 void launch_tensor_core_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
-                               const device::TensorCoreSplits& splits, dim3 grid, cudaStream_t stream,
-                               bool dependent) {
+                               const device::TensorCoreSplits& splits, dim3 grid, cudaStream_t stream) {
   allow_tensor_core_shared_memory<D, kBits, KG, VG>();
   constexpr int kThreads = device::kTensorCoreWarps * device::kWarpSize;
-  launch_kernel(device::decode_tensor_core_kernel<D, kBits, KG, VG>, grid, kThreads,
-                device::tensor_core_dynamic_shared_bytes<D, kBits, KG, VG>(), stream, dependent, p, workspace, splits);
+  device::decode_tensor_core_kernel<D, kBits, KG, VG>
+      <<<grid, kThreads, device::tensor_core_dynamic_shared_bytes<D, kBits, KG, VG>(), stream>>>(p, workspace, splits);
 }
 
 template <int D, int kBits, int KG, int VG>
@@ -227,13 +226,13 @@ bool grouped_channels(const TensorLayoutSpec& spec) {
 
 template <int D, int kBits>
 void launch_tensor_cores(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, bool dependent) {
+                         cudaStream_t stream) {
   const dim3 grid = split_grid(p, plan.splits);
   const device::TensorCoreSplits splits{plan.tokens_per_split};
   if (grouped_channels(p.key_cache.layout.spec) || grouped_channels(p.value_cache.layout.spec)) {
-    launch_tensor_core_kernel<D, kBits, 4, 4>(p, workspace, splits, grid, stream, dependent);
+    launch_tensor_core_kernel<D, kBits, 4, 4>(p, workspace, splits, grid, stream);
   } else {
-    launch_tensor_core_kernel<D, kBits, 1, 1>(p, workspace, splits, grid, stream, dependent);
+    launch_tensor_core_kernel<D, kBits, 1, 1>(p, workspace, splits, grid, stream);
   }
 }
 
@@ -328,9 +327,9 @@ constexpr int kLookupThreads = device::kLookupWarps * device::kWarpSize;
 
 template <int D, int kBits>
 void launch_lookup(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                   cudaStream_t stream, bool dependent) {
+                   cudaStream_t stream) {
   with_lookup_kernel<D, kBits>(p, [&](LookupKernel kernel, int shared_bytes) {
-    launch_kernel(kernel, split_grid(p, plan.splits), kLookupThreads, shared_bytes, stream, dependent, p, workspace,
+    launch_kernel(kernel, split_grid(p, plan.splits), kLookupThreads, shared_bytes, stream, false, p, workspace,
                   device::TensorCoreSplits{plan.tokens_per_split, false});
   });
 }
@@ -431,31 +430,22 @@ int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, bool
 
 // The queries rotated once for the call (DecodePlan::rotate_queries_first).
 template <int D>
-void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream,
-                           bool dependent) {
+void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
   prefer_max_shared_carveout(device::rotate_group_queries_kernel<D>);
-  launch_kernel(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, dependent, p,
-                workspace);
+  launch_kernel(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
 }
 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                      cudaStream_t stream) {
-  // After an append of this call's tokens (DecodeParams::prior_append_tokens)
-  // the first kernel is its programmatic dependent: every decode kernel's
-  // blocks wait for their prerequisite before they read what an append
-  // wrote (first_token_appended) and before they exit, so that each later
-  // kernel's wait (and the merge's) finds the append done too.
-  const bool after_append = p.prior_append_tokens > 0;
   if (plan.lookup) {
-    launch_lookup<D, kBits>(p, workspace, plan, stream, after_append);
+    launch_lookup<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
     return;
   }
   if (plan.tensor_cores) {
-    if (plan.rotate_queries_first) launch_rotate_queries<D>(p, workspace, stream, after_append);
-    const bool first = !plan.rotate_queries_first && after_append;  // the append's dependent
+    if (plan.rotate_queries_first) launch_rotate_queries<D>(p, workspace, stream);
     if (plan.int8) {
       // Both orders make the second kernel the first's programmatic
       // dependent: it reads nothing the first writes, and waits for it
@@ -466,18 +456,18 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // queries rotated first, the rotation's dependent (it waits for the
       // queries, then lets the exact blocks launch: load_group_queries).
       if (plan.exact_first) {
-        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, first);
+        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
         launch_int8<D>(p, workspace, plan, stream, true);
       } else {
-        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first || first);
+        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first);
         if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
     }
-    launch_tensor_cores<D, kBits>(p, workspace, plan, stream, first);
+    launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
   } else {
-    launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream, after_append);
+    launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream);
   }
 }
 

@@ -631,19 +631,6 @@ struct SplitWorkspace {
   float* queries = nullptr;
 };
 
-// After an append (DecodeParams::prior_append_tokens): whether a block that
-// reads tokens up to `last` of a sequence now `tokens` long waits for its
-// prerequisite grid before it reads them, because it may read a token the
-// append wrote (first_token_appended). Either that grid is the append, or
-// it waits for the append before it exits (decode_attention.cu,
-// launch_for_bits). Not behind rotated queries (workspace.queries): the
-// kernel that let this one launch did so only once it had them, after the
-// query rotation, which had waited for the append.
-__device__ inline bool waits_for_append(const DecodeParams& p, const SplitWorkspace& workspace, int64_t tokens,
-                                        int64_t last) {
-  return workspace.queries == nullptr && last > first_token_appended(p, tokens);
-}
-
 // Tokens per pass of a block of the exact ranges (decode_exact_kernel's
 // four warps of 16); a block's chunk (SplitAssignment::exact_chunk) is a
 // multiple of it.
@@ -752,7 +739,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     wait_for_prerequisite_grid();
     return;
   }
-  if (waits_for_append(p, workspace, tokens, last)) wait_for_prerequisite_grid();
   const int32_t slot = p.batch.slots[entry];
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
 

@@ -307,7 +307,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     wait_for_prerequisite_grid();
     return;
   }
-  if (waits_for_append(p, workspace, tokens, last)) wait_for_prerequisite_grid();  // the new tokens' ring rows
   const int32_t slot = p.batch.slots[entry];
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;

@@ -387,22 +387,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // Loaded before the queries (before the wait for them where they were
   // rotated first), so that its round trip overlaps theirs (on the H200
   // within noise of loading it after the key operands: bench/README.md).
-  // After an append (DecodeParams::prior_append_tokens), reads of a token
-  // it may have written wait for it (waits_for_append): the general
-  // variant's whole block before its walk (its outlier rows and channel
-  // affines are read outside the stages); else a warp just before the issue
-  // that reads one (its copies or the page id it reads a step ahead), so that
-  // the steps before it, most of the split that holds the new tokens, run
-  // beside the append. A warp that never reads one waits before it exits.
-  int32_t wait_after_issued = INT32_MAX;  // issue() waits once more tokens of the run were issued
-  if (waits_for_append(p, workspace, p.batch.lengths[entry], last)) {
-    const int64_t before = first_token_appended(p, p.batch.lengths[entry]) - run_first - 2 * kInt8StepTokens;
-    if (kGeneral || before < 0) {
-      wait_for_prerequisite_grid();
-    } else if (before < run_tokens) {
-      wait_after_issued = static_cast<int32_t>(before);
-    }
-  }
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
@@ -573,10 +557,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     Stage& stage = stages[stage_index];
     issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
     const int32_t issued = run_tokens - to_issue;  // the stage's first token in the run
-    if (issued > wait_after_issued) {  // it or the next stage may hold a token the append wrote
-      wait_for_prerequisite_grid();
-      wait_after_issued = INT32_MAX;
-    }
     to_issue -= kInt8StepTokens;
     const bool valid = lane < tokens;
     const int32_t page = next_page, in_page = next_in_page;

@@ -248,10 +248,8 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
   const int group = block.group;
   if (block.first >= block.last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
-    wait_for_prerequisite_grid();  // after an append: its completion implies the append's
     return;
   }
-  if (waits_for_append(p, workspace, p.batch.lengths[entry], block.last)) wait_for_prerequisite_grid();
   const int32_t slot = p.batch.slots[entry];
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
   const TensorPageLayout& kl = p.key_cache.layout;
@@ -559,7 +557,6 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
   }
   __syncthreads();
   write_block_state<D, kLookupWarps>(workspace, block.state_base, split, group, s.state_max, s.state_sum, s.out);
-  wait_for_prerequisite_grid();  // after an append (launched as its dependent): as above
 }
 
 }  // namespace kvforge::kernels::decode_attention_device

@@ -207,38 +207,6 @@ struct DecodeParams {
   // the launch allocates it on its stream.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  // CUDA only: the call's first kernel is the programmatic dependent of an
-  // append of at most this many tokens a sequence to the same layer
-  // (QuantizedKVCache::decode_step): it may start while the append runs, so
-  // its blocks wait for it before they read a token from
-  // first_token_appended on. 0: the append, if any, completed before the
-  // call (a plain stream order).
-  int32_t prior_append_tokens = 0;
 };
-
-// The first token of a sequence now `length` tokens long whose stored bytes
-// (codes, group pairs, outlier rows, page-table entry, exact row) an append
-// of at most `appended` tokens may have written: its new tokens and, in
-// per_channel_tokens groups, the earlier slots of the group they complete
-// (quantized when their group is: docs/runtime-layout.md 1). Tokens below it
-// hold what they held before that append; the ring row a new token takes
-// held a token no longer in the window.
-KVFORGE_HOST_DEVICE inline int64_t first_token_appended(const TensorLayoutSpec& s, int64_t length, int64_t appended) {
-  int64_t first = length - appended;
-  if (first < 0) first = 0;
-  if (s.grouping == ScaleGrouping::kPerChannelTokens && first > s.sink_tokens) {
-    first = s.sink_tokens + (first - s.sink_tokens) / s.group * s.group;
-  }
-  return first;
-}
-
-// The same for the keys and values of a decode call: no token (INT64_MAX)
-// where the call follows no append (prior_append_tokens 0).
-KVFORGE_HOST_DEVICE inline int64_t first_token_appended(const DecodeParams& p, int64_t length) {
-  if (p.prior_append_tokens <= 0) return INT64_MAX;
-  const int64_t k = first_token_appended(p.key_cache.layout.spec, length, p.prior_append_tokens);
-  const int64_t v = first_token_appended(p.value_cache.layout.spec, length, p.prior_append_tokens);
-  return k < v ? k : v;
-}
 
 }  // namespace kvforge::kernels

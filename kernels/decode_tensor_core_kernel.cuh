@@ -379,10 +379,6 @@ __global__ void __launch_bounds__(kRotationSlices * D)
     for (int s = 1; s < kRotationSlices; ++s) sum = __fadd_rn(sum, partial[s][h][d]);
     workspace.queries[first * D + i] = sum;
   }
-  // Launched as an append's dependent (it reads nothing the append writes):
-  // its completion, which the kernels behind it wait for, implies the
-  // append's.
-  wait_for_prerequisite_grid();
 }
 
 // Head h's state over a block's kWarps warps' (max and sum in log2 units;
@@ -543,10 +539,8 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
   const int64_t first = block.first, last = block.last, state_base = block.state_base;
   if (first >= last) {  // an empty split: a state the merge skips
     write_empty_state(workspace, block, split);
-    wait_for_prerequisite_grid();  // after an append (launched as its dependent): its completion implies the append's
     return;
   }
-  if (waits_for_append(p, workspace, p.batch.lengths[entry], last)) wait_for_prerequisite_grid();
   const int32_t slot = p.batch.slots[entry];
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
   const TensorPageLayout& kl = p.key_cache.layout;
@@ -965,7 +959,6 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
 
   write_block_state<D, kTensorCoreWarps>(workspace, state_base, split, group, shared.state_max, shared.state_sum,
                                          shared.out);
-  wait_for_prerequisite_grid();  // as above
 }
 
 }  // namespace kvforge::kernels::decode_attention_device

@@ -926,23 +926,17 @@ void QuantizedKVCache::decode_attention(int64_t layer, std::span<const int32_t> 
 
 void QuantizedKVCache::decode_step(int64_t layer, const AppendBatch& batch, const void* queries, void* output,
                                    bool backend_memory, ElementType io) {
-  // The decode's arrays and queries are queued first, so that nothing lies
-  // between the append's kernel and the decode's first, its programmatic
-  // dependent; lengths as the append leaves them (its checks follow).
+  // The decode's checks first, at the lengths the append leaves (so that a
+  // refused step runs nothing), then the append's; the decode's arrays have
+  // their own buffer (the append's may still be read by its kernel).
   if (batch.tokens.size() != batch.sequences.size()) {
     throw std::invalid_argument("quantized KV cache '" + name_ + "': decode_step on layer " + std::to_string(layer) +
                                 ": sequences, positions and tokens differ in length");
   }
-  int64_t most = 0;
-  for (const int64_t tokens : batch.tokens) most = std::max(most, tokens);
   const StagedDecode staged = stage_decode(layer, batch.sequences, batch.tokens, queries, output, backend_memory, io);
   const AppendParams append_params = stage_append(layer, batch);
   launch_staged_append(layer, batch, append_params);
-  if (staged.params.batch.count > 0) {
-    DecodeParams params = staged.params;
-    params.prior_append_tokens = static_cast<int32_t>(std::min<int64_t>(most, INT32_MAX));
-    backend_->decode_attention(params);
-  }
+  if (staged.params.batch.count > 0) backend_->decode_attention(staged.params);
   // The append's lengths and (a synchronous append's) exhaustion flags
   // before the output: an exhausted pool throws here, its output undefined.
   finish_append(layer, batch);

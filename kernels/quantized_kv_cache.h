@@ -192,18 +192,14 @@ class QuantizedKVCache {
 
   // One decoding step of `layer`: append(layer, batch), then
   // decode_attention over batch.sequences (one query each, at its new last
-  // position), with the same results (the same kernels, bit for bit) and the
-  // same errors. On a CUDA backend the decode's kernels launch as the
-  // append's programmatic dependents (DecodeParams::prior_append_tokens): a
-  // block starts while the append runs and waits for it only before it
-  // reads what the append wrote (the new tokens, the group they complete),
-  // so that a step pays little more than the decode (bench/README.md). A
-  // synchronous append's exhausted outlier pool throws after the decode
-  // ran, the output then undefined. With asynchronous_append and
-  // `backend_memory` the call returns once both are queued, as such an
-  // append does: the output is complete for work queued after it on the
-  // backend's stream and after synchronize() (a serving loop's layers
-  // queued back to back); otherwise it is complete on return.
+  // position), with the same results and the same refusals (checked before
+  // anything runs); the decode is queued right behind the append (a
+  // synchronous append's exhaustion flags are read after it: an exhausted
+  // outlier pool throws after the decode ran, its output then undefined).
+  // With asynchronous_append and `backend_memory` the call
+  // returns once both are queued, as such an append does: the output is
+  // complete for work queued after it on the backend's stream and after
+  // synchronize() (a serving loop queueing its layers ahead of the device).
   void decode_step(int64_t layer, const AppendBatch& batch, const void* queries, void* output,
                    bool backend_memory = false, ElementType io = ElementType::kFloat32);
 

@@ -235,10 +235,10 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
 
   // One decoding step of the layer: append's keys, values, sequences and
   // tokens, then decode_attention's queries over the same sequences (one
-  // each, at its new last position); returns decode_attention's output. The
-  // decode's kernels run as the append's dependents on the device
-  // (QuantizedKVCache::decode_step); with asynchronous_append the call
-  // returns once both are queued and torch's stream waits for them there.
+  // each, at its new last position); returns decode_attention's output
+  // (QuantizedKVCache::decode_step). With asynchronous_append the call
+  // returns once both are queued, and torch's stream waits for them on the
+  // device.
   at::Tensor decode_step(int64_t layer, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& queries,
                          std::vector<int64_t> sequences, std::vector<int64_t> tokens) {
     check_layer("decode_step", layer);

@@ -1,17 +1,16 @@
 // QuantizedKVCache::decode_step on CUDA against the same append and
-// decode_attention in plain stream order (kernels/decode_attention.cu,
-// launch_for_bits): in a step the decode's kernels are the append's
-// programmatic dependents and their blocks may run while it does, waiting
-// for it only before they read a token it wrote (first_token_appended). Two
-// CUDA caches get the same appends and queries, one by decode_step, one by
-// append then decode_attention; the decode kernels and plans are the same,
-// so every output must be equal bit for bit: a block that read a token before
-// the append had written it (its codes still zero, or a ring row still the
-// token it replaced) would differ. Prefill chunks of hundreds of tokens make
-// the append long beside the blocks that do not wait, and single tokens cross
-// page, group and window boundaries; every decode kernel and both chain
-// orders of the exact ranges take part. After the schedule the two caches'
-// pools are equal too. Skipped without a GPU.
+// decode_attention as two calls: two CUDA caches get the same appends and
+// queries, one by decode_step, one by append then decode_attention; the
+// kernels and plans are the same, so every output must be equal bit for bit
+// and the pools equal. What it checks is decode_step's host path: the
+// decode's arrays and queries queued before the append's uploads and kernel,
+// in their own buffer (a shared one would hand the append the decode's
+// arrays), the lengths the decode reads (the append's), and decode_step's
+// refusals and syncs around a device append. Prefill chunks of hundreds of
+// tokens and single tokens across page, group and window boundaries, 3 and
+// 40 sequences (the append's arrays carried in its launch or uploaded),
+// sequences idle in some steps; every decode kernel takes part. Skipped
+// without a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

@@ -1479,38 +1479,10 @@ TEST(RuntimeKernelsCpuRefusals, ASequenceTwiceInOneAppendIsRefusedWithoutATrace)
   }
 }
 
-// first_token_appended: the first token an append may have written, by
-// hand. Per-token groupings: its first new token; per_channel_tokens: the
-// first slot of the group that token lies in (the group is quantized when
-// it completes), tokens of the sink aside.
-TEST(RuntimeLayout, FirstTokenAppendedIsTheFirstNewTokenOrItsGroupsFirstSlot) {
-  const auto per_token = spec(kernels::ScaleGrouping::kPerToken, 128);
-  EXPECT_EQ(kernels::first_token_appended(per_token, 300, 1), 299);
-  EXPECT_EQ(kernels::first_token_appended(per_token, 300, 300), 0);
-  EXPECT_EQ(kernels::first_token_appended(per_token, 3, 7), 0);  // more than the sequence: from its start
-  auto groups = spec(kernels::ScaleGrouping::kPerChannelTokens, 32);
-  groups.sink_tokens = 2;
-  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 70, 1), 2 + 64);  // slot 69 lies in the group of slots 64-95
-  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 64, 1), 2 + 32);  // slot 63 completes the group of 32-63
-  EXPECT_EQ(kernels::first_token_appended(groups, 2 + 64, 40), 2);     // slots 24-63: from the group of 0-31
-  EXPECT_EQ(kernels::first_token_appended(groups, 2, 1), 1);           // a sink token
-  // A decode's: the earlier of keys' and values', none without an append.
-  kernels::DecodeParams p;
-  p.key_cache.layout.spec = groups;
-  p.value_cache.layout.spec = per_token;
-  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), INT64_MAX);
-  p.prior_append_tokens = 1;
-  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), 2 + 64);
-  p.key_cache.layout.spec = per_token;
-  EXPECT_EQ(kernels::first_token_appended(p, 2 + 70), 2 + 69);
-}
-
 // decode_step on the CPU reference: the same pools, lengths and outputs as
 // append then decode_attention, over prefill chunks and decoding steps of a
-// layout with a sink and a window; the decode after the append in the
-// backend's calls, its params naming the step's most tokens a sequence
-// (prior_append_tokens, what the CUDA launch makes its kernels wait for),
-// a plain decode_attention's none.
+// layout with a sink and a window (sequences idle in some steps); the decode
+// after the append in the backend's calls, at the lengths the append left.
 TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
   QuantizerConfig c = small_rtn(2, 64);
   c.settings.sink_tokens = 2;
@@ -1522,11 +1494,11 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
   testing::HookedCpuBackend& backend = *hooked;
   kernels::QuantizedKVCache stepped(c, small_dims(), options, std::move(hooked)), plain(c, small_dims(), options);
   std::vector<std::string> calls;
-  int32_t prior_append_tokens = -1;
+  std::vector<int64_t> decoded_lengths;
   backend.before_append = [&](const kernels::AppendParams&) { calls.push_back("append"); };
   backend.before_decode = [&](const kernels::DecodeParams& p) {
     calls.push_back("decode");
-    prior_append_tokens = p.prior_append_tokens;
+    decoded_lengths.assign(p.batch.lengths, p.batch.lengths + p.batch.count);
   };
   const at::Tensor keys = at::randn({40, 2, 64}, at::kFloat), values = at::randn({40, 2, 64}, at::kFloat);
   const int32_t a = stepped.add_sequence(), b = stepped.add_sequence();
@@ -1548,7 +1520,7 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
       calls.clear();
       stepped.decode_step(layer, batch, queries.data_ptr<float>(), got.data());
       EXPECT_EQ(calls, (std::vector<std::string>{"append", "decode"}));
-      EXPECT_EQ(prior_append_tokens, std::max(rounds[r].first, rounds[r].second));
+      EXPECT_EQ(decoded_lengths, (std::vector<int64_t>{plain.length(a, layer), plain.length(b, layer)}));
       EXPECT_EQ(got, want) << "round " << r << " layer " << layer;
       EXPECT_EQ(stepped.length(a, layer), plain.length(a, layer));
       EXPECT_EQ(stepped.length(b, layer), plain.length(b, layer));
@@ -1559,9 +1531,6 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
     }
     row += rounds[r].first + rounds[r].second;
   }
-  float q[2 * 4 * 64] = {}, o[2 * 4 * 64];
-  stepped.decode_attention(0, std::vector<int32_t>{a, b}, q, o);
-  EXPECT_EQ(prior_append_tokens, 0);
 }
 
 // A decode_step the append refuses (a position that is not the length, a
