@@ -461,14 +461,10 @@ int run(int argc, char** argv) {
             return t;
           };
           // A whole decoding step (QuantizedKVCache::decode_step: the append,
-          // then the decode as its programmatic dependent) against the same
-          // two calls in plain stream order and the decode alone, each
+          // then the decode behind it) against the decode alone, each
           // kAppendRun times back to back behind a busy kernel on the cache's
           // stream (device time a step): what the append adds to a step, the
           // rate the decode must be kept up with being the decode's own.
-          struct StepTimes {
-            double fused_us = 0, sequential_us = 0, decode_us = 0;
-          };
           const auto device_per_step = [&](const std::function<void()>& one) {
             std::vector<double> device_us;
             cudaEvent_t start, stop;
@@ -488,28 +484,23 @@ int run(int argc, char** argv) {
             cudaEventDestroy(stop);
             return median(std::move(device_us));
           };
+          struct StepTimes {
+            double step_us = 0, decode_us = 0;
+          };
           const auto measure_steps = [&] {
-            StepTimes t;
             // Alternately, so that the device's clocks treat them alike.
-            std::vector<double> fused, sequential, decode;
+            std::vector<double> steps, decodes;
             for (int round = 0; round < 3; ++round) {
-              fused.push_back(device_per_step([&] {
+              steps.push_back(device_per_step([&] {
                 for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
                 const int64_t offset = (step_index++ % step_tokens) * batch * kKvHeads * kHeadDim;
                 step.keys = step_keys.data_ptr<float>() + offset;
                 step.values = step_values.data_ptr<float>() + offset;
                 cache.decode_step(0, step, queries.data_ptr(), output.data_ptr(), true, kernels::ElementType::kBFloat16);
               }));
-              sequential.push_back(device_per_step([&] {
-                one_step();
-                kernels::launch_decode_attention(params, append_stream);
-              }));
-              decode.push_back(device_per_step([&] { kernels::launch_decode_attention(params, append_stream); }));
+              decodes.push_back(device_per_step([&] { kernels::launch_decode_attention(params, append_stream); }));
             }
-            t.fused_us = median(std::move(fused));
-            t.sequential_us = median(std::move(sequential));
-            t.decode_us = median(std::move(decode));
-            return t;
+            return StepTimes{median(std::move(steps)), median(std::move(decodes))};
           };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
@@ -550,9 +541,8 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_host_us", per_sequence.host_us},
                         {"append_per_sequence_device_us", per_sequence.device_us}});
             const StepTimes steps = measure_steps();
-            const double added = steps.fused_us - steps.decode_us;
-            row.update({{"step_device_us", steps.fused_us},
-                        {"step_sequential_device_us", steps.sequential_us},
+            const double added = steps.step_us - steps.decode_us;
+            row.update({{"step_device_us", steps.step_us},
                         {"step_decode_device_us", steps.decode_us},
                         {"append_in_step_us", added},
                         {"append_in_step_over_decode_rate", added > 0 ? nlohmann::json(steps.decode_us / added) : nlohmann::json()}});
