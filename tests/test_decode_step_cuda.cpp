@@ -5,8 +5,9 @@
 // and the pools equal. What it checks is decode_step's host path: the
 // decode's arrays and queries queued before the append's uploads and kernel,
 // in their own buffer (a shared one would hand the append the decode's
-// arrays), the lengths the decode reads (the append's), and decode_step's
-// refusals and syncs around a device append. Prefill chunks of hundreds of
+// arrays), the lengths the decode reads (the append's) and the sync that
+// hands back a host output (tests/test_torch_ops.py (g) runs the
+// asynchronous form, device tensors). Prefill chunks of hundreds of
 // tokens and single tokens across page, group and window boundaries, 3 and
 // 40 sequences (the append's arrays carried in its launch or uploaded),
 // sequences idle in some steps; every decode kernel takes part. Skipped
