@@ -1026,16 +1026,27 @@ TEST(RuntimeKernelsCpuRefusals, AnExhaustedOutlierPoolIsOneLineAndSequencesGiveT
   EXPECT_EQ(cache.outlier_entries(0, TensorKind::kValues, b), 48);
 }
 
+// small_rtn(2, 64) with a sink of 2 and a window of 4 tokens, and a cache
+// of two sequences of up to 64 tokens for it.
+QuantizerConfig windowed_small_rtn() {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  c.settings.residual_tokens = 4;
+  return c;
+}
+kernels::CacheOptions two_sequence_options() {
+  kernels::CacheOptions options;
+  options.max_context = 64;
+  options.max_sequences = 2;
+  return options;
+}
+
 // The zero-copy path (rows, queries and output already in backend memory,
 // host memory for the CPU reference) is the staged path without the copies:
 // the same bytes in every pool and the same attention output, bit for bit.
 TEST(RuntimeKernelsCpuZeroCopy, BackendMemoryCallsWriteAndReadWhatStagedCallsDo) {
-  QuantizerConfig c = small_rtn(2, 64);
-  c.settings.sink_tokens = 2;
-  c.settings.residual_tokens = 4;
-  kernels::CacheOptions options;
-  options.max_context = 64;
-  options.max_sequences = 2;
+  const QuantizerConfig c = windowed_small_rtn();
+  const kernels::CacheOptions options = two_sequence_options();
   kernels::QuantizedKVCache staged(c, small_dims(), options), direct(c, small_dims(), options);
   const at::Tensor keys = at::randn({30, 2, 64}, at::kFloat), values = at::randn({30, 2, 64}, at::kFloat);
   const at::Tensor queries = at::randn({2, 4, 64}, at::kFloat);
@@ -1484,12 +1495,8 @@ TEST(RuntimeKernelsCpuRefusals, ASequenceTwiceInOneAppendIsRefusedWithoutATrace)
 // layout with a sink and a window (sequences idle in some steps); the decode
 // after the append in the backend's calls, at the lengths the append left.
 TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
-  QuantizerConfig c = small_rtn(2, 64);
-  c.settings.sink_tokens = 2;
-  c.settings.residual_tokens = 4;
-  kernels::CacheOptions options;
-  options.max_context = 64;
-  options.max_sequences = 2;
+  const QuantizerConfig c = windowed_small_rtn();
+  const kernels::CacheOptions options = two_sequence_options();
   auto hooked = std::make_unique<testing::HookedCpuBackend>();
   testing::HookedCpuBackend& backend = *hooked;
   kernels::QuantizedKVCache stepped(c, small_dims(), options, std::move(hooked)), plain(c, small_dims(), options);
