@@ -417,6 +417,36 @@ int run(int argc, char** argv) {
           struct AppendTimes {
             double latency_us = 0, time_us = 0, host_us = 0, device_us = 0;
           };
+          // kAppendRun calls of `one` queued behind a busy kernel on the
+          // cache's stream, append_repeats times (after `warm_up` unrecorded
+          // runs): a call's host side (the enqueue's wall clock) and its
+          // device side (events around the run, which runs back to back).
+          struct QueuedRun {
+            double host_us = 0, device_us = 0;
+          };
+          const auto queued_run = [&](const std::function<void()>& one, int warm_up) {
+            std::vector<double> host_us, device_us;
+            cudaEvent_t start, stop;
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
+            KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
+            for (int i = 0; i < warm_up + append_repeats; ++i) {
+              busy_wait_on(append_stream, 5'000'000);
+              KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
+              const auto begin = std::chrono::steady_clock::now();
+              for (int r = 0; r < kAppendRun; ++r) one();
+              const double host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count();
+              KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
+              cache.synchronize();
+              float ms = 0;
+              KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+              if (i < warm_up) continue;
+              host_us.push_back(host / kAppendRun);
+              device_us.push_back(ms * 1e3 / kAppendRun);
+            }
+            cudaEventDestroy(start);
+            cudaEventDestroy(stop);
+            return QueuedRun{median(std::move(host_us)), median(std::move(device_us))};
+          };
           const auto measure_append = [&](kernels::AppendKernel kernel) {
             cache.set_append_kernel(kernel);
             AppendTimes t;
@@ -433,30 +463,10 @@ int run(int argc, char** argv) {
                             },
                             append_repeats) /
                         kAppendRun;
-            // Where a step's throughput goes: its host side (the enqueue's
-            // wall clock) and its device side (events around kAppendRun steps
-            // queued behind a busy kernel, so that they run back to back).
-            std::vector<double> host_us, device_us;
-            cudaEvent_t start, stop;
-            KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
-            KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
-            for (int i = 0; i < append_repeats; ++i) {
-              busy_wait_on(append_stream, 5'000'000);
-              KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
-              const auto begin = std::chrono::steady_clock::now();
-              for (int r = 0; r < kAppendRun; ++r) one_step();
-              host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count() /
-                                kAppendRun);
-              KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
-              cache.synchronize();
-              float ms = 0;
-              KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-              device_us.push_back(ms * 1e3 / kAppendRun);
-            }
-            cudaEventDestroy(start);
-            cudaEventDestroy(stop);
-            t.host_us = median(host_us);
-            t.device_us = median(device_us);
+            // Where a step's throughput goes: its host and device sides.
+            const QueuedRun run = queued_run(one_step, 0);
+            t.host_us = run.host_us;
+            t.device_us = run.device_us;
             cache.set_append_kernel(kernels::AppendKernel::kAuto);
             return t;
           };
@@ -465,25 +475,6 @@ int run(int argc, char** argv) {
           // kAppendRun times back to back behind a busy kernel on the cache's
           // stream (device time a step): what the append adds to a step, the
           // rate the decode must be kept up with being the decode's own.
-          const auto device_per_step = [&](const std::function<void()>& one) {
-            std::vector<double> device_us;
-            cudaEvent_t start, stop;
-            KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
-            KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
-            for (int i = 0; i < append_repeats + 2; ++i) {
-              busy_wait_on(append_stream, 5'000'000);
-              KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
-              for (int r = 0; r < kAppendRun; ++r) one();
-              KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
-              cache.synchronize();
-              float ms = 0;
-              KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-              if (i >= 2) device_us.push_back(ms * 1e3 / kAppendRun);  // two warm-up runs
-            }
-            cudaEventDestroy(start);
-            cudaEventDestroy(stop);
-            return median(std::move(device_us));
-          };
           struct StepTimes {
             double step_us = 0, decode_us = 0;
           };
@@ -491,14 +482,14 @@ int run(int argc, char** argv) {
             // Alternately, so that the device's clocks treat them alike.
             std::vector<double> steps, decodes;
             for (int round = 0; round < 3; ++round) {
-              steps.push_back(device_per_step([&] {
+              steps.push_back(queued_run([&] {
                 for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
                 const int64_t offset = (step_index++ % step_tokens) * batch * kKvHeads * kHeadDim;
                 step.keys = step_keys.data_ptr<float>() + offset;
                 step.values = step_values.data_ptr<float>() + offset;
                 cache.decode_step(0, step, queries.data_ptr(), output.data_ptr(), true, kernels::ElementType::kBFloat16);
-              }));
-              decodes.push_back(device_per_step([&] { kernels::launch_decode_attention(params, append_stream); }));
+              }, 2).device_us);
+              decodes.push_back(queued_run([&] { kernels::launch_decode_attention(params, append_stream); }, 2).device_us);
             }
             return StepTimes{median(std::move(steps)), median(std::move(decodes))};
           };

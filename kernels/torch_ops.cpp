@@ -252,7 +252,7 @@ class QuantizedKVCacheClass : public torch::CustomClassHolder {
       order_after_torch();
       cache_->decode_step(layer, batch, queries.const_data_ptr(), output.mutable_data_ptr(), /*backend_memory=*/true,
                           io);
-      order_torch_after();
+      if (asynchronous_append_) order_torch_after();  // else the output was complete on return
     });
     return output;
   }
