@@ -295,14 +295,20 @@ def schedule(lengths, singles):
     return steps
 
 
+def step_rows(keys, values, starts, done, tokens, entries):
+    """The next tokens[i] rows of each sequence i of `entries` (rows starts[i] + done[i] ...), in
+    entry order: contiguous keys and values for one call."""
+    def rows(x):
+        return torch.cat([x[starts[i] + done[i]:starts[i] + done[i] + tokens[i]] for i in entries]).contiguous()
+    return rows(keys), rows(values)
+
+
 def append_step(cache, layer, keys, values, sequences, starts, done, tokens):
     """Appends tokens[i] rows of each sequence (rows starts[i] + done[i] ...) in one call."""
-    rows_k, rows_v = [], []
+    rows_k, rows_v = step_rows(keys, values, starts, done, tokens, range(len(tokens)))
     for i, n in enumerate(tokens):
-        rows_k.append(keys[starts[i] + done[i]:starts[i] + done[i] + n])
-        rows_v.append(values[starts[i] + done[i]:starts[i] + done[i] + n])
         done[i] += n
-    cache.append(layer, torch.cat(rows_k).contiguous(), torch.cat(rows_v).contiguous(), sequences, tokens)
+    cache.append(layer, rows_k, rows_v, sequences, tokens)
 
 
 def check_dtypes(make, model, config, keys, values, queries, lengths, layer):
@@ -498,8 +504,7 @@ def check_decode_step(make_on, device, config, keys, values, queries, lengths, l
     compared = 0
     for tokens in schedule(lengths, 3):
         active = [i for i, n in enumerate(tokens) if done[i] + n > 0]
-        rows_k = torch.cat([k[starts[i] + done[i]:starts[i] + done[i] + tokens[i]] for i in active]).contiguous()
-        rows_v = torch.cat([v[starts[i] + done[i]:starts[i] + done[i] + tokens[i]] for i in active]).contiguous()
+        rows_k, rows_v = step_rows(k, v, starts, done, tokens, active)
         counts = [tokens[i] for i in active]
         query = q[:len(active)].contiguous()
         plain.append(layer, rows_k, rows_v, [ids[plain][i] for i in active], counts)
