@@ -17,7 +17,13 @@ retry around the step loop, as in the int8 decode): --loops lists every
 backward branch spanning at least 16 KB of code with its own counts, so
 that the step loop can be picked by hand.
 
-Usage: bench/sass_loop_spills.py SASS_FILE [--loops]
+The longest backward branch can also be a cold block's retry path (a
+shuffle's collective emulation placed after the loop, branching back over
+it): --by OPCODE takes instead the backward branch whose span holds the
+most instructions of OPCODE (the shortest such span), e.g. --by IMMA for
+the int8 decode's step loop.
+
+Usage: bench/sass_loop_spills.py SASS_FILE [--loops | --by OPCODE]
 """
 import re
 import sys
@@ -48,6 +54,24 @@ def main_loop(code):
     return best
 
 
+def loop_by_opcode(code, op):
+    """(first, last) of the backward branch whose span holds the most `op`
+    instructions (the shortest span among those), or None."""
+    best = None
+    for address, text in code:
+        if "BRA" not in text or "BRA.DIV" in text:
+            continue
+        m = re.search(r"0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= address:
+            continue
+        target = int(m.group(1), 16)
+        ops = count(op, [t for a, t in code if target <= a <= address])
+        key = (ops, -(address - target))
+        if ops > 0 and (best is None or key > best[0]):
+            best = (key, (target, address))
+    return best[1] if best else None
+
+
 def large_loops(code, span=0x4000):
     """[(first, last)] of every backward branch spanning at least `span` bytes, in address order."""
     loops = set()
@@ -65,7 +89,8 @@ def count(op, where):
 
 
 def main():
-    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--loops"):
+    by = len(sys.argv) == 4 and sys.argv[2] == "--by"
+    if not (len(sys.argv) == 2 or (len(sys.argv) == 3 and sys.argv[2] == "--loops") or by):
         sys.exit(__doc__)
     code = instructions(open(sys.argv[1]).read())
     if not code:
@@ -76,9 +101,9 @@ def main():
             print(f"loop {first:#x}-{last:#x}: {len(inside)} instructions, LDL {count('LDL', inside)}, "
                   f"STL {count('STL', inside)}, LDS {count('LDS', inside)}")
         return
-    loop = main_loop(code)
+    loop = loop_by_opcode(code, sys.argv[3]) if by else main_loop(code)
     if loop is None:
-        sys.exit(f"{sys.argv[1]}: no backward branch, so no loop")
+        sys.exit(f"{sys.argv[1]}: no backward branch" + (f" around {sys.argv[3]}" if by else "") + ", so no loop")
     inside = [text for address, text in code if loop[0] <= address <= loop[1]]
     every = [text for _, text in code]
     print(f"main loop {loop[0]:#x}-{loop[1]:#x}: {len(inside)} instructions, "
