@@ -39,32 +39,30 @@ def instructions(text):
     return result
 
 
-def main_loop(code):
-    """(first, last) address of the longest backward branch's span, or None."""
-    best = None
+def backward_branches(code, divergent=True):
+    """[(target, address)] of every branch to a lower address; `divergent`:
+    BRA.DIV too (its target is the divergent path's, not a loop head)."""
+    result = []
     for address, text in code:
-        if "BRA" not in text:
+        if "BRA" not in text or (not divergent and "BRA.DIV" in text):
             continue
         m = re.search(r"0x([0-9a-f]+)", text)
-        if not m:
-            continue
-        target = int(m.group(1), 16)
-        if target < address and (best is None or address - target > best[1] - best[0]):
-            best = (target, address)
-    return best
+        if m and int(m.group(1), 16) < address:
+            result.append((int(m.group(1), 16), address))
+    return result
+
+
+def main_loop(code):
+    """(first, last) address of the longest backward branch's span, or None."""
+    branches = backward_branches(code)
+    return max(branches, key=lambda b: b[1] - b[0]) if branches else None
 
 
 def loop_by_opcode(code, op):
     """(first, last) of the backward branch whose span holds the most `op`
     instructions (the shortest span among those), or None."""
     best = None
-    for address, text in code:
-        if "BRA" not in text or "BRA.DIV" in text:
-            continue
-        m = re.search(r"0x([0-9a-f]+)", text)
-        if not m or int(m.group(1), 16) >= address:
-            continue
-        target = int(m.group(1), 16)
+    for target, address in backward_branches(code, divergent=False):
         ops = count(op, [t for a, t in code if target <= a <= address])
         key = (ops, -(address - target))
         if ops > 0 and (best is None or key > best[0]):
@@ -74,14 +72,7 @@ def loop_by_opcode(code, op):
 
 def large_loops(code, span=0x4000):
     """[(first, last)] of every backward branch spanning at least `span` bytes, in address order."""
-    loops = set()
-    for address, text in code:
-        if "BRA" not in text or "BRA.DIV" in text:
-            continue
-        m = re.search(r"0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < address and address - int(m.group(1), 16) >= span:
-            loops.add((int(m.group(1), 16), address))
-    return sorted(loops)
+    return sorted({b for b in backward_branches(code, divergent=False) if b[1] - b[0] >= span})
 
 
 def count(op, where):
