@@ -13,7 +13,11 @@
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
 // Times are CUDA-event medians of --repeats launches after warm-up, each
 // queued behind a busy kernel so that the events time the device side
-// (the host side is measured on its own); the report's empty_kernel_us and
+// (the host side is measured on its own) and, unless --warm-l2, behind a
+// read of 4x the L2's size (bench/l2_flush.h), so that each repeat finds
+// none of its bytes in L2, as a layer's decode in a server does (l2_cold;
+// the decode and SDPA also warm, as the grids before 2026-12-05 timed
+// them: warm_l2_time_us, sdpa_warm_l2_time_us); the report's empty_kernel_us and
 // empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h).
 // FlashInfer
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
@@ -66,6 +70,7 @@
 
 #include "bench/busy_wait.h"
 #include "bench/decode_bench_config.h"
+#include "bench/l2_flush.h"
 #include "bench/launch_floor.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_graph.h"
@@ -90,8 +95,11 @@ double median(std::vector<double> values) {
 // that the events time the device side of the work back to back: without
 // it a launch whose host side (planning, enqueueing) outlasts its kernels,
 // as at batch 1, would be timed at the host's pace. The host side is
-// measured on its own (decode_host_us).
-double median_us(const std::function<void()>& work, int repeats, cudaStream_t stream = nullptr) {
+// measured on its own (decode_host_us). With `flush`, each repeat starts
+// from a cold L2 (bench/l2_flush.h: the flush runs before the busy kernel,
+// outside the events).
+double median_us(const std::function<void()>& work, int repeats, cudaStream_t stream = nullptr,
+                 const L2Flush* flush = nullptr) {
   for (int i = 0; i < 3; ++i) work();
   KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<double> times;
@@ -99,6 +107,7 @@ double median_us(const std::function<void()>& work, int repeats, cudaStream_t st
   KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
   KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < repeats; ++i) {
+    if (flush != nullptr) flush->run(stream);
     busy_wait_on(stream, 300'000);  // 300 us: longer than any enqueue here
     KVFORGE_CUDA_CHECK(cudaEventRecord(start, stream));
     work();
@@ -118,14 +127,14 @@ double median_us(const std::function<void()>& work, int repeats, cudaStream_t st
 // capture's stream) and cudaGraphLaunch's host side, as columns; a capture
 // or replay the runtime refuses is reported (graph_error) and the other
 // columns kept.
-nlohmann::json graph_replay_columns(const kernels::DecodeParams& params, int repeats) {
+nlohmann::json graph_replay_columns(const kernels::DecodeParams& params, int repeats, const L2Flush* flush) {
   try {
     const kernels::CudaStream stream;
     kernels::DecodePlanner planner;
     planner.plan(params);  // the device's facts asked before the capture, as a server's planner has them
     const kernels::CapturedGraph graph = kernels::CapturedGraph::capture(
         stream.get(), [&](cudaStream_t capturing) { planner.launch(params, capturing); });
-    const double time_us = median_us([&] { graph.launch(stream.get()); }, repeats, stream.get());
+    const double time_us = median_us([&] { graph.launch(stream.get()); }, repeats, stream.get(), flush);
     std::vector<double> host_us;
     for (int i = 0; i < repeats; ++i) {
       busy_wait_on(stream.get(), 2'000'000);
@@ -244,6 +253,11 @@ int run(int argc, char** argv) {
   add_multiples_option(app, "--exact-chunks", exact_chunks, 64,
                        "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
                        "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns)");
+  bool warm_l2 = false;
+  app.add_flag("--warm-l2", warm_l2,
+               "time every repeat after the one before it with whatever L2 holds (the grids before 2026-12-05); by "
+               "default each timed repeat starts from a cold L2, as a layer's decode does in a server, and the "
+               "decode and SDPA are also timed warm (warm_l2_time_us, sdpa_warm_l2_time_us)");
   app.add_option("--out", out, "JSON report")->required();
   app.add_option("--baselines", baselines, "bench/decode_baselines.py's JSON of the same run (FlashInfer columns)");
   app.add_option("--commit", commit);
@@ -269,6 +283,8 @@ int run(int argc, char** argv) {
     }
     std::cerr << "baselines: " << flashinfer.size() << " rows from " << baselines << "\n";
   }
+  const L2Flush l2_flush(0);
+  const L2Flush* const cold = warm_l2 ? nullptr : &l2_flush;
   // Device copy bandwidth: bytes read plus written per second.
   double copy_bandwidth = 0;
   {
@@ -288,7 +304,7 @@ int run(int argc, char** argv) {
     // the first context: measured cold (the device's clocks still rising
     // after the host-side set-up), batch 1's times were up to 1.6x their
     // steady value (H200, 2026-12-01).
-    std::map<int64_t, double> sdpa;
+    std::map<int64_t, double> sdpa, sdpa_warm;
     for (const int64_t context : contexts) {
       const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
       const at::Tensor q = at::randn({batch, kHeads, 1, kHeadDim}, options);
@@ -302,7 +318,8 @@ int run(int argc, char** argv) {
           KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
         }
       }
-      sdpa[context] = median_us(step, repeats);
+      sdpa[context] = median_us(step, repeats, nullptr, cold);
+      if (cold != nullptr) sdpa_warm[context] = median_us(step, repeats);
     }
     for (const std::string& method : methods) {
       for (const int b : bits) {
@@ -350,7 +367,13 @@ int run(int argc, char** argv) {
           int multiprocessors = 0;
           KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
           const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
-          const double time_us = median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
+          const double time_us =
+              median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats, nullptr, cold);
+          // The same with the L2 as the repeat before left it (what the
+          // grids before 2026-12-05 timed), beside the cold time.
+          const double warm_l2_time_us =
+              cold == nullptr ? time_us
+                              : median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
           // The decode launch's host side (the enqueue's wall clock, queued
           // behind a busy kernel so that it never waits for the device):
           // through a DecodePlanner that asked the device once (a server's
@@ -430,6 +453,7 @@ int run(int argc, char** argv) {
             KVFORGE_CUDA_CHECK(cudaEventCreate(&start));
             KVFORGE_CUDA_CHECK(cudaEventCreate(&stop));
             for (int i = 0; i < warm_up + append_repeats; ++i) {
+              if (cold != nullptr) cold->run(append_stream);
               busy_wait_on(append_stream, 5'000'000);
               KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
               const auto begin = std::chrono::steady_clock::now();
@@ -515,6 +539,9 @@ int run(int argc, char** argv) {
                                 {"bytes_read", bytes},
                                 {"achieved_bytes_per_s", static_cast<double>(bytes) / (time_us * 1e-6)},
                                 {"bandwidth_fraction", static_cast<double>(bytes) / (time_us * 1e-6) / copy_bandwidth},
+                                {"l2_cold", cold != nullptr},
+                                {"warm_l2_time_us", warm_l2_time_us},
+                                {"sdpa_warm_l2_time_us", cold != nullptr ? sdpa_warm.at(context) : sdpa.at(context)},
                                 {"decode_host_us", median(planned_host_us)},
                                 {"decode_host_us_replanning", median(replanning_host_us)}};
           // The decode-step appends, after the decode (each adds a token to
@@ -538,7 +565,7 @@ int run(int argc, char** argv) {
                         {"append_in_step_us", added},
                         {"append_in_step_over_decode_rate", added > 0 ? nlohmann::json(steps.decode_us / added) : nlohmann::json()}});
           }
-          row.update(graph_replay_columns(params, repeats));
+          row.update(graph_replay_columns(params, repeats, cold));
           // Another kernel choice on the same cache and queries: its time,
           // splits and speedup as the `prefix`ed columns; returns its plan.
           const auto time_choice = [&](kernels::DecodeParams other, const std::string& prefix) {
@@ -548,7 +575,8 @@ int run(int argc, char** argv) {
             other.workspace = other_workspace.data_ptr();
             other.workspace_bytes = other_bytes;
             const kernels::DecodePlan other_plan = kernels::plan_decode_attention(other, multiprocessors);
-            const double other_us = median_us([&] { kernels::launch_decode_attention(other, nullptr); }, repeats);
+            const double other_us =
+                median_us([&] { kernels::launch_decode_attention(other, nullptr); }, repeats, nullptr, cold);
             row[prefix + "_time_us"] = other_us;
             row[prefix + "_splits"] = other_plan.splits;
             row[prefix + "_speedup_vs_sdpa"] = sdpa.at(context) / other_us;
@@ -595,7 +623,8 @@ int run(int argc, char** argv) {
             other.workspace_bytes = other_bytes;
             kernels::DecodePlanner planner;
             const std::string prefix = "split_" + std::to_string(forced);
-            row[prefix + "_time_us"] = median_us([&] { planner.launch(other, other_plan, nullptr); }, repeats);
+            row[prefix + "_time_us"] =
+                median_us([&] { planner.launch(other, other_plan, nullptr); }, repeats, nullptr, cold);
             row[prefix + "_splits"] = other_plan.splits;
           }
           const auto fi = flashinfer.find({context, batch});
@@ -621,6 +650,8 @@ int run(int argc, char** argv) {
                                  {"command", command},
                                  {"arguments", arguments},
                                  {"step_tokens", no_append ? 0 : step_tokens},
+                                 {"l2_bytes", l2_flush.l2_bytes()},
+                                 {"l2_flush_bytes", cold != nullptr ? l2_flush.bytes() : 0},
                                  {"copy_bandwidth_bytes_per_s", copy_bandwidth},
                                  {"empty_kernel_us", empty_kernel_us},
                                  {"empty_dependent_pair_us", empty_dependent_pair_us},
