@@ -18,7 +18,10 @@
 // none of its bytes in L2, as a layer's decode in a server does (l2_cold;
 // the decode and SDPA also warm, as the grids before 2026-12-05 timed
 // them: warm_l2_time_us, sdpa_warm_l2_time_us); the report's empty_kernel_us and
-// empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h).
+// empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h),
+// and a row's read_floor_us the time one plain kernel takes to read the
+// row's bytes_read under it (floor_speedup_vs_sdpa: the most any one launch
+// could gain on SDPA there).
 // FlashInfer
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
@@ -285,6 +288,7 @@ int run(int argc, char** argv) {
   }
   const L2Flush l2_flush(0);
   const L2Flush* const cold = warm_l2 ? nullptr : &l2_flush;
+  ReadFloor read_floor;  // grown to each row's bytes_read
   // Device copy bandwidth: bytes read plus written per second.
   double copy_bandwidth = 0;
   {
@@ -403,6 +407,10 @@ int run(int argc, char** argv) {
             }
           }
           bytes += static_cast<int64_t>(batch) * kHeads * kHeadDim * 2 * 2;  // queries in, output out (bf16)
+          // The same bytes read by one plain kernel under the same timer:
+          // the least time any one launch could take for this call.
+          read_floor.reserve(bytes);
+          const double read_floor_us = median_us([&] { read_floor.run(bytes, nullptr); }, repeats, nullptr, cold);
           // One decoding step's append: a token for every sequence, each
           // step the next of step_tokens distinct ones (a serving loop's
           // tokens differ; one token appended again and again, as
@@ -539,6 +547,8 @@ int run(int argc, char** argv) {
                                 {"bytes_read", bytes},
                                 {"achieved_bytes_per_s", static_cast<double>(bytes) / (time_us * 1e-6)},
                                 {"bandwidth_fraction", static_cast<double>(bytes) / (time_us * 1e-6) / copy_bandwidth},
+                                {"read_floor_us", read_floor_us},
+                                {"floor_speedup_vs_sdpa", sdpa.at(context) / read_floor_us},
                                 {"l2_cold", cold != nullptr},
                                 {"warm_l2_time_us", warm_l2_time_us},
                                 {"sdpa_warm_l2_time_us", cold != nullptr ? sdpa_warm.at(context) : sdpa.at(context)},

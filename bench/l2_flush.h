@@ -11,18 +11,17 @@
 
 #include <cstdint>
 
+#include "bench/launch_floor.h"
+
 namespace kvforge {
 
 class L2Flush {
  public:
   // A buffer of kL2Multiple times the device's L2 size (at least kMinBytes).
   explicit L2Flush(int device);
-  ~L2Flush();
-  L2Flush(const L2Flush&) = delete;
-  L2Flush& operator=(const L2Flush&) = delete;
 
-  // Queues a kernel on `stream` that reads the whole buffer.
-  void run(cudaStream_t stream) const;
+  // Queues a kernel on `stream` that reads the whole buffer (ReadFloor's).
+  void run(cudaStream_t stream) const { reader_.run(bytes_, stream); }
 
   int64_t bytes() const { return bytes_; }
   int64_t l2_bytes() const { return l2_bytes_; }
@@ -32,7 +31,7 @@ class L2Flush {
 
  private:
   int64_t l2_bytes_ = 0, bytes_ = 0;
-  void* buffer_ = nullptr;  // bytes_ of device memory, then one word the kernel may write
+  ReadFloor reader_;
 };
 
 }  // namespace kvforge
