@@ -838,9 +838,11 @@ void QuantizedKVCache::launch_staged_append(int64_t layer, const AppendBatch& ba
     // The inline new pages never reached the kernels' table: upload them
     // with the next call's changes.
     const TensorLayoutSpec& spec = tensor(layer, TensorKind::kKeys).layout.spec;
-    for (size_t i = 0; i < batch.sequences.size(); ++i) {
+    // (Inline new pages only: at most kInlineBatchEntries, the arrays'
+    // count; a larger batch's pages were uploaded before the launch.)
+    for (int32_t i = 0; i < params.inline_arrays.count; ++i) {
       if (params.inline_arrays.new_page_plus_one[i] == 0) continue;
-      const int32_t sequence = batch.sequences[i];
+      const int32_t sequence = batch.sequences[static_cast<size_t>(i)];
       const int64_t at = static_cast<int64_t>(sequence) * page_table_stride_ +
                          new_page_index(spec, lengths_[static_cast<size_t>(sequence)][static_cast<size_t>(layer)]);
       page_table_changes_.push_back({at, at + 1});

@@ -1386,6 +1386,47 @@ TEST(RuntimeKernelsCpuScratch, ANewPageOfAFailedAppendIsUploadedByTheNextCall) {
   expect_page_table_uploaded(cache, "after the failed append and the next call");
 }
 
+// The same with a batch past kInlineBatchEntries, whose arrays and new
+// pages are uploaded before the launch: the failed append's pages are in
+// the kernels' table already, and the failure path walks the inline
+// entries only (it had read past their 32 slots).
+TEST(RuntimeKernelsCpuScratch, ANewPageOfAFailedUploadedAppendIsInTheTable) {
+  constexpr int kSequences = 40;
+  ASSERT_GT(kSequences, kernels::kInlineBatchEntries);
+  kernels::CacheOptions options;
+  options.page_size = 4;
+  options.max_context = 64;
+  options.max_sequences = kSequences;
+  bool fail_next = false;
+  auto backend = std::make_unique<testing::HookedCpuBackend>();
+  backend->before_append = [&](const kernels::AppendParams& params) {
+    EXPECT_EQ(params.inline_arrays.count, 0) << "a batch of " << kSequences << " travels uploaded";
+    if (fail_next) {
+      fail_next = false;
+      throw std::runtime_error("append failed");
+    }
+  };
+  kernels::QuantizedKVCache cache(small_rtn(2, 64), small_dims(), options, std::move(backend));
+  kernels::AppendBatch batch;
+  for (int i = 0; i < kSequences; ++i) {
+    batch.sequences.push_back(cache.add_sequence());
+    batch.positions.push_back(0);
+    batch.tokens.push_back(4);
+  }
+  const std::vector<float> rows(static_cast<size_t>(4 * kSequences * kScratchWidth), 0.5f);
+  batch.keys = batch.values = rows.data();
+  cache.append(0, batch);
+  expect_page_table_uploaded(cache, "after the first pages");
+  for (int i = 0; i < kSequences; ++i) {
+    batch.positions[static_cast<size_t>(i)] = 4;
+    batch.tokens[static_cast<size_t>(i)] = 1;
+  }
+  fail_next = true;
+  EXPECT_THROW(cache.append(0, batch), std::runtime_error);
+  for (const int32_t s : batch.sequences) EXPECT_EQ(cache.pages_held(s), 2);
+  expect_page_table_uploaded(cache, "after the failed append");
+}
+
 // A batch of up to kInlineBatchEntries sequences carries its slots, lengths
 // and token offsets in the launch's parameters, a larger one uploads them:
 // the same tokens appended as one batch of 40 (uploaded) and as batches of
