@@ -729,7 +729,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
         }
 #pragma unroll
         for (int part = 0; part < kKeyParts; ++part) dots[rb][part][0] = dots[rb][part][1] = dots[rb][part][2] = dots[rb][part][3] = 0;
-        // Horner over the planes: the sums times 4 before each next mma (at
+        // Horner over the planes: the sums times key_horner before mma ks (at
         // 4 bits times 16 before the first plane-1 mma).
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks) {
@@ -741,9 +741,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
           }
 #pragma unroll
           for (int part = 0; part < kKeyParts; ++part) {
-            if (kNibbles ? ks == int8_mma::nibble_key_horner_mma(D) : ks > 0) {
+            const int times = kNibbles ? (ks == int8_mma::nibble_key_horner_mma(D) ? int8_mma::kNibbleKeyScale : 1)
+                                       : int8_mma::key_horner(D, ks);
+            if (times != 1) {
 #pragma unroll
-              for (int i = 0; i < 4; ++i) dots[rb][part][i] *= kNibbles ? int8_mma::kNibbleKeyScale : 4;
+              for (int i = 0; i < 4; ++i) dots[rb][part][i] *= times;
             }
             mma_u8s8(dots[rb][part], a, key_b[ks][0][part], key_b[ks][1][part]);
           }

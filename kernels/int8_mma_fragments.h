@@ -17,11 +17,13 @@
 // not care which k holds which channel as long as A and B agree. So:
 //   keys (A = codes, M = 16 tokens, K = 32 channels, B = the query parts):
 //   mma j of head_dim 128 is plane j of all 8 words (lane c's k = 16h +
-//   4c + i holds channel 16 (2c + h) + 4i + j, word 2c + h), times 4^j for
-//   every k, so the sums over the mmas, each earlier one times 4 before the
-//   next accumulates (key_plane_scale), are 4^3 times the dot product; at
-//   head_dim 64 mma j takes plane j of the 4 words in k 0-15 and plane
-//   j + 2 (the word shifted by 4) in k 16-31, both times 4^j;
+//   4c + i holds channel 16 (2c + h) + 4i + j, word 2c + h), planes 0 and 2
+//   masked from the word, 1 and 3 from the word shifted by 2 (one shift a
+//   word for two planes), so that planes 0 and 1 enter times 1 and planes 2
+//   and 3 times 16: the sums, times 16 once before mma 2 (key_horner), are
+//   16 times the dot product (key_plane_scale); at head_dim 64 mma j takes
+//   plane j of the 4 words in k 0-15 and plane j + 2 (the word shifted by
+//   4) in k 16-31, both times 4^j (times 4 before mma 1);
 //   values (A = V^T codes, M = 16 channels of m tile T, K = 32 tokens in
 //   the order value_token_of_k gives, B = the softmax weights times the
 //   token scales in the same order): row r holds channel
@@ -69,10 +71,12 @@ KVFORGE_HOST_DEVICE inline uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s
 // ---------------------------------------------------------------- keys
 
 // The mmas of a key row block (one per plane at head_dim 128, two planes
-// each at 64) and the power of 4 that their Horner sum (times 4 before
-// each next mma) carries over the dot product.
+// each at 64), the factor the sums take before mma j (key_horner: head_dim
+// 128 times 16 before mma 2, 64 times 4 before mma 1) and the power of 4
+// their Horner sum carries over the dot product (16 and 4).
 KVFORGE_HOST_DEVICE constexpr int key_mmas(int dim) { return dim / 32; }
-KVFORGE_HOST_DEVICE constexpr int key_plane_scale(int dim) { return 1 << (2 * (key_mmas(dim) - 1)); }
+KVFORGE_HOST_DEVICE constexpr int key_horner(int dim, int j) { return dim == 128 ? (j == 2 ? 16 : 1) : (j == 1 ? 4 : 1); }
+KVFORGE_HOST_DEVICE constexpr int key_plane_scale(int dim) { return dim == 128 ? 16 : 4; }
 
 // The channel that byte i of B register `half` of lane column c holds in
 // key mma j (and A's k = 16 half + 4c + i).
@@ -86,13 +90,14 @@ KVFORGE_HOST_DEVICE constexpr int key_words(int dim) { return dim == 128 ? 2 : 1
 KVFORGE_HOST_DEVICE inline int key_first_word(int dim, int c) { return dim == 128 ? 2 * c : c; }
 
 // A register `which` (0..3) of key mma j from the lane's words of its rows
-// g and g + 8 (key_first_word onwards): the codes times 4^j.
+// g and g + 8 (key_first_word onwards): at head_dim 128 the codes times 1
+// (j = 0, 1) or 16 (j = 2, 3), at 64 times 4^j.
 KVFORGE_HOST_DEVICE inline uint32_t key_a_register(int dim, const uint32_t* words_g, const uint32_t* words_g8, int j,
                                                    int which) {
   const uint32_t* words = which % 2 == 0 ? words_g : words_g8;
   const int half = which / 2;
-  const uint32_t word = dim == 128 ? words[half] : words[0] >> (4 * half);
-  return word & (kCodeBytes << (2 * j));
+  if (dim == 128) return (words[half] >> (2 * (j % 2))) & (kCodeBytes << (4 * (j / 2)));
+  return (words[0] >> (4 * half)) & (kCodeBytes << (2 * j));
 }
 
 

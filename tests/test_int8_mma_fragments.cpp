@@ -87,15 +87,15 @@ int key_channel(int bits, int dim, int j, int c, int half, int i) {
 int key_scale(int bits, int dim) { return bits == 2 ? mma::key_plane_scale(dim) : mma::kNibbleKeyScale; }
 
 // A key row block's sums as the kernel forms them: the mmas of rows
-// first_row + g and + g + 8 in Horner order (2 bits: the sums times 4
-// before each next mma; 4 bits: times 16 before the first plane-1 mma),
+// first_row + g and + g + 8 in Horner order (2 bits: the sums times
+// key_horner before mma j; 4 bits: times 16 before the first plane-1 mma),
 // column g's query parts from query_of_column(g).
 template <typename QueryOfColumn>
 LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_row, int dim, QueryOfColumn query_of_column,
                     int bits = 2) {
   LaneC d{};
   for (int j = 0; j < mma::key_mmas(dim); ++j) {
-    const int times = bits == 2 ? 4 : j == mma::nibble_key_horner_mma(dim) ? mma::kNibbleKeyScale : 1;
+    const int times = bits == 2 ? mma::key_horner(dim, j) : j == mma::nibble_key_horner_mma(dim) ? mma::kNibbleKeyScale : 1;
     for (auto& lane : d) {
       for (auto& x : lane) x *= times;
     }
