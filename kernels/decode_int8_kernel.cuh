@@ -585,22 +585,45 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
         stage.in_page[lane] = in_page;
       }
     }
-    // Code rows: lane j copies its own token's rows, chunk `part` of row j
-    // at 16 part bytes from the row's start (an immediate offset of one
-    // address a tensor: no shuffle for another lane's page, no address per
-    // chunk). A warp's copy of one part reads every other 16 bytes of the
-    // step's rows, the next part the rest, so each 32-byte sector is asked
-    // for twice: the DRAM bytes are the same, the L2 requests double.
-    const auto row_at = static_cast<uint32_t>(head_rows + in_page * row_bytes);
-    const uint8_t* key_row = key_page + row_at;
-    const uint8_t* value_row = value_page + row_at;
+    if constexpr (kBits == 2) {
+      // Code rows at 2 bits (the loop is bound by its instructions): lane j
+      // copies its own token's rows, chunk `part` of row j at 16 part bytes
+      // from the row's start (an immediate offset of one address a tensor:
+      // no shuffle for another lane's page, no address per chunk). Where a
+      // row is more than one chunk, a warp's copy of one part reads every
+      // other 16 bytes of the step's rows and the next part the rest, so L2
+      // serves each 32-byte sector twice (the DRAM bytes are the same).
+      const auto row_at = static_cast<uint32_t>(head_rows + in_page * row_bytes);
+      const uint8_t* key_row = key_page + row_at;
+      const uint8_t* value_row = value_page + row_at;
 #pragma unroll
-    for (int part = 0; part < kRowChunks; ++part) {
-      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * (lane * kRowChunks + part),
-                        key_row + 16 * part, valid);
-      copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
-                            16 * (VG == 1 ? value_chunk<kRowChunks>(lane, part) : lane * kRowChunks + part),
-                        value_row + 16 * part, valid);
+      for (int part = 0; part < kRowChunks; ++part) {
+        copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) +
+                              16 * (lane * kRowChunks + part),
+                          key_row + 16 * part, valid);
+        copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
+                              16 * (VG == 1 ? value_chunk<kRowChunks>(lane, part) : lane * kRowChunks + part),
+                          value_row + 16 * part, valid);
+      }
+    } else {
+      // At 4 bits (bound by DRAM): 16-byte chunks, chunk i of the step's 32
+      // rows by lane i % 32 (whole sectors a warp), at the offset of row
+      // i / kRowChunks's page (a shuffle); every lane runs every round and
+      // every shuffle.
+      const int32_t row_offset = head_rows + in_page * row_bytes;
+#pragma unroll
+      for (int round = 0; round < kInt8StepTokens * kRowChunks / kWarpSize; ++round) {
+        const int chunk = round * kWarpSize + lane;
+        const int row = chunk / kRowChunks, part = chunk % kRowChunks;
+        const auto row_page = static_cast<uint32_t>(__shfl_sync(0xffffffffu, page, row));
+        const auto at = static_cast<uint32_t>(__shfl_sync(0xffffffffu, row_offset, row) + part * 16);
+        const bool copy = row < tokens;
+        copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, key_codes)) + 16 * chunk,
+                          p.key_cache.pages + (static_cast<uint64_t>(row_page) * key_page_bytes + at), copy);
+        copy_async_to<16>(stage_address + static_cast<uint32_t>(offsetof(Stage, value_codes)) +
+                              16 * (VG == 1 ? value_chunk<kRowChunks>(row, part) : chunk),
+                          p.value_cache.pages + (static_cast<uint64_t>(row_page) * value_page_bytes + at), copy);
+      }
     }
     // per_channel_tokens keys: the key group's channel pairs come with the
     // step that starts the group (or the run), lane j taking channels
