@@ -3,7 +3,7 @@
 // follows the other layers' weights and caches through L2, so it finds none
 // of its own bytes there; a benchmark that repeats one call back to back
 // would find all of them whenever they fit (a 32K-token 2-bit cache at
-// batch 1 is 19 MB, the H200's L2 50 MB, its bf16 cache 67 MB), flattering
+// batch 1 is 19 MB, the H200's L2 60 MB, its bf16 cache 67 MB), flattering
 // the smaller cache against the larger one. L2Flush reads a buffer several
 // times the L2's size: clean lines, so that the timed work after it writes
 // back nothing of the flush's.
