@@ -371,13 +371,11 @@ int run(int argc, char** argv) {
           int multiprocessors = 0;
           KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
           const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
-          const double time_us =
-              median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats, nullptr, cold);
+          const auto decode = [&] { kernels::launch_decode_attention(params, nullptr); };
+          const double time_us = median_us(decode, repeats, nullptr, cold);
           // The same with the L2 as the repeat before left it (what the
           // grids before 2026-12-05 timed), beside the cold time.
-          const double warm_l2_time_us =
-              cold == nullptr ? time_us
-                              : median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats);
+          const double warm_l2_time_us = cold == nullptr ? time_us : median_us(decode, repeats);
           // The decode launch's host side (the enqueue's wall clock, queued
           // behind a busy kernel so that it never waits for the device):
           // through a DecodePlanner that asked the device once (a server's

@@ -764,8 +764,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
           }
 #pragma unroll
           for (int part = 0; part < kKeyParts; ++part) {
-            const int times = kNibbles ? (ks == int8_mma::nibble_key_horner_mma(D) ? int8_mma::kNibbleKeyScale : 1)
-                                       : int8_mma::key_horner(D, ks);
+            const int times = int8_mma::key_horner_factor(kBits, D, ks);
             if (times != 1) {
 #pragma unroll
               for (int i = 0; i < 4; ++i) dots[rb][part][i] *= times;

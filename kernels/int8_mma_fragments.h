@@ -210,6 +210,12 @@ KVFORGE_HOST_DEVICE constexpr int nibble_key_word(int dim, int j, int half) { re
 KVFORGE_HOST_DEVICE constexpr int nibble_key_horner_mma(int dim) { return dim / 64; }
 inline constexpr int kNibbleKeyScale = 16;
 
+// The factor a key row block's sums take before mma j at either width (2
+// bits: key_horner; 4 bits: 16 before the first plane-1 mma).
+KVFORGE_HOST_DEVICE constexpr int key_horner_factor(int bits, int dim, int j) {
+  return bits == 2 ? key_horner(dim, j) : (j == nibble_key_horner_mma(dim) ? kNibbleKeyScale : 1);
+}
+
 // The channel that byte i of B register `half` of lane column c holds in
 // key mma j (and A's k = 16 half + 4c + i).
 KVFORGE_HOST_DEVICE inline int nibble_key_channel(int dim, int j, int c, int half, int i) {

@@ -95,7 +95,7 @@ LaneC key_row_block(const std::vector<std::vector<uint32_t>>& rows, int first_ro
                     int bits = 2) {
   LaneC d{};
   for (int j = 0; j < mma::key_mmas(dim); ++j) {
-    const int times = bits == 2 ? mma::key_horner(dim, j) : j == mma::nibble_key_horner_mma(dim) ? mma::kNibbleKeyScale : 1;
+    const int times = mma::key_horner_factor(bits, dim, j);
     for (auto& lane : d) {
       for (auto& x : lane) x *= times;
     }
