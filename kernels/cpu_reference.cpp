@@ -634,9 +634,9 @@ void decode_attention_reference(const DecodeParams& params) {
   auto* read_tally = static_cast<ReadTally*>(params.read_tally);
   std::vector<float> key(static_cast<size_t>(dim)), value(static_cast<size_t>(dim));
   for (int32_t entry = 0; entry < batch.count; ++entry) {
-    const int32_t slot = batch.slots[entry];
+    const int32_t slot = entry_slot(params, entry);
     const int32_t* page_row = batch.page_table + slot * batch.page_table_stride;
-    const int64_t tokens = batch.lengths[entry];
+    const int64_t tokens = entry_length(params, entry);
     const int64_t split = params.tokens_per_split > 0 ? params.tokens_per_split : tokens;
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       // The GQA group's queries, rotated into the keys' basis.

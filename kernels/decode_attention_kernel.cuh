@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t tokens = p.batch.lengths[entry];
+  const int64_t tokens = entry_length(p, entry);
   int64_t first, last;
   split_tokens(p, assignment, tokens, split, first, last);
   const int kv_heads = p.key_cache.layout.spec.kv_heads;
@@ -739,7 +739,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     wait_for_prerequisite_grid();
     return;
   }
-  const int32_t slot = p.batch.slots[entry];
+  const int32_t slot = entry_slot(p, entry);
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
 
   // Level tables and the GQA group's queries, rotated by the keys' rotation.

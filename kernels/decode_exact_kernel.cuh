@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
 
   const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int64_t tokens = p.batch.lengths[entry];
+  const int64_t tokens = entry_length(p, entry);
   int64_t first, last;
   split_tokens(p, assignment, tokens, split, first, last);
   const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
     wait_for_prerequisite_grid();
     return;
   }
-  const int32_t slot = p.batch.slots[entry];
+  const int32_t slot = entry_slot(p, entry);
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
 

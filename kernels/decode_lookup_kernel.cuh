@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kLookupWarps * kWarpSize)
     write_empty_state(workspace, block, split);
     return;
   }
-  const int32_t slot = p.batch.slots[entry];
+  const int32_t slot = entry_slot(p, entry);
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;

@@ -182,6 +182,20 @@ enum class DecodeKernel : int32_t { kAuto = 0, kGeneral = 1, kInt8TensorCores = 
 // that the layout or the kernel choice cannot take is refused.
 enum class Int8Steps : int32_t { kAuto = 0, kSteps32 = 1, kSteps64Stages3 = 2, kSteps64Stages4 = 3 };
 
+// A small decode batch's slots and lengths carried by value in the launch
+// parameters, as append's InlineBatchArrays: count > 0 (then batch.count, at
+// most kInlineBatchEntries) and the kernels read these instead of
+// batch.slots and batch.lengths (which may then be null), so that a decode
+// call copies nothing to the device before its kernels (that copy, on the
+// stream, was 2-3 us of a decoding step's device time at batch 1 on the
+// H200: bench/README.md, thirtieth session). A CUDA graph capture freezes
+// them: a graph that is replayed over changing lengths takes the pointers.
+struct InlineDecodeArrays {
+  int32_t count = 0;
+  int32_t slots[kInlineBatchEntries] = {};
+  int64_t lengths[kInlineBatchEntries] = {};
+};
+
 struct DecodeParams {
   SequenceBatch batch;  // one query per entry, at position lengths[i] - 1
   const void* queries = nullptr;  // [count][num_heads][D], post-RoPE
@@ -207,6 +221,18 @@ struct DecodeParams {
   // the launch allocates it on its stream.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  // CUDA and the CPU reference: a small batch's slots and lengths by value
+  // (InlineDecodeArrays; count 0: batch.slots and batch.lengths).
+  InlineDecodeArrays inline_arrays;
 };
+
+// Sequence entry `entry`'s slot and length (tokens cached): from the inline
+// arrays where they are given, else from batch.slots and batch.lengths.
+KVFORGE_HOST_DEVICE inline int32_t entry_slot(const DecodeParams& p, int32_t entry) {
+  return p.inline_arrays.count > 0 ? p.inline_arrays.slots[entry] : p.batch.slots[entry];
+}
+KVFORGE_HOST_DEVICE inline int64_t entry_length(const DecodeParams& p, int32_t entry) {
+  return p.inline_arrays.count > 0 ? p.inline_arrays.lengths[entry] : p.batch.lengths[entry];
+}
 
 }  // namespace kvforge::kernels

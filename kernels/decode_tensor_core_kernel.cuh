@@ -457,7 +457,7 @@ __device__ inline BlockTokens block_tokens(const DecodeParams& p, const TensorCo
   BlockTokens b;
   b.group = p.num_heads / p.key_cache.layout.spec.kv_heads;
   int64_t range_begin, range_end;
-  tensor_core_range(p, p.batch.lengths[entry], range_begin, range_end);
+  tensor_core_range(p, entry_length(p, entry), range_begin, range_end);
   b.first = range_begin + static_cast<int64_t>(split) * splits.tokens_per_split;
   b.last = b.first + splits.tokens_per_split < range_end ? b.first + splits.tokens_per_split : range_end;
   b.state_base = static_cast<int64_t>(entry) * p.num_heads + static_cast<int64_t>(kv_head) * b.group;
@@ -541,7 +541,7 @@ __global__ void __launch_bounds__(kTensorCoreWarps * kWarpSize)
     write_empty_state(workspace, block, split);
     return;
   }
-  const int32_t slot = p.batch.slots[entry];
+  const int32_t slot = entry_slot(p, entry);
   const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;

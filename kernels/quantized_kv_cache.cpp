@@ -81,8 +81,9 @@ struct QuantizedKVCache::CallScratch {
   explicit CallScratch(KernelBackend& backend)
       : call_arrays(backend), decode_arrays(backend), rows(backend), queries(backend), output(backend) {}
   GrowingBuffer call_arrays;  // append's lengths, token offsets, slots (call_arrays_layout)
-  // decode_attention's (a decode_step queues them before the append's kernel,
-  // which reads call_arrays after).
+  // decode_attention's, where they are not carried in its launch (a
+  // decode_step queues them before the append's kernel, which reads
+  // call_arrays after).
   GrowingBuffer decode_arrays;
   GrowingBuffer rows;         // staged keys, then values
   GrowingBuffer queries, output;
@@ -973,9 +974,23 @@ QuantizedKVCache::StagedDecode QuantizedKVCache::stage_decode(int64_t layer, std
   }
   StagedDecode staged;
   if (count == 0) return staged;
-  std::memcpy(host.data() + arrays.slots, sequences.data(), static_cast<size_t>(count) * 4);
-  auto* const device = static_cast<uint8_t*>(scratch_->decode_arrays.reserve(std::max<int64_t>(arrays.bytes, 1)));
-  backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+  DecodeParams& params = staged.params;
+  params = decode_params(layer);
+  params.batch.count = static_cast<int32_t>(count);
+  // A small batch's arrays travel in the launch (no copy on the stream); a
+  // larger one's are uploaded.
+  if (count <= kInlineBatchEntries) {
+    InlineDecodeArrays& a = params.inline_arrays;
+    a.count = static_cast<int32_t>(count);
+    std::copy(sequences.begin(), sequences.end(), a.slots);
+    std::copy(lengths, lengths + count, a.lengths);
+  } else {
+    std::memcpy(host.data() + arrays.slots, sequences.data(), static_cast<size_t>(count) * 4);
+    auto* const device = static_cast<uint8_t*>(scratch_->decode_arrays.reserve(arrays.bytes));
+    backend_->enqueue_copy_in(device, host.data(), arrays.bytes);
+    params.batch.slots = reinterpret_cast<const int32_t*>(device + arrays.slots);
+    params.batch.lengths = reinterpret_cast<const int64_t*>(device + arrays.lengths);
+  }
   // Host queries and output are staged through the scratch (none when the
   // caller's arrays are already in backend memory).
   staged.io_bytes = count * model_.num_heads * model_.head_dim * element_bytes(io);
@@ -988,11 +1003,6 @@ QuantizedKVCache::StagedDecode QuantizedKVCache::stage_decode(int64_t layer, std
     kernel_queries = staged_queries;
     kernel_output = scratch_->output.reserve(staged.io_bytes);
   }
-  DecodeParams& params = staged.params;
-  params = decode_params(layer);
-  params.batch.count = static_cast<int32_t>(count);
-  params.batch.slots = reinterpret_cast<const int32_t*>(device + arrays.slots);
-  params.batch.lengths = reinterpret_cast<const int64_t*>(device + arrays.lengths);
   params.batch.max_length = max_length;
   params.queries = kernel_queries;
   params.output = kernel_output;

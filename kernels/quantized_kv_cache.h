@@ -205,8 +205,10 @@ class QuantizedKVCache {
 
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,
-  // batch.lengths (length(sequence, layer) of each), queries and output are
-  // the caller's (read_tally null).
+  // batch.lengths (length(sequence, layer) of each) or inline_arrays,
+  // queries and output are the caller's (read_tally null). decode_attention
+  // itself carries a batch of at most kInlineBatchEntries sequences in
+  // inline_arrays (nothing copied to the device for them).
   DecodeParams decode_params(int64_t layer) const;
 
   const TensorPageLayout& layout(TensorKind kind) const;

@@ -525,6 +525,23 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     // same bytes (every kernel's order of sums is fixed).
     EXPECT_TRUE(replay_in_graph(planner, on_device, got.size()) == got)
         << c.name << ": the decode replayed from a CUDA graph differs from its direct launch";
+    // A batch small enough for the launch's own arrays (InlineDecodeArrays,
+    // QuantizedKVCache's path), the device's slots and lengths null: the
+    // same bytes.
+    if (count <= kernels::kInlineBatchEntries) {
+      kernels::DecodeParams in_launch = on_device;
+      in_launch.inline_arrays.count = static_cast<int32_t>(count);
+      std::copy(ids.begin(), ids.end(), in_launch.inline_arrays.slots);
+      std::copy(lengths.begin(), lengths.end(), in_launch.inline_arrays.lengths);
+      in_launch.batch.slots = nullptr;
+      in_launch.batch.lengths = nullptr;
+      std::vector<uint8_t> carried(got.size());
+      KVFORGE_CUDA_CHECK(cudaMemset(in_launch.output, 0, carried.size()));
+      planner.launch(in_launch, nullptr);
+      KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
+      KVFORGE_CUDA_CHECK(cudaMemcpy(carried.data(), in_launch.output, carried.size(), cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(carried == got) << c.name << ": the decode with its arrays in the launch differs from the uploaded";
+    }
   }
   const double gpu_seconds = seconds_since(gpu_start);
 

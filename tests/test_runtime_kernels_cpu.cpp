@@ -1488,6 +1488,49 @@ TEST(RuntimeKernelsCpuScratch, InlineAndUploadedBatchArraysStoreAndAttendAlike) 
     uploaded.decode_attention(layer, slots, queries.data(), a.data());
     in_params.decode_attention(layer, slots, queries.data(), b.data());
     EXPECT_EQ(a, b) << "layer " << layer;
+    // The decode's arrays likewise: the 40 sequences' uploaded above, the
+    // same sequences 8 at a time carried in the call.
+    for (size_t begin = 0; begin < slots.size(); begin += 8) {
+      std::vector<float> part(8 * 4 * 64, -3.0f);
+      in_params.decode_attention(layer, std::span<const int32_t>(slots.data() + begin, 8), queries.data(), part.data());
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), a.begin() + static_cast<std::ptrdiff_t>(begin * 4 * 64)))
+          << "layer " << layer << ", sequences " << begin << "..." << begin + 7;
+    }
+  }
+}
+
+// Which arrays a decode call hands its backend: a batch of at most
+// kInlineBatchEntries sequences by value (InlineDecodeArrays; no pointers),
+// a larger one by pointers to uploaded arrays; entry_slot and entry_length
+// read either.
+TEST(RuntimeKernelsCpuScratch, SmallDecodeBatchesCarryTheirArraysInTheCall) {
+  kernels::CacheOptions options = scratch_options();
+  options.max_sequences = 40;
+  auto hooked = std::make_unique<testing::HookedCpuBackend>();
+  testing::HookedCpuBackend& backend = *hooked;
+  kernels::QuantizedKVCache cache(scratch_config(), small_dims(), options, std::move(hooked));
+  std::vector<int32_t> slots;
+  std::vector<float> rows(kScratchWidth * 3, 0.5f);
+  for (int i = 0; i < 40; ++i) {
+    slots.push_back(cache.add_sequence());
+    cache.append(0, kernels::AppendBatch{{slots.back()}, {0}, {1 + i % 3}, rows.data(), rows.data()});
+  }
+  kernels::DecodeParams seen;
+  backend.before_decode = [&](const kernels::DecodeParams& p) { seen = p; };
+  const std::vector<float> queries(40 * 4 * 64, 0.25f);
+  std::vector<float> output(queries.size());
+  for (const size_t count : {size_t{1}, size_t{kernels::kInlineBatchEntries}, size_t{kernels::kInlineBatchEntries + 1}}) {
+    const std::span<const int32_t> batch(slots.data() + 40 - count, count);
+    cache.decode_attention(0, batch, queries.data(), output.data());
+    const bool inline_arrays = count <= static_cast<size_t>(kernels::kInlineBatchEntries);
+    EXPECT_EQ(seen.batch.count, static_cast<int32_t>(count));
+    EXPECT_EQ(seen.inline_arrays.count, inline_arrays ? static_cast<int32_t>(count) : 0) << count;
+    EXPECT_EQ(seen.batch.slots == nullptr, inline_arrays) << count;
+    EXPECT_EQ(seen.batch.lengths == nullptr, inline_arrays) << count;
+    for (int32_t entry = 0; entry < seen.batch.count; ++entry) {
+      EXPECT_EQ(kernels::entry_slot(seen, entry), batch[static_cast<size_t>(entry)]);
+      EXPECT_EQ(kernels::entry_length(seen, entry), cache.length(batch[static_cast<size_t>(entry)], 0));
+    }
   }
 }
 
@@ -1546,7 +1589,8 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
   backend.before_append = [&](const kernels::AppendParams&) { calls.push_back("append"); };
   backend.before_decode = [&](const kernels::DecodeParams& p) {
     calls.push_back("decode");
-    decoded_lengths.assign(p.batch.lengths, p.batch.lengths + p.batch.count);
+    decoded_lengths.clear();
+    for (int32_t entry = 0; entry < p.batch.count; ++entry) decoded_lengths.push_back(kernels::entry_length(p, entry));
   };
   const at::Tensor keys = at::randn({40, 2, 64}, at::kFloat), values = at::randn({40, 2, 64}, at::kFloat);
   const int32_t a = stepped.add_sequence(), b = stepped.add_sequence();
