@@ -130,6 +130,18 @@ void launch_tensor(const TensorAppendArgs& args, const InlineBatchArrays& arrays
   }
 }
 
+TensorAppendArgs key_args(const AppendParams& params) {
+  return {params.batch,     params.page_table,       params.token_offsets,
+          params.keys,      params.input,            params.key_cache,
+          params.key_quantization, params.key_rotation, params.key_outliers};
+}
+
+TensorAppendArgs value_args(const AppendParams& params) {
+  return {params.batch,       params.page_table,         params.token_offsets,
+          params.values,      params.input,              params.value_cache,
+          params.value_quantization, params.value_rotation, params.value_outliers};
+}
+
 // Whether the token-parallel kernel takes this kind: per-token groups of
 // whole lanes' channels, no outliers, no rotation or a matrix one (its rows
 // 16-byte aligned: they are copied 16 bytes at a time), head_dim 64, 128 or
@@ -230,19 +242,12 @@ bool takes_token_parallel(const AppendParams& params) {
          k.head_dim == v.head_dim && k.kv_heads == v.kv_heads;
 }
 
-void launch_append(const AppendParams& params, cudaStream_t stream) {
-  if (params.batch.count <= 0) return;
-  TensorAppendArgs keys{params.batch,     params.page_table,       params.token_offsets,
-                        params.keys,      params.input,            params.key_cache,
-                        params.key_quantization, params.key_rotation, params.key_outliers};
-  TensorAppendArgs values{params.batch,       params.page_table,         params.token_offsets,
-                          params.values,      params.input,              params.value_cache,
-                          params.value_quantization, params.value_rotation, params.value_outliers};
-  check(keys, "keys");
-  check(values, "values");
+void check_append_params(const AppendParams& params) {
+  check(key_args(params), "keys");
+  check(value_args(params), "values");
   // One page table for both kinds: their token slots must be the same.
-  const TensorLayoutSpec& ks = keys.cache.layout.spec;
-  const TensorLayoutSpec& vs = values.cache.layout.spec;
+  const TensorLayoutSpec& ks = params.key_cache.layout.spec;
+  const TensorLayoutSpec& vs = params.value_cache.layout.spec;
   if (ks.sink_tokens != vs.sink_tokens || ks.page_size != vs.page_size) {
     throw std::invalid_argument("append (CUDA): keys and values differ in sink_tokens or page_size: expected one "
                                 "page table's token slots for both");
@@ -256,6 +261,14 @@ void launch_append(const AppendParams& params, cudaStream_t stream) {
     throw std::invalid_argument("append (CUDA): inline batch arrays of " + std::to_string(arrays.count) +
                                 " entries for a batch of " + std::to_string(count) + ": expected 0 or the batch's");
   }
+}
+
+void launch_append(const AppendParams& params, cudaStream_t stream) {
+  if (params.batch.count <= 0) return;
+  check_append_params(params);
+  TensorAppendArgs keys = key_args(params), values = value_args(params);
+  const int32_t count = params.batch.count;
+  const InlineBatchArrays& arrays = params.inline_arrays;
   if (launch_token_parallel(keys, values, params, stream)) return;
   keys.shared = append_device::shared_layout(keys.cache.layout, keys.quantization);
   values.shared = append_device::shared_layout(values.cache.layout, values.quantization);

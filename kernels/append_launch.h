@@ -11,6 +11,11 @@ namespace kvforge::kernels {
 
 void launch_append(const AppendParams& params, cudaStream_t stream);
 
+// launch_append's checks alone (std::invalid_argument naming the field),
+// for a launcher that runs the append inside another kernel
+// (DecodePlanner::launch_step).
+void check_append_params(const AppendParams& params);
+
 // Whether launch_append takes the call with the token-parallel kernel
 // (kernels/append_token_kernel.cuh: AppendParams::kernel kAuto, the rows
 // known, both kinds per-token groups of whole lanes' channels without
