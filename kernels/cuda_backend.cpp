@@ -188,29 +188,48 @@ DecodePlanner& CudaBackend::planner() {
   return *planner_;
 }
 
+DecodeParams CudaBackend::with_workspace(const DecodeParams& params, const DecodePlan& plan) {
+  if (params.workspace != nullptr) return params;
+  // Without a workspace the launch would allocate and free one on every call.
+  const int64_t bytes = DecodePlanner::workspace_bytes(params, plan);
+  if (bytes > workspace_.bytes) {
+    KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // an earlier decode may still use the old one
+    KVFORGE_CUDA_CHECK(cudaFree(workspace_.data));
+    workspace_.data = nullptr;
+    workspace_.bytes = 0;
+    KVFORGE_CUDA_CHECK(cudaMalloc(&workspace_.data, static_cast<size_t>(bytes)));
+    workspace_.bytes = bytes;
+  }
+  DecodeParams with = params;
+  with.workspace = workspace_.data;
+  with.workspace_bytes = workspace_.bytes;
+  return with;
+}
+
 void CudaBackend::decode_attention(const DecodeParams& params) {
   const DeviceScope scope(device_);
   if (params.workspace != nullptr || params.batch.count <= 0) {
     planner().launch(params, stream_);
   } else {
-    // Planned once for the workspace and the launch. Without a workspace the
-    // launch would allocate and free one on every call.
+    // Planned once for the workspace and the launch.
     const DecodePlan plan = planner().plan(params);
-    const int64_t bytes = DecodePlanner::workspace_bytes(params, plan);
-    if (bytes > workspace_.bytes) {
-      KVFORGE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // an earlier decode may still use the old one
-      KVFORGE_CUDA_CHECK(cudaFree(workspace_.data));
-      workspace_.data = nullptr;
-      workspace_.bytes = 0;
-      KVFORGE_CUDA_CHECK(cudaMalloc(&workspace_.data, static_cast<size_t>(bytes)));
-      workspace_.bytes = bytes;
-    }
-    DecodeParams with_workspace = params;
-    with_workspace.workspace = workspace_.data;
-    with_workspace.workspace_bytes = workspace_.bytes;
-    planner().launch(with_workspace, plan, stream_);
+    planner().launch(with_workspace(params, plan), plan, stream_);
   }
   KVFORGE_CUDA_CHECK(cudaGetLastError());
+}
+
+bool CudaBackend::decode_step(const AppendParams& step_append, const DecodeParams& decode) {
+  const DeviceScope scope(device_);
+  bool fused = false;
+  if (decode.batch.count <= 0) {
+    fused = planner().launch_step(step_append, decode, stream_);
+  } else {
+    const DecodePlan plan = planner().plan(decode);
+    fused = planner().launch_step(step_append, with_workspace(decode, plan), plan, stream_);
+  }
+  KVFORGE_CUDA_CHECK(cudaGetLastError());
+  if (fused) ++fused_steps_;
+  return fused;
 }
 
 void CudaBackend::synchronize() {

@@ -48,7 +48,12 @@ class CudaBackend final : public KernelBackend {
   // decode without params.workspace gets the backend's.
   void append(const AppendParams& params) override;
   void decode_attention(const DecodeParams& params) override;
+  // Fused where DecodePlanner::launch_step can (step_append_fuses).
+  bool decode_step(const AppendParams& step_append, const DecodeParams& decode) override;
   void synchronize() override;  // the backend's stream
+
+  // Decoding steps whose append ran inside the decode's launch, so far.
+  int64_t fused_steps() const { return fused_steps_; }
 
   cudaStream_t stream() const { return stream_; }
 
@@ -56,7 +61,11 @@ class CudaBackend final : public KernelBackend {
   // The decode plans' device facts, asked once (made on the first decode,
   // with the backend's device current).
   DecodePlanner& planner();
+  // `params` with the backend's workspace, grown to what `plan` needs
+  // (params' own workspace kept where it has one).
+  DecodeParams with_workspace(const DecodeParams& params, const DecodePlan& plan);
   std::optional<DecodePlanner> planner_;
+  int64_t fused_steps_ = 0;
   // Device memory freed on destruction (after the stream has finished).
   struct DeviceMemory {
     DeviceMemory() = default;

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "kernels/append_launch.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_attention_launch.h"
@@ -293,7 +294,27 @@ void with_int8_kernel(const DecodeParams& p, Int8Steps steps, F&& f) {
   }
 }
 
-using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits);
+// The instantiation with a step's append (kStepAppend) of the wide steps
+// `steps` (kSteps64Stages3 or kSteps64Stages4: step_append_fuses).
+template <int D, int kBits, typename F>
+void with_int8_step_kernel_bits(Int8Steps steps, F&& f) {
+  if (steps == Int8Steps::kSteps64Stages3) {
+    f(device::decode_int8_kernel<D, 1, true, kBits, 2, 3, true>, device::int8_dynamic_shared_bytes<D, 1, kBits, 2, 3>);
+  } else {
+    f(device::decode_int8_kernel<D, 1, true, kBits, 2, 4, true>, device::int8_dynamic_shared_bytes<D, 1, kBits, 2, 4>);
+  }
+}
+template <int D, typename F>
+void with_int8_step_kernel(const DecodeParams& p, Int8Steps steps, F&& f) {
+  if (p.key_cache.layout.spec.bits == 2) {
+    with_int8_step_kernel_bits<D, 2>(steps, f);
+  } else {
+    with_int8_step_kernel_bits<D, 4>(steps, f);
+  }
+}
+
+using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits, device::NoStepAppend);
+using Int8StepKernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits, StepAppendArgs);
 using Int8SharedBytes = int (*)(bool, int);
 constexpr int kInt8Threads = device::kInt8Warps * device::kWarpSize;
 
@@ -302,7 +323,8 @@ constexpr int kInt8Threads = device::kInt8Warps * device::kWarpSize;
 // without value outliers, and with KIVI keys' channel pairs) and the
 // attribute is the function's, so a residency query for a smaller one
 // lowers it for a larger.
-int prepare_int8_kernel(Int8Kernel kernel, Int8SharedBytes shared_bytes_of, const DecodeParams& p) {
+template <typename Kernel>
+int prepare_int8_kernel(Kernel kernel, Int8SharedBytes shared_bytes_of, const DecodeParams& p) {
   const TensorPageLayout& keys = p.key_cache.layout;
   const int channel_pair_bytes =
       keys.spec.grouping == ScaleGrouping::kPerChannelTokens ? static_cast<int>(keys.pair_bytes) : 0;
@@ -351,15 +373,25 @@ int lookup_residency(const DecodeParams& p) {
 
 // `dependent` as launch's. With plan.cluster_merge the splits of a (KV
 // head, sequence), consecutive along x, are one cluster.
+// `step`: a decoding step's append that the kernel runs first (null: none).
 template <int D>
 void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                 cudaStream_t stream, bool dependent) {
+                 cudaStream_t stream, bool dependent, const StepAppendArgs* step) {
   const dim3 grid = split_grid(p, plan.splits);
+  const int cluster_blocks = plan.cluster_merge ? plan.splits : 0;
+  const device::TensorCoreSplits splits{plan.tokens_per_split, plan.cluster_merge};
+  if (step != nullptr) {
+    with_int8_step_kernel<D>(p, plan.int8_steps, [&](Int8StepKernel kernel, Int8SharedBytes shared_bytes_of) {
+      const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
+      launch_kernel_in_clusters(kernel, grid, cluster_blocks, kInt8Threads, shared_bytes, stream, dependent, p,
+                                workspace, splits, *step);
+    });
+    return;
+  }
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
-    launch_kernel_in_clusters(kernel, grid, plan.cluster_merge ? plan.splits : 0, kInt8Threads, shared_bytes, stream,
-                              dependent, p, workspace,
-                              device::TensorCoreSplits{plan.tokens_per_split, plan.cluster_merge});
+    launch_kernel_in_clusters(kernel, grid, cluster_blocks, kInt8Threads, shared_bytes, stream, dependent, p,
+                              workspace, splits, device::NoStepAppend{});
   });
 }
 
@@ -444,7 +476,7 @@ void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& 
 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const StepAppendArgs* step) {
   if (plan.lookup) {
     launch_lookup<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
@@ -463,9 +495,9 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // queries, then lets the exact blocks launch: load_group_queries).
       if (plan.exact_first) {
         launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
-        launch_int8<D>(p, workspace, plan, stream, true);
+        launch_int8<D>(p, workspace, plan, stream, true, step);
       } else {
-        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first);
+        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step);
         if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
@@ -492,13 +524,15 @@ void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace
   launch_kernel(kernel, grid, device::merge_threads<D, kParts, kHeads>(), shared_bytes, stream, true, p, workspace);
 }
 
+// `step` as launch_int8's (only where the int8 kernel takes the call:
+// step_append_fuses).
 template <int D>
 void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const StepAppendArgs* step) {
   if (p.key_cache.layout.spec.bits == 2) {
-    launch_for_bits<D, 2>(p, workspace, plan, stream);
+    launch_for_bits<D, 2>(p, workspace, plan, stream, step);
   } else {
-    launch_for_bits<D, 4>(p, workspace, plan, stream);
+    launch_for_bits<D, 4>(p, workspace, plan, stream, step);
   }
   if (plan.cluster_merge) return;  // the int8 kernel's clusters wrote the output
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch.count));
@@ -734,16 +768,17 @@ int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return work
 void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan(params), stream);
+  run(params, plan(params), stream, nullptr);
 }
 
 void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan, stream);
+  run(params, plan, stream, nullptr);
 }
 
-void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
+void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream,
+                        const StepAppendArgs* step) {
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
@@ -756,13 +791,67 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   workspace.max_splits = static_cast<int32_t>(plan.states);
   if (plan.rotate_queries_first) workspace.queries = workspace.acc + states * params.key_cache.layout.spec.head_dim;
   if (params.key_cache.layout.spec.head_dim == 64) {
-    launch_for_head_dim<64>(params, workspace, plan, stream);
+    launch_for_head_dim<64>(params, workspace, plan, stream, step);
   } else {
-    launch_for_head_dim<128>(params, workspace, plan, stream);
+    launch_for_head_dim<128>(params, workspace, plan, stream, step);
   }
   const cudaError_t launched = cudaGetLastError();
   if (owned) KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
   KVFORGE_CUDA_CHECK(launched);
+}
+
+bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
+  const TensorPageLayout& keys = append.key_cache.layout;
+  const TensorPageLayout& values = append.value_cache.layout;
+  // The decode's int8 kernel in its wide steps, nothing beside it.
+  if (!plan.int8 || plan.int8_steps == Int8Steps::kSteps32 || plan.exact_splits != 0) return false;
+  // The token-parallel append's layouts without a rotation, sink or window
+  // (rtn's), into the pools the decode reads.
+  if (!takes_token_parallel(append) || append.key_rotation.kind != RotationKind::kNone ||
+      append.value_rotation.kind != RotationKind::kNone || keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 ||
+      values.ring_capacity != 0) {
+    return false;
+  }
+  if (append.key_cache.pages != decode.key_cache.pages || append.value_cache.pages != decode.value_cache.pages ||
+      append.batch.page_table != decode.batch.page_table ||
+      append.batch.page_table_stride != decode.batch.page_table_stride) {
+    return false;
+  }
+  // One new token per entry, the entries in the decode's order: what the
+  // inline arrays show is checked; uploaded arrays are the caller's word
+  // (rows == count).
+  const int32_t count = decode.batch.count;
+  if (append.batch.count != count || append.rows != count) return false;
+  const InlineBatchArrays& a = append.inline_arrays;
+  const InlineDecodeArrays& d = decode.inline_arrays;
+  if (a.count != d.count) return false;
+  for (int32_t i = 0; i < a.count; ++i) {
+    if (a.slots[i] != d.slots[i] || a.lengths[i] + 1 != d.lengths[i] || a.token_offsets[i + 1] != i + 1) return false;
+  }
+  return true;
+}
+
+bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream) {
+  check_params(decode);
+  if (decode.batch.count == 0) {
+    launch_append(append, stream);
+    return false;
+  }
+  return launch_step(append, decode, plan(decode), stream);
+}
+
+bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
+                                cudaStream_t stream) {
+  check_params(decode);
+  if (decode.batch.count == 0 || !step_append_fuses(append, decode, plan)) {
+    launch_append(append, stream);
+    if (decode.batch.count > 0) run(decode, plan, stream, nullptr);
+    return false;
+  }
+  check_append_params(append);
+  const StepAppendArgs step = step_append_args(append);
+  run(decode, plan, stream, &step);
+  return true;
 }
 
 int64_t decode_workspace_bytes(const DecodeParams& p) { return DecodePlanner().workspace_bytes(p); }

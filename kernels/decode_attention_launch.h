@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "kernels/decode_params.h"
+#include "kernels/step_append.h"
 
 namespace kvforge::kernels {
 
@@ -108,6 +109,16 @@ Int8Steps default_int8_steps(const DecodeParams& params);
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
+// Whether DecodePlanner::launch_step runs `append` inside the decode's own
+// launch (kernels/step_append.cuh): `plan` (the decode's) puts every token
+// on the int8 kernel's 64-token steps with no exact ranges; the append is
+// the token-parallel kernel's (takes_token_parallel) without a rotation,
+// sink or window, into the decode's pools and page table, one row per
+// entry; and the inline arrays (both or neither) show the same slots, one
+// token each, at the decode's lengths minus one. On the H200 that is rtn's
+// layout at 2 and 4 bits, GQA groups of at most 4 heads.
+bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
+
 // Plans and launches on one device (the current one at its first plan),
 // asking the runtime for its multiprocessors once and for each kernel
 // variant's resident blocks (an occupancy query and a shared-memory
@@ -125,6 +136,15 @@ class DecodePlanner {
   // the same params): planned once for both the workspace and the launch.
   void launch(const DecodeParams& params, cudaStream_t stream);
   void launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
+  // A decoding step: `append`, one new token for each entry of `decode`
+  // in its order (decode's lengths count it), then `decode`, with
+  // launch_append's and launch's results and refusals (the decode's checked
+  // first). Inside the decode's launch where step_append_fuses (returns
+  // true), else as the two launches. With `plan`: this planner's plan of
+  // `decode`.
+  bool launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream);
+  bool launch_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
+                   cudaStream_t stream);
 
  private:
   struct SplitQuestion {
@@ -135,7 +155,8 @@ class DecodePlanner {
   };
   int resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps);
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
-  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream);
+  // `step`: a step's append the int8 kernel runs (null: none).
+  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device

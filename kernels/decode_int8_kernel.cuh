@@ -51,6 +51,7 @@
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
+#include "kernels/step_append.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -250,11 +251,22 @@ constexpr int int8_blocks_per_multiprocessor() {
     return kFit < 4 ? kFit : 4;
   }
 }
-template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages>
+// The kernel's fourth parameter: a decoding step's append (kStepAppend:
+// StepAppendArgs, kernels/step_append.cuh), else nothing.
+struct NoStepAppend {};
+template <bool kStepAppend>
+using StepAppendParam = std::conditional_t<kStepAppend, StepAppendArgs, NoStepAppend>;
+
+// kStepAppend: each entry's new token (its last) is appended by the warp
+// whose run ends there, before that warp reads it (the wide steps only).
+template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages,
+          bool kStepAppend = false>
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                                   (int8_blocks_per_multiprocessor<D, VG, kBits, kStepStages, kStages>()))
-    decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits) {
+    decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits,
+                       const __grid_constant__ StepAppendParam<kStepAppend> step) {
   static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
+  static_assert(!kStepAppend || kStepStages == 2, "the step's append in the wide steps' variants");
   constexpr bool kNibbles = kBits == 4;
   constexpr int kSteps = D / 32;    // key k steps (32 channels each)
   constexpr int kMTiles = D / 16;   // value m tiles (16 channels each)
@@ -387,6 +399,19 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // Loaded before the queries (before the wait for them where they were
   // rotated first), so that its round trip overlaps theirs (on the H200
   // within noise of loading it after the key operands: bench/README.md).
+  // A step's append (kStepAppend): by the warp whose run ends at the new
+  // token, before it reads the token's page id or bytes. The condition (the
+  // same for the warp's lanes) goes through a vote, which the compiler knows
+  // to be warp-uniform: as a plain branch it compiled the step loop's
+  // shuffles for a possibly diverged warp (~300 more instructions in the
+  // loop, and retry loops around it).
+  if constexpr (kStepAppend) {
+    const int64_t length = entry_length(p, entry);
+    if (__all_sync(0xffffffffu, run_tokens > 0 && run_first + run_tokens == length)) {
+      step_append_device::append_step_token<D, kBits>(
+          p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
+    }
+  }
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,

@@ -832,9 +832,14 @@ AppendParams QuantizedKVCache::stage_append(int64_t layer, const AppendBatch& ba
   return params;
 }
 
-void QuantizedKVCache::launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params) {
+void QuantizedKVCache::launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params,
+                                            const DecodeParams* step_decode) {
   try {
-    backend_->append(params);
+    if (step_decode != nullptr) {
+      backend_->decode_step(params, *step_decode);
+    } else {
+      backend_->append(params);
+    }
   } catch (...) {
     // The inline new pages never reached the kernels' table: upload them
     // with the next call's changes.
@@ -938,8 +943,16 @@ void QuantizedKVCache::decode_step(int64_t layer, const AppendBatch& batch, cons
   }
   const StagedDecode staged = stage_decode(layer, batch.sequences, batch.tokens, queries, output, backend_memory, io);
   const AppendParams append_params = stage_append(layer, batch);
-  launch_staged_append(layer, batch, append_params);
-  if (staged.params.batch.count > 0) backend_->decode_attention(staged.params);
+  // One token per sequence: the backend's one step (the decode's arrays and
+  // the append's the same entries in the same order).
+  const bool one_step = options_.fused_decode_step && staged.params.batch.count > 0 &&
+                        std::all_of(batch.tokens.begin(), batch.tokens.end(), [](int64_t t) { return t == 1; });
+  if (one_step) {
+    launch_staged_append(layer, batch, append_params, &staged.params);
+  } else {
+    launch_staged_append(layer, batch, append_params);
+    if (staged.params.batch.count > 0) backend_->decode_attention(staged.params);
+  }
   // The append's lengths and (a synchronous append's) exhaustion flags
   // before the output: an exhausted pool throws here, its output undefined.
   finish_append(layer, batch);

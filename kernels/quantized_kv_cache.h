@@ -67,6 +67,11 @@ struct CacheOptions {
   // Which CUDA append kernel (AppendParams::kernel): kAuto the token-parallel
   // one where the layout allows it; kPerSequence to compare.
   AppendKernel append_kernel = AppendKernel::kAuto;
+  // decode_step with one new token per sequence goes to the backend as one
+  // step (KernelBackend::decode_step: on CUDA the append inside the
+  // decode's launch where the layout allows it); off: append, then
+  // decode_attention, to compare. The same bytes and outputs either way.
+  bool fused_decode_step = true;
 };
 
 enum class TensorKind { kKeys, kValues };
@@ -99,6 +104,16 @@ class KernelBackend {
   virtual bool host_addressable() const = 0;
   virtual void append(const AppendParams& params) = 0;
   virtual void decode_attention(const DecodeParams& params) = 0;
+  // A decoding step: `step_append`, one new token for each entry of
+  // `decode` in its order (decode's lengths count it), then `decode`: the
+  // same results and refusals as the two calls (the decode's checked
+  // first). A device backend may run both in one launch (CudaBackend:
+  // DecodePlanner::launch_step) and says so by returning true.
+  virtual bool decode_step(const AppendParams& step_append, const DecodeParams& decode) {
+    append(step_append);
+    if (decode.batch.count > 0) decode_attention(decode);
+    return false;
+  }
   // Returns when every kernel and copy issued so far has finished (a
   // synchronous backend has nothing to wait for).
   virtual void synchronize() = 0;
@@ -200,8 +215,13 @@ class QuantizedKVCache {
   // returns once both are queued, as such an append does: the output is
   // complete for work queued after it on the backend's stream and after
   // synchronize() (a serving loop queueing its layers ahead of the device).
+  // With one new token per sequence (and CacheOptions::fused_decode_step)
+  // the backend takes both as one step (KernelBackend::decode_step).
   void decode_step(int64_t layer, const AppendBatch& batch, const void* queries, void* output,
                    bool backend_memory = false, ElementType io = ElementType::kFloat32);
+  // CacheOptions::fused_decode_step for later steps (a benchmark's baseline
+  // in the same run).
+  void set_fused_decode_step(bool fused) { options_.fused_decode_step = fused; }
 
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,
@@ -258,7 +278,10 @@ class QuantizedKVCache {
   // append's parts, which decode_step runs around the decode's: the checks,
   // new pages and uploads; the kernel; the lengths and exhaustion flags.
   AppendParams stage_append(int64_t layer, const AppendBatch& batch);
-  void launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params);
+  // `step_decode`: the backend's decode_step with that decode instead of
+  // its append alone.
+  void launch_staged_append(int64_t layer, const AppendBatch& batch, const AppendParams& params,
+                            const DecodeParams* step_decode = nullptr);
   void finish_append(int64_t layer, const AppendBatch& batch);
   // decode_attention's: the checks and uploads (lengths plus `appended`
   // tokens each where given: a decode_step's), then, after the kernels, the

@@ -23,11 +23,18 @@ class HookedCpuBackend final : public kernels::KernelBackend {
     if (before_decode) before_decode(params);
     cpu_.decode_attention(params);
   }
+  // The base class's append then decode_attention (so through the hooks
+  // above), after its own hook.
+  bool decode_step(const kernels::AppendParams& step_append, const kernels::DecodeParams& decode) override {
+    if (before_step) before_step(step_append, decode);
+    return KernelBackend::decode_step(step_append, decode);
+  }
   void synchronize() override {}
 
   // Runs before each append; an exception it throws is the append's.
   std::function<void(const kernels::AppendParams&)> before_append;
   std::function<void(const kernels::DecodeParams&)> before_decode;
+  std::function<void(const kernels::AppendParams&, const kernels::DecodeParams&)> before_step;
 
  private:
   kernels::CpuReferenceBackend cpu_;

@@ -10,8 +10,12 @@
 // asynchronous form, device tensors). Prefill chunks of hundreds of
 // tokens and single tokens across page, group and window boundaries, 3 and
 // 40 sequences (the append's arrays carried in its launch or uploaded),
-// sequences idle in some steps; every decode kernel takes part. Skipped
-// without a GPU.
+// sequences idle in some steps; every decode kernel takes part. Where
+// every sequence gets one token and the layout is rtn's on the int8
+// kernel's 64-token steps, the CUDA backend appends inside the decode's
+// launch (kernels/step_append.cuh): each case says whether its steps must
+// have taken that path (CudaBackend::fused_steps), so that the
+// bit-equality covers it. Skipped without a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -41,6 +45,7 @@ struct StepCase {
   DecodeKernel kernel = DecodeKernel::kAuto;
   int sequences = 3;
   int64_t tokens_per_split = 256;
+  bool fuses = false;  // the one-token steps append inside the decode's launch
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
@@ -84,7 +89,9 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   options.tokens_per_split = c.tokens_per_split;
   options.decode_kernel = c.kernel;
   const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
-  kernels::QuantizedKVCache stepped(config, dims, options, std::make_unique<kernels::CudaBackend>());
+  auto stepped_backend = std::make_unique<kernels::CudaBackend>();
+  const kernels::CudaBackend& stepped_cuda = *stepped_backend;
+  kernels::QuantizedKVCache stepped(config, dims, options, std::move(stepped_backend));
   kernels::QuantizedKVCache plain(config, dims, options, std::make_unique<kernels::CudaBackend>());
 
   const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences);
@@ -150,6 +157,11 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
     for (int s = 0; s < c.sequences; ++s) lengths[static_cast<size_t>(s)] += rounds[r][static_cast<size_t>(s)];
   }
   EXPECT_GT(outputs_compared, 0);
+  if (c.fuses) {
+    EXPECT_GT(stepped_cuda.fused_steps(), 0) << l.name << ": no step appended inside the decode's launch";
+  } else {
+    EXPECT_EQ(stepped_cuda.fused_steps(), 0) << l.name << ": a step appended inside the decode's launch";
+  }
   // The pools the two orders left (outlier pages aside: the append's blocks
   // take them from a shared stack in any order).
   for (int64_t layer = 0; layer < kLayers; ++layer) {
@@ -167,12 +179,24 @@ std::vector<StepCase> step_cases() {
   using testing::make_kernel_case;
   std::vector<StepCase> all;
   const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
-                       int64_t tokens_per_split = 256) {
-    all.push_back({std::move(layout), kernel, sequences, tokens_per_split});
+                       int64_t tokens_per_split = 256, bool fuses = false) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses});
   };
-  // The int8 kernel's 64-token steps (rtn), per warp; 40 sequences: the
-  // append's arrays uploaded, not carried in its launch.
-  add(make_kernel_case("rtn_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8));
+  const auto with_element = [](KernelCase layout, kernels::ElementType element) {
+    layout.element = element;
+    return layout;
+  };
+  // The int8 kernel's 64-token steps (rtn), per warp, the one-token steps'
+  // appends inside its launch: fp16, bf16 and fp32 pairs; 40 sequences: the
+  // arrays uploaded, not carried in the launches. GQA 8 (the 32-token
+  // steps): the append launched on its own.
+  add(make_kernel_case("rtn_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256, true);
+  add(with_element(make_kernel_case("rtn_4bit_d128_gqa4_bf16", QuantMethod::kRtn, 4, 128, 8),
+                   kernels::ElementType::kBFloat16),
+      DecodeKernel::kAuto, 3, 256, true);
+  add(with_element(make_kernel_case("rtn_2bit_d64_gqa2_fp32_40_sequences", QuantMethod::kRtn, 2, 64, 4),
+                   kernels::ElementType::kFloat32),
+      DecodeKernel::kAuto, 40, 256, true);
   add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
   // int2-rot: a sink and a window (the exact ranges first at few blocks,
   // else behind the int8 kernel), rotated (the queries rotated first).

@@ -1578,14 +1578,33 @@ TEST(RuntimeKernelsCpuRefusals, ASequenceTwiceInOneAppendIsRefusedWithoutATrace)
 // append then decode_attention, over prefill chunks and decoding steps of a
 // layout with a sink and a window (sequences idle in some steps); the decode
 // after the append in the backend's calls, at the lengths the append left.
-TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
+// Rounds of one token per sequence go to the backend as one step
+// (KernelBackend::decode_step, the CUDA backend's fused launch) with the
+// same entries in the same order, unless fused_decode_step is off.
+class RuntimeKernelsCpuDecodeStep : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
+  const bool fused = GetParam();
   const QuantizerConfig c = windowed_small_rtn();
-  const kernels::CacheOptions options = two_sequence_options();
+  kernels::CacheOptions options = two_sequence_options();
+  options.fused_decode_step = fused;
   auto hooked = std::make_unique<testing::HookedCpuBackend>();
   testing::HookedCpuBackend& backend = *hooked;
   kernels::QuantizedKVCache stepped(c, small_dims(), options, std::move(hooked)), plain(c, small_dims(), options);
   std::vector<std::string> calls;
   std::vector<int64_t> decoded_lengths;
+  backend.before_step = [&](const kernels::AppendParams& append, const kernels::DecodeParams& decode) {
+    calls.push_back("step");
+    // One token each, the decode's entries the append's, at one more token.
+    ASSERT_EQ(append.batch.count, decode.batch.count);
+    EXPECT_EQ(append.rows, append.batch.count);
+    ASSERT_EQ(append.inline_arrays.count, decode.inline_arrays.count);
+    for (int32_t i = 0; i < append.inline_arrays.count; ++i) {
+      EXPECT_EQ(append.inline_arrays.slots[i], decode.inline_arrays.slots[i]);
+      EXPECT_EQ(append.inline_arrays.lengths[i] + 1, decode.inline_arrays.lengths[i]);
+      EXPECT_EQ(append.inline_arrays.token_offsets[i + 1], i + 1);
+    }
+  };
   backend.before_append = [&](const kernels::AppendParams&) { calls.push_back("append"); };
   backend.before_decode = [&](const kernels::DecodeParams& p) {
     calls.push_back("decode");
@@ -1611,7 +1630,11 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
       plain.decode_attention(layer, batch.sequences, queries.data_ptr<float>(), want.data());
       calls.clear();
       stepped.decode_step(layer, batch, queries.data_ptr<float>(), got.data());
-      EXPECT_EQ(calls, (std::vector<std::string>{"append", "decode"}));
+      const bool one_each = rounds[r].first == 1 && rounds[r].second == 1;
+      const std::vector<std::string> expected_calls =
+          fused && one_each ? std::vector<std::string>{"step", "append", "decode"}
+                            : std::vector<std::string>{"append", "decode"};
+      EXPECT_EQ(calls, expected_calls) << "round " << r;
       EXPECT_EQ(decoded_lengths, (std::vector<int64_t>{plain.length(a, layer), plain.length(b, layer)}));
       EXPECT_EQ(got, want) << "round " << r << " layer " << layer;
       EXPECT_EQ(stepped.length(a, layer), plain.length(a, layer));
@@ -1625,10 +1648,15 @@ TEST(RuntimeKernelsCpuDecodeStep, StoresAndAttendsAsAppendThenDecodeAttention) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(FusedOrNot, RuntimeKernelsCpuDecodeStep, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("Fused") : std::string("TwoCalls");
+                         });
+
 // A decode_step the append refuses (a position that is not the length, a
 // sequence past max_context) or whose decode has nothing to attend is one
 // line and leaves the cache as it was: no kernel ran.
-TEST(RuntimeKernelsCpuDecodeStep, RefusedStepsAreOneLineAndRunNothing) {
+TEST(RuntimeKernelsCpuDecodeStepRefusals, RefusedStepsAreOneLineAndRunNothing) {
   kernels::CacheOptions options;
   options.max_context = 40;
   options.max_sequences = 2;

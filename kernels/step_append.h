@@ -1,0 +1,45 @@
+#pragma once
+// A decoding step's append carried by the decode's own launch
+// (DecodePlanner::launch_step, kernels/decode_attention_launch.h): what the
+// int8 decode kernel needs, beyond its DecodeParams, to append each batch
+// entry's one new token before it attends over it. The pools, slots and
+// lengths are the decode's (its lengths count the new token: entry i's goes
+// to position lengths[i] - 1); the rest is the step's AppendParams'.
+// A plain struct of pointers and values (host and device), as the params.
+#include <cstdint>
+
+#include "kernels/decode_params.h"
+
+namespace kvforge::kernels {
+
+struct StepAppendArgs {
+  const void* keys = nullptr;  // [count][kv_heads][D] of `input`: entry i's new token is row i
+  const void* values = nullptr;
+  ElementType input = ElementType::kFloat32;
+  Quantization key_quantization, value_quantization;
+  // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
+  // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), for the
+  // calls after this one. The decode itself takes the new page's id from
+  // here, not from the table (another KV head's block writes it).
+  int32_t* page_table = nullptr;
+  int32_t new_page_plus_one[kInlineBatchEntries] = {};  // all 0 where the pages were uploaded
+};
+
+// The step append of `append` (one new token per entry of the decode that
+// follows it, in the same order): its rows, input type, quantizers, page
+// table and inline new pages.
+inline StepAppendArgs step_append_args(const AppendParams& append) {
+  StepAppendArgs s;
+  s.keys = append.keys;
+  s.values = append.values;
+  s.input = append.input;
+  s.key_quantization = append.key_quantization;
+  s.value_quantization = append.value_quantization;
+  s.page_table = append.page_table;
+  for (int32_t i = 0; i < append.inline_arrays.count && i < kInlineBatchEntries; ++i) {
+    s.new_page_plus_one[i] = append.inline_arrays.new_page_plus_one[i];
+  }
+  return s;
+}
+
+}  // namespace kvforge::kernels

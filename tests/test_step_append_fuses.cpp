@@ -1,0 +1,170 @@
+// step_append_fuses (kernels/decode_attention_launch.h): which decoding
+// steps the CUDA launcher runs with the append inside the decode's int8
+// kernel. A wrong "yes" stores a token the kernel cannot store (a rotation,
+// a window) or attends over rows it did not append, so every condition is
+// taken away one at a time from a step that fuses. The params are the ones
+// QuantizedKVCache::decode_step hands its backend (captured on the CPU
+// reference); the plan is set by hand. Host code only: runs without a GPU.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "formats/quantizer_config.h"
+#include "kernels/decode_attention_launch.h"
+#include "kernels/quantized_kv_cache.h"
+#include "tests/hooked_cpu_backend.h"
+
+namespace kvforge {
+namespace {
+
+using kernels::AppendParams;
+using kernels::DecodeParams;
+using kernels::DecodePlan;
+
+QuantizerConfig rtn(int64_t sink, int64_t window) {
+  QuantizerConfig c;
+  c.name = "rtn";
+  c.settings.method = QuantMethod::kRtn;
+  c.settings.keys = {Grouping::kPerToken, 64};
+  c.settings.values = {Grouping::kPerToken, 64};
+  c.settings.sink_tokens = sink;
+  c.settings.residual_tokens = window;
+  c.layers.resize(1);
+  return c;
+}
+
+// The params of one decoding step of `sequences` sequences (after a
+// prefill of 20 tokens each), as decode_step passes them to its backend;
+// `check` runs while the cache (and so every pointer) is alive.
+void with_step_params(const QuantizerConfig& config, int sequences,
+                      const std::function<void(const AppendParams&, const DecodeParams&)>& check) {
+  kernels::ModelDimensions dims;
+  dims.num_layers = 1;
+  dims.num_heads = 8;
+  dims.num_kv_heads = 2;
+  dims.head_dim = 64;
+  kernels::CacheOptions options;
+  options.max_sequences = sequences;
+  options.max_context = 64;
+  auto hooked = std::make_unique<testing::HookedCpuBackend>();
+  testing::HookedCpuBackend& backend = *hooked;
+  kernels::QuantizedKVCache cache(config, dims, options, std::move(hooked));
+  std::optional<AppendParams> append;
+  std::optional<DecodeParams> decode;
+  backend.before_step = [&](const AppendParams& a, const DecodeParams& d) {
+    append = a;
+    decode = d;
+  };
+  kernels::AppendBatch batch;
+  for (int s = 0; s < sequences; ++s) {
+    batch.sequences.push_back(cache.add_sequence());
+    batch.positions.push_back(0);
+    batch.tokens.push_back(20);
+  }
+  std::vector<float> rows(static_cast<size_t>(20 * sequences * 2 * 64));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 17) * 0.25f - 2.0f;
+  batch.keys = batch.values = rows.data();
+  cache.append(0, batch);
+  for (int s = 0; s < sequences; ++s) {
+    batch.positions[static_cast<size_t>(s)] = 20;
+    batch.tokens[static_cast<size_t>(s)] = 1;
+  }
+  const std::vector<float> queries(static_cast<size_t>(sequences * 8 * 64), 0.5f);
+  std::vector<float> output(queries.size());
+  cache.decode_step(0, batch, queries.data(), output.data());
+  ASSERT_TRUE(append.has_value() && decode.has_value()) << "decode_step did not hand its backend one step";
+  check(*append, *decode);
+}
+
+// The int8 kernel's 64-token steps over every token: what fusing needs.
+DecodePlan int8_wide_plan() {
+  DecodePlan plan;
+  plan.tensor_cores = plan.int8 = true;
+  plan.int8_steps = kernels::Int8Steps::kSteps64Stages4;
+  plan.splits = 1;
+  plan.states = 1;
+  return plan;
+}
+
+TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
+  for (const int sequences : {3, 40}) {  // inline arrays, and uploaded ones
+    with_step_params(rtn(0, 0), sequences, [&](const AppendParams& a, const DecodeParams& d) {
+      EXPECT_EQ(a.inline_arrays.count, sequences <= kernels::kInlineBatchEntries ? sequences : 0);
+      EXPECT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan())) << sequences << " sequences";
+      DecodePlan three_stages = int8_wide_plan();
+      three_stages.int8_steps = kernels::Int8Steps::kSteps64Stages3;
+      EXPECT_TRUE(kernels::step_append_fuses(a, d, three_stages)) << sequences << " sequences";
+    });
+  }
+}
+
+TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
+  with_step_params(rtn(0, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    ASSERT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan()));
+    const auto refused = [&](const std::string& what, const std::function<void(AppendParams&, DecodeParams&, DecodePlan&)>& change) {
+      AppendParams append = a;
+      DecodeParams decode = d;
+      DecodePlan plan = int8_wide_plan();
+      change(append, decode, plan);
+      EXPECT_FALSE(kernels::step_append_fuses(append, decode, plan)) << what;
+    };
+    // The plan: another kernel, the 32-token steps, exact ranges beside.
+    refused("bf16 tensor cores", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8 = false; });
+    refused("lookup kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) {
+      p.int8 = p.tensor_cores = false;
+      p.lookup = true;
+    });
+    refused("32-token steps", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8_steps = kernels::Int8Steps::kSteps32; });
+    refused("exact ranges", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.exact_splits = 1; });
+    // The append: not the token-parallel kernel's, rotated, outliers.
+    refused("per-sequence append kernel", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.kernel = kernels::AppendKernel::kPerSequence; });
+    alignas(16) static const float matrix[2 * 64 * 64] = {};
+    refused("key rotation", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.key_rotation.kind = kernels::RotationKind::kMatrix;
+      a.key_rotation.matrix = matrix;
+    });
+    refused("value rotation", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.value_rotation.kind = kernels::RotationKind::kMatrix;
+      a.value_rotation.matrix = matrix;
+    });
+    refused("key outliers", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.key_quantization.outliers = kernels::OutlierSelection::kTokenTau;
+    });
+    // Other pools or page table than the decode's.
+    refused("other key pages", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.key_cache.pages += 1; });
+    refused("other value pages", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.value_cache.pages += 1; });
+    refused("other page table", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.batch.page_table += 1; });
+    // Not one token per entry, in the decode's order, at its lengths.
+    refused("a token more", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.rows += 1;
+      a.inline_arrays.token_offsets[a.inline_arrays.count] += 1;
+    });
+    refused("two tokens and none", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.inline_arrays.token_offsets[1] = 2; });
+    refused("an entry fewer", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.batch.count -= 1;
+      a.inline_arrays.count -= 1;
+      a.rows -= 1;
+    });
+    refused("slots swapped", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      std::swap(a.inline_arrays.slots[0], a.inline_arrays.slots[1]);
+    });
+    refused("a length off", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.lengths[2] += 1; });
+    refused("inline arrays on one side", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.count = 0; });
+  });
+}
+
+TEST(StepAppendFuses, LayoutsWithASinkOrAWindowDoNotFuse) {
+  with_step_params(rtn(4, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    EXPECT_FALSE(kernels::step_append_fuses(a, d, int8_wide_plan())) << "sink";
+  });
+  with_step_params(rtn(0, 8), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    EXPECT_FALSE(kernels::step_append_fuses(a, d, int8_wide_plan())) << "window";
+  });
+}
+
+}  // namespace
+}  // namespace kvforge
