@@ -334,6 +334,7 @@ int run(int argc, char** argv) {
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
+        const kernels::CudaBackend& backend = *owned_backend;
         const cudaStream_t append_stream = owned_backend->stream();
         kernels::QuantizedKVCache cache(config, dims, options, std::move(owned_backend));
         std::vector<int32_t> sequences;
@@ -500,28 +501,41 @@ int run(int argc, char** argv) {
             cache.set_append_kernel(kernels::AppendKernel::kAuto);
             return t;
           };
-          // A whole decoding step (QuantizedKVCache::decode_step: the append,
-          // then the decode behind it) against the decode alone, each
-          // kAppendRun times back to back behind a busy kernel on the cache's
-          // stream (device time a step): what the append adds to a step, the
-          // rate the decode must be kept up with being the decode's own.
+          // A whole decoding step (QuantizedKVCache::decode_step: the append
+          // inside the decode's launch where the layout allows it, else the
+          // append, then the decode behind it; and as those two launches
+          // where it fuses, fused_decode_step off) against the decode alone,
+          // each kAppendRun times back to back behind a busy kernel on the
+          // cache's stream (device time a step): what the append adds to a
+          // step, the rate the decode must be kept up with being the
+          // decode's own.
           struct StepTimes {
-            double step_us = 0, decode_us = 0;
+            double step_us = 0, two_launches_us = 0, decode_us = 0;
+            bool fused = false;
           };
           const auto measure_steps = [&] {
-            // Alternately, so that the device's clocks treat them alike.
-            std::vector<double> steps, decodes;
-            for (int round = 0; round < 3; ++round) {
-              steps.push_back(queued_run([&] {
+            const auto run_steps = [&](bool fused) {
+              cache.set_fused_decode_step(fused);
+              const double us = queued_run([&] {
                 for (size_t i = 0; i < sequences.size(); ++i) step.positions[i] = cache.length(sequences[i], 0);
                 const int64_t offset = (step_index++ % step_tokens) * batch * kKvHeads * kHeadDim;
                 step.keys = step_keys.data_ptr<float>() + offset;
                 step.values = step_values.data_ptr<float>() + offset;
                 cache.decode_step(0, step, queries.data_ptr(), output.data_ptr(), true, kernels::ElementType::kBFloat16);
-              }, 2).device_us);
+              }, 2).device_us;
+              cache.set_fused_decode_step(true);
+              return us;
+            };
+            // Alternately, so that the device's clocks treat them alike.
+            std::vector<double> steps, two_launches, decodes;
+            const int64_t fused_before = backend.fused_steps();
+            for (int round = 0; round < 3; ++round) {
+              steps.push_back(run_steps(true));
+              two_launches.push_back(run_steps(false));
               decodes.push_back(queued_run([&] { kernels::launch_decode_attention(params, append_stream); }, 2).device_us);
             }
-            return StepTimes{median(std::move(steps)), median(std::move(decodes))};
+            return StepTimes{median(std::move(steps)), median(std::move(two_launches)), median(std::move(decodes)),
+                             backend.fused_steps() > fused_before};
           };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
@@ -568,10 +582,16 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_device_us", per_sequence.device_us}});
             const StepTimes steps = measure_steps();
             const double added = steps.step_us - steps.decode_us;
-            row.update({{"step_device_us", steps.step_us},
+            const double added_two = steps.two_launches_us - steps.decode_us;
+            const auto rate = [&](double a) { return a > 0 ? nlohmann::json(steps.decode_us / a) : nlohmann::json(); };
+            row.update({{"step_fused", steps.fused},
+                        {"step_device_us", steps.step_us},
+                        {"step_two_launches_device_us", steps.two_launches_us},
                         {"step_decode_device_us", steps.decode_us},
                         {"append_in_step_us", added},
-                        {"append_in_step_over_decode_rate", added > 0 ? nlohmann::json(steps.decode_us / added) : nlohmann::json()}});
+                        {"append_in_step_over_decode_rate", rate(added)},
+                        {"append_in_two_launch_step_us", added_two},
+                        {"append_in_two_launch_step_over_decode_rate", rate(added_two)}});
           }
           row.update(graph_replay_columns(params, repeats, cold));
           // Another kernel choice on the same cache and queries: its time,
