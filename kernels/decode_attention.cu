@@ -26,6 +26,12 @@ namespace device = decode_attention_device;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head: one warp each
 
+// A decoding step's append and the kernel that runs it (none: args null).
+struct StepLaunch {
+  const StepAppendArgs* args = nullptr;
+  StepAppendHost host = StepAppendHost::kNone;
+};
+
 [[noreturn]] void refuse(const std::string& what) {
   throw std::invalid_argument("decode_attention (CUDA): " + what);
 }
@@ -159,26 +165,39 @@ void prefer_max_shared_carveout(Kernel kernel) {
 template <int D, int kHeads, ElementType E>
 void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
                          const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
-                         bool dependent) {
+                         bool dependent, const StepAppendArgs* step) {
   const dim3 grid = split_grid(p, blocks);
+  constexpr int kThreads = device::kExactWarps * device::kWarpSize;
+  if (step != nullptr) {
+    // The rotation's staged rows (a matrix rotation's only) in dynamic
+    // shared memory, beside the kernel's static 27-33 KB.
+    constexpr auto kernel = device::decode_exact_kernel<D, kHeads, E, true>;
+    const bool rotated =
+        step->key_rotation.kind == RotationKind::kMatrix || step->value_rotation.kind == RotationKind::kMatrix;
+    const int shared_bytes = rotated ? device::exact_step_shared_bytes<D>() : 0;
+    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    prefer_max_shared_carveout(kernel);
+    launch_kernel(kernel, grid, kThreads, shared_bytes, stream, dependent, p, workspace, assignment, *step);
+    return;
+  }
   prefer_max_shared_carveout(device::decode_exact_kernel<D, kHeads, E>);
-  launch_kernel(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
-         dependent, p, workspace, assignment);
+  launch_kernel(device::decode_exact_kernel<D, kHeads, E>, grid, kThreads, 0, stream, dependent, p, workspace,
+                assignment, NoStepAppend{});
 }
 
 template <int D, int kHeads>
 void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& workspace,
                         const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
-                        bool dependent) {
+                        bool dependent, const StepAppendArgs* step) {
   switch (p.key_cache.layout.spec.element) {
     case ElementType::kFloat16:
-      launch_exact_kernel<D, kHeads, ElementType::kFloat16>(p, workspace, assignment, blocks, stream, dependent);
+      launch_exact_kernel<D, kHeads, ElementType::kFloat16>(p, workspace, assignment, blocks, stream, dependent, step);
       return;
     case ElementType::kBFloat16:
-      launch_exact_kernel<D, kHeads, ElementType::kBFloat16>(p, workspace, assignment, blocks, stream, dependent);
+      launch_exact_kernel<D, kHeads, ElementType::kBFloat16>(p, workspace, assignment, blocks, stream, dependent, step);
       return;
     case ElementType::kFloat32:
-      launch_exact_kernel<D, kHeads, ElementType::kFloat32>(p, workspace, assignment, blocks, stream, dependent);
+      launch_exact_kernel<D, kHeads, ElementType::kFloat32>(p, workspace, assignment, blocks, stream, dependent, step);
       return;
   }
 }
@@ -186,16 +205,18 @@ void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& wor
 // The exact ranges' blocks (plan.exact_splits per KV head and sequence, their
 // states after the tensor-core kernel's): decode_exact_kernel where
 // DecodePlan::exact_kernel, else the general kernel. `dependent` as launch's.
+// `step`: a decoding step's append the exact kernel runs (null: none;
+// step_append_host says when).
 template <int D, int kBits>
 void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, bool dependent) {
+                         cudaStream_t stream, bool dependent, const StepAppendArgs* step = nullptr) {
   const device::SplitAssignment assignment{0, true, plan.splits, plan.exact_chunk};
   if (!plan.exact_kernel) {
     launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
-    launch_exact_heads<D, 4>(p, workspace, assignment, plan.exact_splits, stream, dependent);
+    launch_exact_heads<D, 4>(p, workspace, assignment, plan.exact_splits, stream, dependent, step);
   } else {
-    launch_exact_heads<D, 8>(p, workspace, assignment, plan.exact_splits, stream, dependent);
+    launch_exact_heads<D, 8>(p, workspace, assignment, plan.exact_splits, stream, dependent, step);
   }
 }
 
@@ -313,7 +334,7 @@ void with_int8_step_kernel(const DecodeParams& p, Int8Steps steps, F&& f) {
   }
 }
 
-using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits, device::NoStepAppend);
+using Int8Kernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits, NoStepAppend);
 using Int8StepKernel = void (*)(DecodeParams, device::SplitWorkspace, device::TensorCoreSplits, StepAppendArgs);
 using Int8SharedBytes = int (*)(bool, int);
 constexpr int kInt8Threads = device::kInt8Warps * device::kWarpSize;
@@ -391,7 +412,7 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
   with_int8_kernel<D>(p, plan.int8_steps, [&](Int8Kernel kernel, Int8SharedBytes shared_bytes_of) {
     const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
     launch_kernel_in_clusters(kernel, grid, cluster_blocks, kInt8Threads, shared_bytes, stream, dependent, p,
-                              workspace, splits, device::NoStepAppend{});
+                              workspace, splits, NoStepAppend{});
   });
 }
 
@@ -476,10 +497,13 @@ void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& 
 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                     cudaStream_t stream, const StepAppendArgs* step) {
+                     cudaStream_t stream, const StepLaunch& step_launch) {
+  // A step's append goes to the kernel that hosts it.
+  const StepAppendArgs* step = step_launch.host == StepAppendHost::kInt8Kernel ? step_launch.args : nullptr;
+  const StepAppendArgs* exact_step = step_launch.host == StepAppendHost::kExactKernel ? step_launch.args : nullptr;
   if (plan.lookup) {
     launch_lookup<D, kBits>(p, workspace, plan, stream);
-    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
     return;
   }
   if (plan.tensor_cores) {
@@ -494,16 +518,16 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // queries rotated first, the rotation's dependent (it waits for the
       // queries, then lets the exact blocks launch: load_group_queries).
       if (plan.exact_first) {
-        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
+        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
         launch_int8<D>(p, workspace, plan, stream, true, step);
       } else {
         launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step);
-        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
+        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true, exact_step);
       }
       return;
     }
     launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
-    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
   } else {
     launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream);
   }
@@ -524,11 +548,9 @@ void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace
   launch_kernel(kernel, grid, device::merge_threads<D, kParts, kHeads>(), shared_bytes, stream, true, p, workspace);
 }
 
-// `step` as launch_int8's (only where the int8 kernel takes the call:
-// step_append_fuses).
 template <int D>
 void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, const StepAppendArgs* step) {
+                         cudaStream_t stream, const StepLaunch& step) {
   if (p.key_cache.layout.spec.bits == 2) {
     launch_for_bits<D, 2>(p, workspace, plan, stream, step);
   } else {
@@ -768,17 +790,18 @@ int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return work
 void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan(params), stream, nullptr);
+  run(params, plan(params), stream, nullptr, StepAppendHost::kNone);
 }
 
 void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan, stream, nullptr);
+  run(params, plan, stream, nullptr, StepAppendHost::kNone);
 }
 
 void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream,
-                        const StepAppendArgs* step) {
+                        const StepAppendArgs* step_args, StepAppendHost host) {
+  const StepLaunch step{step_args, host};
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
@@ -800,35 +823,50 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   KVFORGE_CUDA_CHECK(launched);
 }
 
-bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
+StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
   const TensorPageLayout& keys = append.key_cache.layout;
   const TensorPageLayout& values = append.value_cache.layout;
-  // The decode's int8 kernel in its wide steps, nothing beside it.
-  if (!plan.int8 || plan.int8_steps == Int8Steps::kSteps32 || plan.exact_splits != 0) return false;
-  // The token-parallel append's layouts without a rotation, sink or window
-  // (rtn's), into the pools the decode reads.
-  if (!takes_token_parallel(append) || append.key_rotation.kind != RotationKind::kNone ||
-      append.value_rotation.kind != RotationKind::kNone || keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 ||
-      values.ring_capacity != 0) {
-    return false;
-  }
+  // The token-parallel append's layouts (each token quantized on its own),
+  // into the pools and page table the decode reads.
+  if (!takes_token_parallel(append)) return StepAppendHost::kNone;
   if (append.key_cache.pages != decode.key_cache.pages || append.value_cache.pages != decode.value_cache.pages ||
+      append.key_cache.exact != decode.key_cache.exact || append.value_cache.exact != decode.value_cache.exact ||
       append.batch.page_table != decode.batch.page_table ||
       append.batch.page_table_stride != decode.batch.page_table_stride) {
-    return false;
+    return StepAppendHost::kNone;
   }
   // One new token per entry, the entries in the decode's order: what the
   // inline arrays show is checked; uploaded arrays are the caller's word
   // (rows == count).
   const int32_t count = decode.batch.count;
-  if (append.batch.count != count || append.rows != count) return false;
+  if (append.batch.count != count || append.rows != count) return StepAppendHost::kNone;
   const InlineBatchArrays& a = append.inline_arrays;
   const InlineDecodeArrays& d = decode.inline_arrays;
-  if (a.count != d.count) return false;
+  if (a.count != d.count) return StepAppendHost::kNone;
   for (int32_t i = 0; i < a.count; ++i) {
-    if (a.slots[i] != d.slots[i] || a.lengths[i] + 1 != d.lengths[i] || a.token_offsets[i + 1] != i + 1) return false;
+    if (a.slots[i] != d.slots[i] || a.lengths[i] + 1 != d.lengths[i] || a.token_offsets[i + 1] != i + 1) {
+      return StepAppendHost::kNone;
+    }
   }
-  return true;
+  // With a window in both kinds the new token is read from its ring rows
+  // only, by the exact kernel's block whose chunk ends at it (or from its
+  // sink rows early on): that block appends it, a matrix rotation
+  // included.
+  if (keys.ring_capacity > 0 && values.ring_capacity > 0) {
+    return plan.exact_kernel && plan.exact_splits > 0 ? StepAppendHost::kExactKernel : StepAppendHost::kNone;
+  }
+  // Without a rotation, sink or window the int8 kernel's 64-token steps
+  // read it from its codes, and nothing else runs beside them.
+  if (append.key_rotation.kind != RotationKind::kNone || append.value_rotation.kind != RotationKind::kNone ||
+      keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 || values.ring_capacity != 0) {
+    return StepAppendHost::kNone;
+  }
+  if (!plan.int8 || plan.int8_steps == Int8Steps::kSteps32 || plan.exact_splits != 0) return StepAppendHost::kNone;
+  return StepAppendHost::kInt8Kernel;
+}
+
+bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
+  return step_append_host(append, decode, plan) != StepAppendHost::kNone;
 }
 
 bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream) {
@@ -843,14 +881,15 @@ bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& 
 bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
                                 cudaStream_t stream) {
   check_params(decode);
-  if (decode.batch.count == 0 || !step_append_fuses(append, decode, plan)) {
+  const StepAppendHost host = decode.batch.count > 0 ? step_append_host(append, decode, plan) : StepAppendHost::kNone;
+  if (host == StepAppendHost::kNone) {
     launch_append(append, stream);
-    if (decode.batch.count > 0) run(decode, plan, stream, nullptr);
+    if (decode.batch.count > 0) run(decode, plan, stream, nullptr, StepAppendHost::kNone);
     return false;
   }
   check_append_params(append);
   const StepAppendArgs step = step_append_args(append);
-  run(decode, plan, stream, &step);
+  run(decode, plan, stream, &step, host);
   return true;
 }
 

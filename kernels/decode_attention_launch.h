@@ -109,14 +109,21 @@ Int8Steps default_int8_steps(const DecodeParams& params);
 // params.kernel picks among the kernels that read the layout.
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
-// Whether DecodePlanner::launch_step runs `append` inside the decode's own
-// launch (kernels/step_append.cuh): `plan` (the decode's) puts every token
-// on the int8 kernel's 64-token steps with no exact ranges; the append is
-// the token-parallel kernel's (takes_token_parallel) without a rotation,
-// sink or window, into the decode's pools and page table, one row per
-// entry; and the inline arrays (both or neither) show the same slots, one
-// token each, at the decode's lengths minus one. On the H200 that is rtn's
-// layout at 2 and 4 bits, GQA groups of at most 4 heads.
+// Which kernel of the decode's launch runs a decoding step's append
+// (DecodePlanner::launch_step, kernels/step_append.cuh), if any. Both need
+// the token-parallel append's layout (takes_token_parallel) into the
+// decode's pools and page table, one row per entry, and inline arrays
+// (both or neither) that show the same slots, one token each, at the
+// decode's lengths minus one. kExactKernel: a window in both kinds (the new
+// token is read from its ring rows, or sink rows, only) and the exact
+// kernel taking the exact ranges: its block whose chunk ends at the token
+// appends it, a matrix rotation included (int2-rot's layout). kInt8Kernel:
+// no rotation, sink or window, every token on the int8 kernel's 64-token
+// steps (rtn's layout at 2 and 4 bits, GQA groups of at most 4 heads): the
+// warp whose run ends at the token appends it.
+enum class StepAppendHost { kNone, kInt8Kernel, kExactKernel };
+StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
+// step_append_host(...) != kNone.
 bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
 
 // Plans and launches on one device (the current one at its first plan),
@@ -155,8 +162,9 @@ class DecodePlanner {
   };
   int resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps);
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
-  // `step`: a step's append the int8 kernel runs (null: none).
-  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step);
+  // `step`: a step's append and `host`, the kernel that runs it (null, kNone: none).
+  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step,
+           StepAppendHost host);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device

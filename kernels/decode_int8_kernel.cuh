@@ -251,12 +251,6 @@ constexpr int int8_blocks_per_multiprocessor() {
     return kFit < 4 ? kFit : 4;
   }
 }
-// The kernel's fourth parameter: a decoding step's append (kStepAppend:
-// StepAppendArgs, kernels/step_append.cuh), else nothing.
-struct NoStepAppend {};
-template <bool kStepAppend>
-using StepAppendParam = std::conditional_t<kStepAppend, StepAppendArgs, NoStepAppend>;
-
 // kStepAppend: each entry's new token (its last) is appended by the warp
 // whose run ends there, before that warp reads it (the wide steps only).
 template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages,

@@ -7,6 +7,7 @@
 // to position lengths[i] - 1); the rest is the step's AppendParams'.
 // A plain struct of pointers and values (host and device), as the params.
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/decode_params.h"
 
@@ -17,6 +18,7 @@ struct StepAppendArgs {
   const void* values = nullptr;
   ElementType input = ElementType::kFloat32;
   Quantization key_quantization, value_quantization;
+  Rotation key_rotation, value_rotation;
   // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
   // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), for the
   // calls after this one. The decode itself takes the new page's id from
@@ -25,9 +27,15 @@ struct StepAppendArgs {
   int32_t new_page_plus_one[kInlineBatchEntries] = {};  // all 0 where the pages were uploaded
 };
 
+// A kernel's step-append parameter: StepAppendArgs where it appends the
+// step's tokens (its kStepAppend instantiation), else nothing.
+struct NoStepAppend {};
+template <bool kStepAppend>
+using StepAppendParam = std::conditional_t<kStepAppend, StepAppendArgs, NoStepAppend>;
+
 // The step append of `append` (one new token per entry of the decode that
-// follows it, in the same order): its rows, input type, quantizers, page
-// table and inline new pages.
+// follows it, in the same order): its rows, input type, quantizers,
+// rotations, page table and inline new pages.
 inline StepAppendArgs step_append_args(const AppendParams& append) {
   StepAppendArgs s;
   s.keys = append.keys;
@@ -35,6 +43,8 @@ inline StepAppendArgs step_append_args(const AppendParams& append) {
   s.input = append.input;
   s.key_quantization = append.key_quantization;
   s.value_quantization = append.value_quantization;
+  s.key_rotation = append.key_rotation;
+  s.value_rotation = append.value_rotation;
   s.page_table = append.page_table;
   for (int32_t i = 0; i < append.inline_arrays.count && i < kInlineBatchEntries; ++i) {
     s.new_page_plus_one[i] = append.inline_arrays.new_page_plus_one[i];

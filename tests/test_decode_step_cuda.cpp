@@ -11,11 +11,12 @@
 // tokens and single tokens across page, group and window boundaries, 3 and
 // 40 sequences (the append's arrays carried in its launch or uploaded),
 // sequences idle in some steps; every decode kernel takes part. Where
-// every sequence gets one token and the layout is rtn's on the int8
-// kernel's 64-token steps, the CUDA backend appends inside the decode's
-// launch (kernels/step_append.cuh): each case says whether its steps must
-// have taken that path (CudaBackend::fused_steps), so that the
-// bit-equality covers it. Skipped without a GPU.
+// every sequence gets one token the CUDA backend appends inside the
+// decode's launch where it can (kernels/step_append.cuh): rtn's layout on
+// the int8 kernel's 64-token steps (its warps), int2-rot's window on the
+// exact kernel (its blocks, a matrix rotation staged); each case says
+// whether its steps must have taken that path (CudaBackend::fused_steps),
+// so that the bit-equality covers it. Skipped without a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -199,10 +200,14 @@ std::vector<StepCase> step_cases() {
       DecodeKernel::kAuto, 40, 256, true);
   add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
   // int2-rot: a sink and a window (the exact ranges first at few blocks,
-  // else behind the int8 kernel), rotated (the queries rotated first).
-  add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
+  // else behind the int8 kernel), rotated (the queries rotated first); the
+  // one-token steps' appends in the exact kernel's blocks that end at them.
+  add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3, 256, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
-      40, 256);
+      40, 256, true);
+  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
+                   kernels::ElementType::kBFloat16),
+      DecodeKernel::kAuto, 3, 256, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group
   // completes (the int8 kernel's general variant, the general kernel's
   // exact ranges).

@@ -1,8 +1,9 @@
-// step_append_fuses (kernels/decode_attention_launch.h): which decoding
-// steps the CUDA launcher runs with the append inside the decode's int8
-// kernel. A wrong "yes" stores a token the kernel cannot store (a rotation,
-// a window) or attends over rows it did not append, so every condition is
-// taken away one at a time from a step that fuses. The params are the ones
+// step_append_host (kernels/decode_attention_launch.h): which decoding
+// steps the CUDA launcher runs with the append inside the decode's launch,
+// and which kernel appends: the int8 kernel (rtn's layout) or the exact
+// kernel (a window: int2-rot's). A wrong answer stores a token the kernel
+// cannot store or attends over rows nobody appended yet, so every condition
+// is taken away one at a time from a step that fuses. The params are the ones
 // QuantizedKVCache::decode_step hands its backend (captured on the CPU
 // reference); the plan is set by hand. Host code only: runs without a GPU.
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@ namespace {
 using kernels::AppendParams;
 using kernels::DecodeParams;
 using kernels::DecodePlan;
+using kernels::StepAppendHost;
 
 QuantizerConfig rtn(int64_t sink, int64_t window) {
   QuantizerConfig c;
@@ -80,7 +82,8 @@ void with_step_params(const QuantizerConfig& config, int sequences,
   check(*append, *decode);
 }
 
-// The int8 kernel's 64-token steps over every token: what fusing needs.
+// The int8 kernel's 64-token steps over every token: what fusing needs
+// without a window.
 DecodePlan int8_wide_plan() {
   DecodePlan plan;
   plan.tensor_cores = plan.int8 = true;
@@ -90,10 +93,19 @@ DecodePlan int8_wide_plan() {
   return plan;
 }
 
+// The same with the exact kernel's blocks over the sink and window.
+DecodePlan with_exact_kernel(DecodePlan plan) {
+  plan.exact_splits = 2;
+  plan.exact_kernel = true;
+  plan.states = plan.splits + plan.exact_splits;
+  return plan;
+}
+
 TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
   for (const int sequences : {3, 40}) {  // inline arrays, and uploaded ones
     with_step_params(rtn(0, 0), sequences, [&](const AppendParams& a, const DecodeParams& d) {
       EXPECT_EQ(a.inline_arrays.count, sequences <= kernels::kInlineBatchEntries ? sequences : 0);
+      EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kInt8Kernel) << sequences;
       EXPECT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan())) << sequences << " sequences";
       DecodePlan three_stages = int8_wide_plan();
       three_stages.int8_steps = kernels::Int8Steps::kSteps64Stages3;
@@ -157,12 +169,45 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
   });
 }
 
-TEST(StepAppendFuses, LayoutsWithASinkOrAWindowDoNotFuse) {
+// A window in both kinds: the exact kernel's block that ends at the token
+// appends it (a sink beside the window, a rotation, 32-token steps or
+// another quantized-token kernel change nothing), where the exact kernel
+// takes the exact ranges; a sink alone leaves the token to the int8
+// kernel's codes beside exact ranges: no fusing.
+TEST(StepAppendFuses, AWindowPutsTheAppendInTheExactKernel) {
+  for (const int64_t sink : {0, 4}) {
+    with_step_params(rtn(sink, 8), 3, [&](const AppendParams& a, const DecodeParams& d) {
+      EXPECT_EQ(kernels::step_append_host(a, d, with_exact_kernel(int8_wide_plan())), StepAppendHost::kExactKernel)
+          << "sink " << sink;
+      DecodePlan steps32 = with_exact_kernel(int8_wide_plan());
+      steps32.int8_steps = kernels::Int8Steps::kSteps32;
+      EXPECT_EQ(kernels::step_append_host(a, d, steps32), StepAppendHost::kExactKernel) << "sink " << sink;
+      DecodePlan lookup = with_exact_kernel(DecodePlan{});
+      lookup.lookup = true;
+      EXPECT_EQ(kernels::step_append_host(a, d, lookup), StepAppendHost::kExactKernel) << "sink " << sink;
+      AppendParams rotated = a;
+      alignas(16) static const float matrix[2 * 64 * 64] = {};
+      rotated.key_rotation.kind = rotated.value_rotation.kind = kernels::RotationKind::kMatrix;
+      rotated.key_rotation.matrix = rotated.value_rotation.matrix = matrix;
+      EXPECT_EQ(kernels::step_append_host(rotated, d, with_exact_kernel(int8_wide_plan())),
+                StepAppendHost::kExactKernel)
+          << "sink " << sink;
+      // The general kernel's exact ranges, or none planned: the append on its own.
+      DecodePlan general = with_exact_kernel(int8_wide_plan());
+      general.exact_kernel = false;
+      EXPECT_EQ(kernels::step_append_host(a, d, general), StepAppendHost::kNone) << "sink " << sink;
+      EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink " << sink;
+      AppendParams other_exact = a;
+      other_exact.value_cache.exact += 16;
+      EXPECT_EQ(kernels::step_append_host(other_exact, d, with_exact_kernel(int8_wide_plan())),
+                StepAppendHost::kNone)
+          << "sink " << sink;
+    });
+  }
   with_step_params(rtn(4, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
-    EXPECT_FALSE(kernels::step_append_fuses(a, d, int8_wide_plan())) << "sink";
-  });
-  with_step_params(rtn(0, 8), 3, [&](const AppendParams& a, const DecodeParams& d) {
-    EXPECT_FALSE(kernels::step_append_fuses(a, d, int8_wide_plan())) << "window";
+    EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink alone";
+    EXPECT_EQ(kernels::step_append_host(a, d, with_exact_kernel(int8_wide_plan())), StepAppendHost::kNone)
+        << "sink alone";
   });
 }
 
