@@ -390,9 +390,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       next_in_page = static_cast<int32_t>(s_index % page_size);
     }
   }
-  // Loaded before the queries (before the wait for them where they were
-  // rotated first), so that its round trip overlaps theirs (on the H200
-  // within noise of loading it after the key operands: bench/README.md).
   // A step's append (kStepAppend): by the warp whose run ends at the new
   // token, before it reads the token's page id or bytes. The condition (the
   // same for the warp's lanes) goes through a vote, which the compiler knows
@@ -406,6 +403,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
           p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
     }
   }
+  // Loaded before the queries (before the wait for them where they were
+  // rotated first), so that its round trip overlaps theirs (on the H200
+  // within noise of loading it after the key operands: bench/README.md).
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,

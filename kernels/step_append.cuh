@@ -1,8 +1,8 @@
 #pragma once
-// Device code of a decoding step's append inside the int8 decode kernel
-// (StepAppendArgs, kernels/step_append.h): the warp whose run of the
-// context ends at an entry's new token quantizes and stores that token of
-// its KV head, keys and values, before it reads anything of it. A separate
+// Device code of a decoding step's append inside the decode's kernels
+// (StepAppendArgs, kernels/step_append.h): the warp or block that reads an
+// entry's new token quantizes and stores that token of its KV head, keys
+// and values, before it reads anything of it. A separate
 // append launch costs a decoding step about an empty kernel's time (~2.7 us
 // on the H200 under the benchmark's timer), more than a tenth of the decode
 // at batch 1 (bench/README.md): inside the decode's launch the append is a
@@ -154,9 +154,10 @@ __device__ inline void append_step_token_block_as(const DecodeParams& p, const S
 
 // The whole block (kThreads threads, every one of them): entry `entry`'s
 // new token of KV head `kv_head`, keys and values, rotated where the kinds
-// have a matrix, stored, and a page the step opens written. For a block of the exact
-// ranges that reads the token back from its ring (or sink) row: on return
-// the block's later reads see the stored bytes. kElement: the cache's.
+// have a matrix, stored, and a page the step opens written. For a block of
+// the exact ranges that reads the token back from its ring (or sink) row:
+// on return the block's later reads see the stored bytes. kElement: the
+// cache's.
 template <int D, int kThreads, ElementType kElement>
 __device__ inline void append_step_token_block(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
                                                int32_t kv_head, const StepToken& token,
