@@ -47,20 +47,28 @@ struct StepCase {
   int sequences = 3;
   int64_t tokens_per_split = 256;
   bool fuses = false;  // the one-token steps append inside the decode's launch
+  // The decoding steps from empty sequences: the first tokens land in the
+  // sink, the window fills and wraps, the first pages open (else a prefill
+  // of hundreds of tokens comes first).
+  bool from_empty = false;
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
 
 // Rounds of (tokens per sequence): prefill chunks of different lengths (some
 // sequences idle), then decoding steps; sequence s of n. The totals stay
-// under 3000 tokens.
-std::vector<std::vector<int64_t>> schedule(int n) {
+// under 3000 tokens. `from_empty`: 40 one-token steps of every sequence
+// first.
+std::vector<std::vector<int64_t>> schedule(int n, bool from_empty) {
   std::vector<std::vector<int64_t>> rounds;
   const auto round = [&](auto tokens_of) {
     std::vector<int64_t> r;
     for (int s = 0; s < n; ++s) r.push_back(tokens_of(s));
     rounds.push_back(r);
   };
+  if (from_empty) {
+    for (int i = 0; i < 40; ++i) round([](int) { return int64_t{1}; });
+  }
   round([](int s) { return int64_t{700} + 131 * (s % 5); });
   for (int i = 0; i < 3; ++i) round([](int) { return int64_t{1}; });
   round([](int s) { return s % 3 == 1 ? int64_t{0} : int64_t{997} - 17 * (s % 7); });
@@ -95,7 +103,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   kernels::QuantizedKVCache stepped(config, dims, options, std::move(stepped_backend));
   kernels::QuantizedKVCache plain(config, dims, options, std::make_unique<kernels::CudaBackend>());
 
-  const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences);
+  const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty);
   std::vector<int64_t> totals(static_cast<size_t>(c.sequences), 0);
   for (const auto& r : rounds) {
     for (int s = 0; s < c.sequences; ++s) totals[static_cast<size_t>(s)] += r[static_cast<size_t>(s)];
@@ -180,8 +188,8 @@ std::vector<StepCase> step_cases() {
   using testing::make_kernel_case;
   std::vector<StepCase> all;
   const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
-                       int64_t tokens_per_split = 256, bool fuses = false) {
-    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses});
+                       int64_t tokens_per_split = 256, bool fuses = false, bool from_empty = false) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty});
   };
   const auto with_element = [](KernelCase layout, kernels::ElementType element) {
     layout.element = element;
@@ -208,6 +216,12 @@ std::vector<StepCase> step_cases() {
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
                    kernels::ElementType::kBFloat16),
       DecodeKernel::kAuto, 3, 256, true);
+  // Steps from empty sequences: the sink's rows, the window filling and
+  // wrapping, the first pages (rtn: from the first token).
+  add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
+      256, true, true);
+  add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
+      true, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group
   // completes (the int8 kernel's general variant, the general kernel's
   // exact ranges).
