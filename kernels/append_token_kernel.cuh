@@ -391,7 +391,9 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kBlockRows;
   if (t.rotation.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
     const int64_t row = first_row + warp;
-    if (warp < kBlockRows && row < args.rows) append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
+    if (warp < kBlockRows && row < args.rows) {
+      append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
+    }
     return;
   }
   append_rotated_rows<kE, kBits, kElement, kBlockRows, 32 * kTokenWarps>(

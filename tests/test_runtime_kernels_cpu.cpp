@@ -1519,7 +1519,8 @@ TEST(RuntimeKernelsCpuScratch, SmallDecodeBatchesCarryTheirArraysInTheCall) {
   backend.before_decode = [&](const kernels::DecodeParams& p) { seen = p; };
   const std::vector<float> queries(40 * 4 * 64, 0.25f);
   std::vector<float> output(queries.size());
-  for (const size_t count : {size_t{1}, size_t{kernels::kInlineBatchEntries}, size_t{kernels::kInlineBatchEntries + 1}}) {
+  constexpr auto kInline = static_cast<size_t>(kernels::kInlineBatchEntries);
+  for (const size_t count : {size_t{1}, kInline, kInline + 1}) {
     const std::span<const int32_t> batch(slots.data() + 40 - count, count);
     cache.decode_attention(0, batch, queries.data(), output.data());
     const bool inline_arrays = count <= static_cast<size_t>(kernels::kInlineBatchEntries);

@@ -117,7 +117,8 @@ TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
 TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
   with_step_params(rtn(0, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
     ASSERT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan()));
-    const auto refused = [&](const std::string& what, const std::function<void(AppendParams&, DecodeParams&, DecodePlan&)>& change) {
+    using Change = std::function<void(AppendParams&, DecodeParams&, DecodePlan&)>;
+    const auto refused = [&](const std::string& what, const Change& change) {
       AppendParams append = a;
       DecodeParams decode = d;
       DecodePlan plan = int8_wide_plan();
@@ -130,10 +131,12 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
       p.int8 = p.tensor_cores = false;
       p.lookup = true;
     });
-    refused("32-token steps", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8_steps = kernels::Int8Steps::kSteps32; });
+    refused("32-token steps",
+            [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8_steps = kernels::Int8Steps::kSteps32; });
     refused("exact ranges", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.exact_splits = 1; });
     // The append: not the token-parallel kernel's, rotated, outliers.
-    refused("per-sequence append kernel", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.kernel = kernels::AppendKernel::kPerSequence; });
+    refused("per-sequence append kernel",
+            [](AppendParams& a, DecodeParams&, DecodePlan&) { a.kernel = kernels::AppendKernel::kPerSequence; });
     alignas(16) static const float matrix[2 * 64 * 64] = {};
     refused("key rotation", [](AppendParams& a, DecodeParams&, DecodePlan&) {
       a.key_rotation.kind = kernels::RotationKind::kMatrix;
@@ -155,7 +158,8 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
       a.rows += 1;
       a.inline_arrays.token_offsets[a.inline_arrays.count] += 1;
     });
-    refused("two tokens and none", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.inline_arrays.token_offsets[1] = 2; });
+    refused("two tokens and none",
+            [](AppendParams& a, DecodeParams&, DecodePlan&) { a.inline_arrays.token_offsets[1] = 2; });
     refused("an entry fewer", [](AppendParams& a, DecodeParams&, DecodePlan&) {
       a.batch.count -= 1;
       a.inline_arrays.count -= 1;
@@ -165,7 +169,8 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
       std::swap(a.inline_arrays.slots[0], a.inline_arrays.slots[1]);
     });
     refused("a length off", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.lengths[2] += 1; });
-    refused("inline arrays on one side", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.count = 0; });
+    refused("inline arrays on one side",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.count = 0; });
   });
 }
 
