@@ -48,7 +48,8 @@ class CudaBackend final : public KernelBackend {
   // decode without params.workspace gets the backend's.
   void append(const AppendParams& params) override;
   void decode_attention(const DecodeParams& params) override;
-  // Fused where DecodePlanner::launch_step can (step_append_fuses).
+  // The append inside the decode's launch where DecodePlanner::launch_step
+  // can (step_append_host), else the two launches.
   bool decode_step(const AppendParams& step_append, const DecodeParams& decode) override;
   void synchronize() override;  // the backend's stream
 
