@@ -81,7 +81,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTORCH_CUDA_
 # GPU_CHECKS_ONLY=rotation: only what kvforge rotate needs (a device call
 # has 10 minutes; the whole build takes half of them).
 if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
-  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix test_decode_step_cuda kvforge_bench_decode_attention"
+  targets="--target test_runtime_kernels_cpu test_append_cuda test_decode_attention_cuda test_decode_attention_cuda_matrix test_decode_step_cuda test_step_append_fuses kvforge_bench_decode_attention"
   # The op library's CUDA test builds its artifact with the kvforge binary.
   [ -n "${SKIP_TORCH_OPS:-}" ] || targets="$targets kvforge kvforge_torch_ops"
 elif [ "${GPU_CHECKS_ONLY:-}" = eval ]; then
@@ -206,8 +206,9 @@ kernel_checks() {
   # KERNEL_TESTS names others (empty: none); KERNEL_TEST_FILTER narrows
   # their cases (a gtest filter).
   # test_decode_step_cuda: decode_step (an append and the decode over it in
-  # one call) against append then decode_attention, bit for bit.
-  kernel_tests="test_append_cuda test_decode_attention_cuda test_decode_step_cuda"
+  # one call) against append then decode_attention, bit for bit;
+  # test_step_append_fuses (host code) which steps it runs in one launch.
+  kernel_tests="test_append_cuda test_decode_attention_cuda test_decode_step_cuda test_step_append_fuses"
   [ -n "${SKIP_MATRIX:-}" ] || kernel_tests="$kernel_tests test_decode_attention_cuda_matrix"
   kernel_tests=${KERNEL_TESTS-$kernel_tests}
   for t in $kernel_tests; do
