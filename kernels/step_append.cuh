@@ -25,34 +25,27 @@
 
 namespace kvforge::kernels::step_append_device {
 
-// Where a warp's step token goes, and the page the step opens for it.
+// Where a step token goes (append_token_kernel.cuh's target), and the page
+// the step opens for it.
 struct StepToken {
   append_device::TokenTarget target;
   int32_t new_page_index = -1;  // the table index of a page the step opens; -1: none
   int32_t new_page = 0;
 };
 
-// Entry `entry`'s new token, at position length - 1 of slot `slot`
-// (page_row: the slot's page-table row); target.to_ring for the keys (a
-// single token of a call always lands in a ring there is: the values' may
-// differ, step_value_target).
+// Entry `entry`'s new token (step_token_place); target.to_ring for the keys
+// (a single token of a call always lands in a ring there is: the values'
+// may differ, step_value_target).
 __device__ inline StepToken step_token(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
                                        int32_t slot, int64_t length, const int32_t* page_row) {
-  const TensorLayoutSpec& spec = p.key_cache.layout.spec;
+  const StepTokenPlace place = step_token_place(p.key_cache.layout.spec, step, entry, slot, length, page_row);
   StepToken t;
-  t.target.slot = slot;
-  t.target.token = length - 1;
+  t.target.slot = place.slot;
+  t.target.token = place.token;
+  t.target.page_id = place.page_id;
   t.target.to_ring = p.key_cache.layout.ring_capacity > 0;
-  const int32_t opened = entry < kInlineBatchEntries ? step.new_page_plus_one[entry] - 1 : -1;
-  const int32_t new_index = new_page_index(spec, length - 1);
-  if (opened >= 0) {
-    t.new_page_index = new_index;
-    t.new_page = opened;
-  }
-  if (t.target.token >= spec.sink_tokens) {
-    const auto index = static_cast<int32_t>((t.target.token - spec.sink_tokens) / spec.page_size);
-    t.target.page_id = index == t.new_page_index ? t.new_page : page_row[index];
-  }
+  t.new_page_index = place.new_page_index;
+  t.new_page = place.new_page;
   return t;
 }
 

@@ -33,6 +33,37 @@ struct NoStepAppend {};
 template <bool kStepAppend>
 using StepAppendParam = std::conditional_t<kStepAppend, StepAppendArgs, NoStepAppend>;
 
+// Where entry `entry`'s new token goes: slot `slot`, position length - 1
+// (length: the decode's, counting it), its page (page_row: the slot's
+// page-table row as the launch finds it, without the page the step opens),
+// and that page's table index where the step opens one (the inline
+// arrays'). Host and device: the kernels' placement, tested on the host.
+struct StepTokenPlace {
+  int32_t slot = 0;
+  int64_t token = 0;
+  int32_t page_id = 0;          // 0 within the sink
+  int32_t new_page_index = -1;  // -1: the step opens no page (or it was uploaded)
+  int32_t new_page = 0;
+};
+
+KVFORGE_HOST_DEVICE inline StepTokenPlace step_token_place(const TensorLayoutSpec& spec, const StepAppendArgs& step,
+                                                           int32_t entry, int32_t slot, int64_t length,
+                                                           const int32_t* page_row) {
+  StepTokenPlace place;
+  place.slot = slot;
+  place.token = length - 1;
+  const int32_t opened = entry < kInlineBatchEntries ? step.new_page_plus_one[entry] - 1 : -1;
+  if (opened >= 0) {
+    place.new_page_index = new_page_index(spec, length - 1);
+    place.new_page = opened;
+  }
+  if (place.token >= spec.sink_tokens) {
+    const auto index = static_cast<int32_t>((place.token - spec.sink_tokens) / spec.page_size);
+    place.page_id = index == place.new_page_index ? place.new_page : page_row[index];
+  }
+  return place;
+}
+
 // The step append of `append` (one new token per entry of the decode that
 // follows it, in the same order): its rows, input type, quantizers,
 // rotations, page table and inline new pages.

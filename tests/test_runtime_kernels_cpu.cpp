@@ -40,6 +40,7 @@
 #include "eval/simulated_quantized_cache.h"
 #include "kernels/element_conversion.h"
 #include "kernels/quantized_kv_cache.h"
+#include "kernels/step_append.h"
 #include "tests/hooked_cpu_backend.h"
 #include "tests/kernel_activations.h"
 #include "tests/kernel_cases.h"
@@ -1653,6 +1654,76 @@ INSTANTIATE_TEST_SUITE_P(FusedOrNot, RuntimeKernelsCpuDecodeStep, ::testing::Boo
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? std::string("Fused") : std::string("TwoCalls");
                          });
+
+// step_token_place (kernels/step_append.h): where the CUDA kernels that
+// append a step's token inside the decode put it (its position, its page,
+// the page the step opens and that page's table index), from the params
+// decode_step hands its backend, is where the reference append put it:
+// the page table after the step holds that page at that index. Pages of 4
+// tokens behind a sink of 2, three sequences at different lengths, two
+// layers (the second finds the page the first opened in the table).
+TEST(RuntimeKernelsCpuDecodeStepPlaces, StepTokenPlaceIsWhereTheAppendPutsTheToken) {
+  QuantizerConfig c = small_rtn(2, 64);
+  c.settings.sink_tokens = 2;
+  kernels::CacheOptions options;
+  options.page_size = 4;
+  options.max_sequences = 3;
+  options.max_context = 64;
+  auto hooked = std::make_unique<testing::HookedCpuBackend>();
+  testing::HookedCpuBackend& backend = *hooked;
+  kernels::QuantizedKVCache cache(c, small_dims(), options, std::move(hooked));
+  std::vector<kernels::StepTokenPlace> places;
+  int64_t stride = 0;
+  backend.before_step = [&](const kernels::AppendParams& a, const kernels::DecodeParams& d) {
+    const kernels::StepAppendArgs step = kernels::step_append_args(a);
+    stride = d.batch.page_table_stride;
+    places.clear();
+    for (int32_t i = 0; i < d.batch.count; ++i) {
+      const int32_t slot = kernels::entry_slot(d, i);
+      places.push_back(kernels::step_token_place(a.key_cache.layout.spec, step, i, slot, kernels::entry_length(d, i),
+                                                 d.batch.page_table + slot * stride));
+    }
+  };
+  const std::vector<int32_t> sequences = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};
+  std::vector<float> rows(64 * 2 * 64, 0.25f);
+  for (int64_t layer = 0; layer < 2; ++layer) {  // prefills of 0, 3 and 5 tokens
+    cache.append(layer, {sequences, {0, 0, 0}, {0, 3, 5}, rows.data(), rows.data()});
+  }
+  std::vector<float> queries(3 * 4 * 64, 0.5f), output(queries.size());
+  int64_t pages_opened = 0;
+  for (int step = 0; step < 12; ++step) {
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      kernels::AppendBatch batch{sequences, {}, {1, 1, 1}, rows.data(), rows.data()};
+      for (const int32_t s : sequences) batch.positions.push_back(cache.length(s, layer));
+      cache.decode_step(layer, batch, queries.data(), output.data());
+      ASSERT_EQ(places.size(), sequences.size()) << "step " << step << " layer " << layer;
+      const std::vector<int32_t> table = cache.copy_page_table();
+      for (size_t i = 0; i < sequences.size(); ++i) {
+        const kernels::StepTokenPlace& place = places[i];
+        const int32_t s = sequences[i];
+        EXPECT_EQ(place.slot, s);
+        EXPECT_EQ(place.token, cache.length(s, layer) - 1);
+        const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer) +
+                                  " sequence " + std::to_string(s) + " token " + std::to_string(place.token);
+        if (place.token < 2) {  // the sink: no page
+          EXPECT_EQ(place.new_page_index, -1) << where;
+          continue;
+        }
+        const int64_t index = (place.token - 2) / 4;
+        EXPECT_EQ(place.page_id, table[static_cast<size_t>(s * stride + index)]) << where;
+        // The first layer's step opens the token's page when the token is
+        // its first; the second layer finds it in the table.
+        const bool opens = layer == 0 && (place.token - 2) % 4 == 0;
+        EXPECT_EQ(place.new_page_index, opens ? index : -1) << where;
+        if (opens) {
+          EXPECT_EQ(place.new_page, place.page_id) << where;
+          ++pages_opened;
+        }
+      }
+    }
+  }
+  EXPECT_GT(pages_opened, 6);
+}
 
 // A decode_step the append refuses (a position that is not the length, a
 // sequence past max_context) or whose decode has nothing to attend is one
