@@ -848,12 +848,16 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
       return StepAppendHost::kNone;
     }
   }
-  // With a window in both kinds the new token is read from its ring rows
-  // only, by the exact kernel's block whose chunk ends at it (or from its
-  // sink rows early on): that block appends it, a matrix rotation
-  // included.
+  // With a sliding window in both kinds the new token is read from its
+  // ring rows only, by the exact kernel's block whose chunk ends at it (or
+  // from its sink rows early on): that block appends it, a matrix rotation
+  // included. (A block-flushed window quantizes the token that completes a
+  // block at once: the quantized tokens' kernel would read it.)
   if (keys.ring_capacity > 0 && values.ring_capacity > 0) {
-    return plan.exact_kernel && plan.exact_splits > 0 ? StepAppendHost::kExactKernel : StepAppendHost::kNone;
+    const bool sliding =
+        keys.spec.window_rule == WindowRule::kSliding && values.spec.window_rule == WindowRule::kSliding;
+    const bool exact_kernel = plan.exact_kernel && plan.exact_splits > 0;
+    return sliding && exact_kernel ? StepAppendHost::kExactKernel : StepAppendHost::kNone;
   }
   // Without a rotation, sink or window the int8 kernel's 64-token steps
   // read it from its codes, and nothing else runs beside them.

@@ -114,8 +114,8 @@ DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors
 // the token-parallel append's layout (takes_token_parallel) into the
 // decode's pools and page table, one row per entry, and inline arrays
 // (both or neither) that show the same slots, one token each, at the
-// decode's lengths minus one. kExactKernel: a window in both kinds (the new
-// token is read from its ring rows, or sink rows, only) and the exact
+// decode's lengths minus one. kExactKernel: a sliding window in both kinds
+// (the new token is read from its ring rows, or sink rows, only) and the exact
 // kernel taking the exact ranges: its block whose chunk ends at the token
 // appends it, a matrix rotation included (int2-rot's layout). kInt8Kernel:
 // no rotation, sink or window, every token on the int8 kernel's 64-token

@@ -202,6 +202,12 @@ TEST(StepAppendFuses, AWindowPutsTheAppendInTheExactKernel) {
       general.exact_kernel = false;
       EXPECT_EQ(kernels::step_append_host(a, d, general), StepAppendHost::kNone) << "sink " << sink;
       EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink " << sink;
+      // A block-flushed window: the token that completes a block is
+      // quantized at once, read by the quantized tokens' kernel.
+      AppendParams flushed = a;
+      flushed.value_cache.layout.spec.window_rule = kernels::WindowRule::kBlockFlush;
+      EXPECT_EQ(kernels::step_append_host(flushed, d, with_exact_kernel(int8_wide_plan())), StepAppendHost::kNone)
+          << "sink " << sink;
       AppendParams other_exact = a;
       other_exact.value_cache.exact += 16;
       EXPECT_EQ(kernels::step_append_host(other_exact, d, with_exact_kernel(int8_wide_plan())),
