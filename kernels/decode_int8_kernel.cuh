@@ -391,14 +391,18 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     }
   }
   // A step's append (kStepAppend): by the warp whose run ends at the new
-  // token, before it reads the token's page id or bytes. The condition (the
-  // same for the warp's lanes) goes through a vote, which the compiler knows
-  // to be warp-uniform: as a plain branch it compiled the step loop's
-  // shuffles for a possibly diverged warp (~300 more instructions in the
-  // loop, and retry loops around it).
+  // token, before it reads the token's page id or bytes: here where the
+  // token's stage is among the first ones the warp issues, else once those
+  // are in flight (below: the append's latency under their copies). The
+  // conditions (the same for the warp's lanes) go through votes, which the
+  // compiler knows to be warp-uniform: as a plain branch it compiled the
+  // step loop's shuffles for a possibly diverged warp (~300 more
+  // instructions in the loop, and retry loops around it).
+  constexpr int32_t kFirstIssued = (kStages - kStepStages) * kInt8StepTokens;
   if constexpr (kStepAppend) {
     const int64_t length = entry_length(p, entry);
-    if (__all_sync(0xffffffffu, run_tokens > 0 && run_first + run_tokens == length)) {
+    const bool appends = run_tokens > 0 && run_first + run_tokens == length;
+    if (__all_sync(0xffffffffu, appends && run_tokens <= kFirstIssued)) {
       step_append_device::append_step_token<D, kBits>(
           p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
     }
@@ -685,6 +689,16 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   for (int ahead = 0; ahead < kAhead; ++ahead) {
     if (to_issue > 0) issue();
     copy_async_commit();
+  }
+  // The step's append where its token's stage comes later (above); the
+  // next stage's page ids read again (the append may have opened its page).
+  if constexpr (kStepAppend) {
+    const int64_t length = entry_length(p, entry);
+    if (__all_sync(0xffffffffu, run_tokens > kFirstIssued && run_first + run_tokens == length)) {
+      step_append_device::append_step_token<D, kBits>(
+          p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
+      next_page = lane < to_issue ? page_row[next_page_index] : 0;
+    }
   }
   int compute_stage = 0;
   int32_t left = run_tokens;  // tokens of the run from this step on
