@@ -316,7 +316,7 @@ void with_int8_kernel(const DecodeParams& p, Int8Steps steps, F&& f) {
 }
 
 // The instantiation with a step's append (kStepAppend) of the wide steps
-// `steps` (kSteps64Stages3 or kSteps64Stages4: step_append_fuses).
+// `steps` (kSteps64Stages3 or kSteps64Stages4: step_append_host).
 template <int D, int kBits, typename F>
 void with_int8_step_kernel_bits(Int8Steps steps, F&& f) {
   if (steps == Int8Steps::kSteps64Stages3) {
@@ -867,10 +867,6 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
   }
   if (!plan.int8 || plan.int8_steps == Int8Steps::kSteps32 || plan.exact_splits != 0) return StepAppendHost::kNone;
   return StepAppendHost::kInt8Kernel;
-}
-
-bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
-  return step_append_host(append, decode, plan) != StepAppendHost::kNone;
 }
 
 bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream) {

@@ -123,8 +123,6 @@ DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors
 // warp whose run ends at the token appends it.
 enum class StepAppendHost { kNone, kInt8Kernel, kExactKernel };
 StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
-// step_append_host(...) != kNone.
-bool step_append_fuses(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
 
 // Plans and launches on one device (the current one at its first plan),
 // asking the runtime for its multiprocessors once and for each kernel
@@ -146,9 +144,9 @@ class DecodePlanner {
   // A decoding step: `append`, one new token for each entry of `decode`
   // in its order (decode's lengths count it), then `decode`, with
   // launch_append's and launch's results and refusals (the decode's checked
-  // first). Inside the decode's launch where step_append_fuses (returns
-  // true), else as the two launches. With `plan`: this planner's plan of
-  // `decode`.
+  // first). Inside the decode's launch where step_append_host names a
+  // kernel (returns true), else as the two launches. With `plan`: this
+  // planner's plan of `decode`.
   bool launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream);
   bool launch_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
                    cudaStream_t stream);

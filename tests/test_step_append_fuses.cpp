@@ -106,24 +106,24 @@ TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
     with_step_params(rtn(0, 0), sequences, [&](const AppendParams& a, const DecodeParams& d) {
       EXPECT_EQ(a.inline_arrays.count, sequences <= kernels::kInlineBatchEntries ? sequences : 0);
       EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kInt8Kernel) << sequences;
-      EXPECT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan())) << sequences << " sequences";
+      EXPECT_NE(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << sequences << " sequences";
       DecodePlan three_stages = int8_wide_plan();
       three_stages.int8_steps = kernels::Int8Steps::kSteps64Stages3;
-      EXPECT_TRUE(kernels::step_append_fuses(a, d, three_stages)) << sequences << " sequences";
+      EXPECT_NE(kernels::step_append_host(a, d, three_stages), StepAppendHost::kNone) << sequences << " sequences";
     });
   }
 }
 
 TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
   with_step_params(rtn(0, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
-    ASSERT_TRUE(kernels::step_append_fuses(a, d, int8_wide_plan()));
+    ASSERT_NE(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone);
     using Change = std::function<void(AppendParams&, DecodeParams&, DecodePlan&)>;
     const auto refused = [&](const std::string& what, const Change& change) {
       AppendParams append = a;
       DecodeParams decode = d;
       DecodePlan plan = int8_wide_plan();
       change(append, decode, plan);
-      EXPECT_FALSE(kernels::step_append_fuses(append, decode, plan)) << what;
+      EXPECT_EQ(kernels::step_append_host(append, decode, plan), StepAppendHost::kNone) << what;
     };
     // The plan: another kernel, the 32-token steps, exact ranges beside.
     refused("bf16 tensor cores", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8 = false; });
