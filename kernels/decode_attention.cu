@@ -871,16 +871,17 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
 
 bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, cudaStream_t stream) {
   check_params(decode);
-  if (decode.batch.count == 0) {
-    launch_append(append, stream);
-    return false;
-  }
-  return launch_step(append, decode, plan(decode), stream);
+  return run_step(append, decode, decode.batch.count > 0 ? plan(decode) : DecodePlan{}, stream);
 }
 
 bool DecodePlanner::launch_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
                                 cudaStream_t stream) {
   check_params(decode);
+  return run_step(append, decode, plan, stream);
+}
+
+bool DecodePlanner::run_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan,
+                             cudaStream_t stream) {
   const StepAppendHost host = decode.batch.count > 0 ? step_append_host(append, decode, plan) : StepAppendHost::kNone;
   if (host == StepAppendHost::kNone) {
     launch_append(append, stream);

@@ -160,6 +160,8 @@ class DecodePlanner {
   };
   int resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps);
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
+  // launch_step after the decode's checks.
+  bool run_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan, cudaStream_t stream);
   // `step`: a step's append and `host`, the kernel that runs it (null, kNone: none).
   void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step,
            StepAppendHost host);
