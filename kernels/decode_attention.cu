@@ -175,7 +175,11 @@ void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& wo
     const bool rotated =
         step->key_rotation.kind == RotationKind::kMatrix || step->value_rotation.kind == RotationKind::kMatrix;
     const int shared_bytes = rotated ? device::exact_step_shared_bytes<D>() : 0;
-    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    // The function's attribute, shared by every caller of this
+    // instantiation (another thread's cache may launch it rotated): set to
+    // the rotated size, never lowered; this launch asks for what it uses.
+    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            device::exact_step_shared_bytes<D>()));
     prefer_max_shared_carveout(kernel);
     launch_kernel(kernel, grid, kThreads, shared_bytes, stream, dependent, p, workspace, assignment, *step);
     return;
@@ -831,7 +835,7 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
   if (!takes_token_parallel(append)) return StepAppendHost::kNone;
   if (append.key_cache.pages != decode.key_cache.pages || append.value_cache.pages != decode.value_cache.pages ||
       append.key_cache.exact != decode.key_cache.exact || append.value_cache.exact != decode.value_cache.exact ||
-      append.batch.page_table != decode.batch.page_table ||
+      append.batch.page_table != decode.batch.page_table || append.page_table != decode.batch.page_table ||
       append.batch.page_table_stride != decode.batch.page_table_stride) {
     return StepAppendHost::kNone;
   }
@@ -865,7 +869,16 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
       keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 || values.ring_capacity != 0) {
     return StepAppendHost::kNone;
   }
-  if (!plan.int8 || plan.int8_steps == Int8Steps::kSteps32 || plan.exact_splits != 0) return StepAppendHost::kNone;
+  if (!plan.tensor_cores || !plan.int8 || plan.lookup || plan.int8_steps == Int8Steps::kSteps32 ||
+      plan.exact_splits != 0) {
+    return StepAppendHost::kNone;
+  }
+  // Some warp's run must end at every entry's new token: the plan's splits
+  // cover the longest context (a plan made for these parameters does; one
+  // kept from shorter ones would drop the token and its page's id).
+  int64_t longest = longest_context(decode);
+  for (int32_t i = 0; i < d.count; ++i) longest = std::max(longest, d.lengths[i]);
+  if (int64_t{plan.splits} * plan.tokens_per_split < longest) return StepAppendHost::kNone;
   return StepAppendHost::kInt8Kernel;
 }
 

@@ -258,7 +258,7 @@ template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStag
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                                   (int8_blocks_per_multiprocessor<D, VG, kBits, kStepStages, kStages>()))
     decode_int8_kernel(const DecodeParams p, const SplitWorkspace workspace, const TensorCoreSplits splits,
-                       const __grid_constant__ StepAppendParam<kStepAppend> step) {
+                       const __grid_constant__ StepAppendParam<kStepAppend> step_append) {
   static_assert(kBits == 2 || kBits == 4, "2 or 4 bits");
   static_assert(!kStepAppend || kStepStages == 2, "the step's append in the wide steps' variants");
   constexpr bool kNibbles = kBits == 4;
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     const bool appends = run_tokens > 0 && run_first + run_tokens == length;
     if (__all_sync(0xffffffffu, appends && run_tokens <= kFirstIssued)) {
       step_append_device::append_step_token<D, kBits>(
-          p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
+          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
     }
   }
   // Loaded before the queries (before the wait for them where they were
@@ -696,7 +696,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     const int64_t length = entry_length(p, entry);
     if (__all_sync(0xffffffffu, run_tokens > kFirstIssued && run_first + run_tokens == length)) {
       step_append_device::append_step_token<D, kBits>(
-          p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, length, page_row));
+          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
       next_page = lane < to_issue ? page_row[next_page_index] : 0;
     }
   }

@@ -20,9 +20,11 @@ struct StepAppendArgs {
   Quantization key_quantization, value_quantization;
   Rotation key_rotation, value_rotation;
   // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
-  // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), for the
-  // calls after this one. The decode itself takes the new page's id from
-  // here, not from the table (another KV head's block writes it).
+  // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), by the
+  // appending warp or block of every KV head (the same id), which then
+  // reads it back from the table after its own write and fence: no block
+  // depends on another's write. (A change that let one KV head write it
+  // would have the others read a stale entry.)
   int32_t* page_table = nullptr;
   int32_t new_page_plus_one[kInlineBatchEntries] = {};  // all 0 where the pages were uploaded
 };

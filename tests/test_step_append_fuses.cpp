@@ -82,13 +82,14 @@ void with_step_params(const QuantizerConfig& config, int sequences,
   check(*append, *decode);
 }
 
-// The int8 kernel's 64-token steps over every token: what fusing needs
-// without a window.
+// The int8 kernel's 64-token steps over every token (one split of 256:
+// the steps' 21 tokens and more): what fusing needs without a window.
 DecodePlan int8_wide_plan() {
   DecodePlan plan;
   plan.tensor_cores = plan.int8 = true;
   plan.int8_steps = kernels::Int8Steps::kSteps64Stages4;
   plan.splits = 1;
+  plan.tokens_per_split = 256;
   plan.states = 1;
   return plan;
 }
@@ -110,6 +111,11 @@ TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
       DecodePlan three_stages = int8_wide_plan();
       three_stages.int8_steps = kernels::Int8Steps::kSteps64Stages3;
       EXPECT_NE(kernels::step_append_host(a, d, three_stages), StepAppendHost::kNone) << sequences << " sequences";
+      // Splits that just reach the new tokens (the 21st of each sequence).
+      DecodePlan just_enough = int8_wide_plan();
+      just_enough.splits = 3;
+      just_enough.tokens_per_split = 7;
+      EXPECT_EQ(kernels::step_append_host(a, d, just_enough), StepAppendHost::kInt8Kernel) << sequences;
     });
   }
 }
@@ -134,6 +140,16 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
     refused("32-token steps",
             [](AppendParams&, DecodeParams&, DecodePlan& p) { p.int8_steps = kernels::Int8Steps::kSteps32; });
     refused("exact ranges", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.exact_splits = 1; });
+    refused("no tensor-core kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.tensor_cores = false; });
+    refused("the lookup kernel's flag", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.lookup = true; });
+    // A plan whose splits end before the new tokens (one kept from shorter
+    // contexts): no warp's run would end at them.
+    refused("splits short of the tokens", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.tokens_per_split = 20; });
+    refused("two splits short of the tokens", [](AppendParams&, DecodeParams&, DecodePlan& p) {
+      p.splits = 2;
+      p.tokens_per_split = 10;
+    });
+    refused("the append's page table another", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.page_table += 1; });
     // The append: not the token-parallel kernel's, rotated, outliers.
     refused("per-sequence append kernel",
             [](AppendParams& a, DecodeParams&, DecodePlan&) { a.kernel = kernels::AppendKernel::kPerSequence; });
