@@ -266,47 +266,56 @@ __global__ void __launch_bounds__(32 * kTokenWarps)
   append_unrotated_token<kE, kBits, kElement>(args, arrays, blockIdx.x, kind, head);
 }
 
-// The rotated rows of one block: kBlockRows (1, 2 or 4) input rows of KV
-// head `head` and kind `t` (its rotation a matrix), warp w < kBlockRows
-// loading and storing row first_row + w where has_row(w) holds, at the
-// target target_of(row) (called once the matrix's first chunks are on
-// their way, so that its loads overlap theirs). The head's matrix rows are
-// staged once for the block (RotationRing) and thread t sums output
-// channels t + 128 k of every row of the block: each matrix element is read
-// from shared memory and widened to float64 once for all of them, and the
-// block's four schedulers share the work. A warp per token, its lanes
-// summing their own channels, had widened every element on one scheduler
-// (F2F.F64.F32, 16 a cycle a multiprocessor): ~2 us a token at head_dim
-// 128, and its chain on top (bench/README.md). Every thread of the block
-// calls it (the ring's copies and barriers); `ring` and `stages` are the
-// caller's shared memory (free on entry, and again on return).
-template <int kE, int kBits, ElementType kElement, int kBlockRows, int kThreads, class HasRow, class TargetOf>
-__device__ inline void append_rotated_rows(const TokenTensorArgs& t, ElementType input_type, int32_t head,
-                                           int64_t first_row, HasRow has_row, TargetOf target_of,
-                                           RotationRing<32 * kE>& ring, double (&stages)[kBlockRows][32 * kE]) {
+// Grid: x the input rows in blocks of kBlockRows (1, 2 or 4), y the KV
+// heads, z the kind; the block's warps share one head and kind, warp w < kBlockRows
+// loading and storing row w. With a matrix rotation, its rows are staged once
+// for the block (RotationRing) and thread t sums output channels t + 128 k of
+// every row of the block:
+// each matrix element is read from shared memory and widened to float64
+// once for all of them, and the block's four schedulers share the work. A
+// warp per token, its lanes summing their own channels, had widened every
+// element on one scheduler (F2F.F64.F32, 16 a cycle a multiprocessor):
+// ~2 us a token at head_dim 128, and its chain on top (bench/README.md).
+// Fewer rows a block where the rows are few (a decoding step): each thread's
+// float64 sums are one chain a row, and the block's time is their issue
+// (rotated_block_rows, append_kernel.cu).
+// For launches where a kind has a matrix rotation.
+template <int kE, int kBits, ElementType kElement, int kBlockRows>
+__global__ void __launch_bounds__(32 * kTokenWarps)
+    append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
+                                const __grid_constant__ InlineBatchArrays arrays) {
   constexpr int kDim = 32 * kE;
+  constexpr int kThreads = 32 * kTokenWarps;
   // The output channels a thread sums (head_dim 64: threads 64 and up none).
   constexpr int kColumns = kDim > kThreads ? kDim / kThreads : 1;
   using Ring = RotationRing<kDim>;
   static_assert(Ring::kRows % 2 == 0, "rows taken two at a time");
-  static_assert(kBlockRows >= 1 && kBlockRows * 32 <= kThreads, "a warp per row at most");
+  static_assert(kBlockRows >= 1 && kBlockRows <= kTokenWarps, "a warp per row at most");
+  // Each row's token: x - c, then the rotated y (float64, before rounding).
+  __shared__ __align__(16) double stages[kBlockRows][kDim];
+  __shared__ __align__(16) Ring ring;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = first_row + warp;
-  // The same for the warp's lanes; a vote, which the compiler knows to be
-  // warp-uniform, so that the shuffles under it (store_token_part's) stay
-  // plain where a caller's code follows (the exact decode kernel's passes
-  // were otherwise compiled for possibly diverged warps).
-  const bool row_here = __all_sync(0xffffffffu, warp < kBlockRows && has_row(warp));
+  const int kind = static_cast<int>(blockIdx.z);
+  const TokenTensorArgs& t = args.kinds[kind];
+  const auto head = static_cast<int32_t>(blockIdx.y);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kBlockRows + warp;
+  const bool has_row = warp < kBlockRows && row < args.rows;
   const Rotation& r = t.rotation;
+  if (r.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
+    if (has_row) append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
+    return;
+  }
+  // Every thread takes part in the ring's copies and barriers, with a row
+  // or without.
   const float* matrix = r.matrix + static_cast<int64_t>(head) * kDim * kDim;
 #pragma unroll
   for (int c = 0; c < Ring::kChunks; ++c) stage_rotation_chunk<kDim, kThreads>(ring, matrix, c);
   TokenTarget target;
   const int first = lane * kE;
-  if (row_here) {
-    target = target_of(row);
+  if (has_row) {
+    target = token_target(args, arrays, row, kind, head);
     double x[kE];
-    load_token_part<kE, kElement>(t, input_type, row, head, x);
+    load_token_part<kE, kElement>(t, args.input_type, row, head, x);
     const float* centre = r.centre != nullptr ? r.centre + static_cast<int64_t>(head) * kDim : nullptr;
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
@@ -361,44 +370,11 @@ __device__ inline void append_rotated_rows(const TokenTensorArgs& t, ElementType
     }
   }
   __syncthreads();
-  if (row_here) {
-    double y[kE];
+  if (!has_row) return;
+  double y[kE];
 #pragma unroll
-    for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, stages[warp][first + e]);
-    store_token_part<kE, kBits, kElement>(t, target, head, y);
-  }
-  __syncthreads();  // the stages read: the caller's again
-}
-
-// Grid: x the input rows in blocks of kBlockRows (1, 2 or 4), y the KV
-// heads, z the kind; the block's warps share one head and kind, warp w <
-// kBlockRows loading and storing row w (append_rotated_rows).
-// Fewer rows a block where the rows are few (a decoding step): each thread's
-// float64 sums are one chain a row, and the block's time is their issue
-// (rotated_block_rows, append_kernel.cu).
-// For launches where a kind has a matrix rotation.
-template <int kE, int kBits, ElementType kElement, int kBlockRows>
-__global__ void __launch_bounds__(32 * kTokenWarps)
-    append_token_rotated_kernel(const __grid_constant__ TokenAppendArgs args,
-                                const __grid_constant__ InlineBatchArrays arrays) {
-  constexpr int kDim = 32 * kE;
-  __shared__ __align__(16) double stages[kBlockRows][kDim];
-  __shared__ __align__(16) RotationRing<kDim> ring;
-  const int warp = threadIdx.x / 32;
-  const int kind = static_cast<int>(blockIdx.z);
-  const TokenTensorArgs& t = args.kinds[kind];
-  const auto head = static_cast<int32_t>(blockIdx.y);
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kBlockRows;
-  if (t.rotation.kind != RotationKind::kMatrix) {  // the kind without one: a warp per token, as append_token_kernel
-    const int64_t row = first_row + warp;
-    if (warp < kBlockRows && row < args.rows) {
-      append_unrotated_token<kE, kBits, kElement>(args, arrays, row, kind, head);
-    }
-    return;
-  }
-  append_rotated_rows<kE, kBits, kElement, kBlockRows, 32 * kTokenWarps>(
-      t, args.input_type, head, first_row, [&](int w) { return first_row + w < args.rows; },
-      [&](int64_t row) { return token_target(args, arrays, row, kind, head); }, ring, stages);
+  for (int e = 0; e < kE; ++e) y[e] = round_to_element(kElement, stages[warp][first + e]);
+  store_token_part<kE, kBits, kElement>(t, target, head, y);
 }
 
 }  // namespace kvforge::kernels::append_device

@@ -26,12 +26,6 @@ namespace device = decode_attention_device;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head: one warp each
 
-// A decoding step's append and the kernel that runs it (none: args null).
-struct StepLaunch {
-  const StepAppendArgs* args = nullptr;
-  StepAppendHost host = StepAppendHost::kNone;
-};
-
 [[noreturn]] void refuse(const std::string& what) {
   throw std::invalid_argument("decode_attention (CUDA): " + what);
 }
@@ -165,43 +159,26 @@ void prefer_max_shared_carveout(Kernel kernel) {
 template <int D, int kHeads, ElementType E>
 void launch_exact_kernel(const DecodeParams& p, const device::SplitWorkspace& workspace,
                          const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
-                         bool dependent, const StepAppendArgs* step) {
+                         bool dependent) {
   const dim3 grid = split_grid(p, blocks);
-  constexpr int kThreads = device::kExactWarps * device::kWarpSize;
-  if (step != nullptr) {
-    // The rotation's staged rows (a matrix rotation's only) in dynamic
-    // shared memory, beside the kernel's static 27-33 KB.
-    constexpr auto kernel = device::decode_exact_kernel<D, kHeads, E, true>;
-    const bool rotated =
-        step->key_rotation.kind == RotationKind::kMatrix || step->value_rotation.kind == RotationKind::kMatrix;
-    const int shared_bytes = rotated ? device::exact_step_shared_bytes<D>() : 0;
-    // The function's attribute, shared by every caller of this
-    // instantiation (another thread's cache may launch it rotated): set to
-    // the rotated size, never lowered; this launch asks for what it uses.
-    KVFORGE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            device::exact_step_shared_bytes<D>()));
-    prefer_max_shared_carveout(kernel);
-    launch_kernel(kernel, grid, kThreads, shared_bytes, stream, dependent, p, workspace, assignment, *step);
-    return;
-  }
   prefer_max_shared_carveout(device::decode_exact_kernel<D, kHeads, E>);
-  launch_kernel(device::decode_exact_kernel<D, kHeads, E>, grid, kThreads, 0, stream, dependent, p, workspace,
-                assignment, NoStepAppend{});
+  launch_kernel(device::decode_exact_kernel<D, kHeads, E>, grid, device::kExactWarps * device::kWarpSize, 0, stream,
+                dependent, p, workspace, assignment);
 }
 
 template <int D, int kHeads>
 void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& workspace,
                         const device::SplitAssignment& assignment, int32_t blocks, cudaStream_t stream,
-                        bool dependent, const StepAppendArgs* step) {
+                        bool dependent) {
   switch (p.key_cache.layout.spec.element) {
     case ElementType::kFloat16:
-      launch_exact_kernel<D, kHeads, ElementType::kFloat16>(p, workspace, assignment, blocks, stream, dependent, step);
+      launch_exact_kernel<D, kHeads, ElementType::kFloat16>(p, workspace, assignment, blocks, stream, dependent);
       return;
     case ElementType::kBFloat16:
-      launch_exact_kernel<D, kHeads, ElementType::kBFloat16>(p, workspace, assignment, blocks, stream, dependent, step);
+      launch_exact_kernel<D, kHeads, ElementType::kBFloat16>(p, workspace, assignment, blocks, stream, dependent);
       return;
     case ElementType::kFloat32:
-      launch_exact_kernel<D, kHeads, ElementType::kFloat32>(p, workspace, assignment, blocks, stream, dependent, step);
+      launch_exact_kernel<D, kHeads, ElementType::kFloat32>(p, workspace, assignment, blocks, stream, dependent);
       return;
   }
 }
@@ -209,18 +186,16 @@ void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& wor
 // The exact ranges' blocks (plan.exact_splits per KV head and sequence, their
 // states after the tensor-core kernel's): decode_exact_kernel where
 // DecodePlan::exact_kernel, else the general kernel. `dependent` as launch's.
-// `step`: a decoding step's append the exact kernel runs (null: none;
-// step_append_host says when).
 template <int D, int kBits>
 void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, bool dependent, const StepAppendArgs* step = nullptr) {
+                         cudaStream_t stream, bool dependent) {
   const device::SplitAssignment assignment{0, true, plan.splits, plan.exact_chunk};
   if (!plan.exact_kernel) {
     launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
-    launch_exact_heads<D, 4>(p, workspace, assignment, plan.exact_splits, stream, dependent, step);
+    launch_exact_heads<D, 4>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else {
-    launch_exact_heads<D, 8>(p, workspace, assignment, plan.exact_splits, stream, dependent, step);
+    launch_exact_heads<D, 8>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   }
 }
 
@@ -501,13 +476,10 @@ void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& 
 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                     cudaStream_t stream, const StepLaunch& step_launch) {
-  // A step's append goes to the kernel that hosts it.
-  const StepAppendArgs* step = step_launch.host == StepAppendHost::kInt8Kernel ? step_launch.args : nullptr;
-  const StepAppendArgs* exact_step = step_launch.host == StepAppendHost::kExactKernel ? step_launch.args : nullptr;
+                     cudaStream_t stream, const StepAppendArgs* step) {
   if (plan.lookup) {
     launch_lookup<D, kBits>(p, workspace, plan, stream);
-    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
     return;
   }
   if (plan.tensor_cores) {
@@ -522,16 +494,16 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // queries rotated first, the rotation's dependent (it waits for the
       // queries, then lets the exact blocks launch: load_group_queries).
       if (plan.exact_first) {
-        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
+        launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
         launch_int8<D>(p, workspace, plan, stream, true, step);
       } else {
         launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step);
-        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true, exact_step);
+        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
     }
     launch_tensor_cores<D, kBits>(p, workspace, plan, stream);
-    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false, exact_step);
+    if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
   } else {
     launch_general<D, kBits>(p, workspace, {plan.tokens_per_split, false, 0}, plan.splits, stream);
   }
@@ -554,7 +526,7 @@ void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace
 
 template <int D>
 void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, const StepLaunch& step) {
+                         cudaStream_t stream, const StepAppendArgs* step) {
   if (p.key_cache.layout.spec.bits == 2) {
     launch_for_bits<D, 2>(p, workspace, plan, stream, step);
   } else {
@@ -794,18 +766,17 @@ int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return work
 void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan(params), stream, nullptr, StepAppendHost::kNone);
+  run(params, plan(params), stream, nullptr);
 }
 
 void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan, stream, nullptr, StepAppendHost::kNone);
+  run(params, plan, stream, nullptr);
 }
 
 void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream,
-                        const StepAppendArgs* step_args, StepAppendHost host) {
-  const StepLaunch step{step_args, host};
+                        const StepAppendArgs* step) {
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
@@ -852,17 +823,6 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
       return StepAppendHost::kNone;
     }
   }
-  // With a sliding window in both kinds the new token is read from its
-  // ring rows only, by the exact kernel's block whose chunk ends at it (or
-  // from its sink rows early on): that block appends it, a matrix rotation
-  // included. (A block-flushed window quantizes the token that completes a
-  // block at once: the quantized tokens' kernel would read it.)
-  if (keys.ring_capacity > 0 && values.ring_capacity > 0) {
-    const bool sliding =
-        keys.spec.window_rule == WindowRule::kSliding && values.spec.window_rule == WindowRule::kSliding;
-    const bool exact_kernel = plan.exact_kernel && plan.exact_splits > 0;
-    return sliding && exact_kernel ? StepAppendHost::kExactKernel : StepAppendHost::kNone;
-  }
   // Without a rotation, sink or window the int8 kernel's 64-token steps
   // read it from its codes, and nothing else runs beside them.
   if (append.key_rotation.kind != RotationKind::kNone || append.value_rotation.kind != RotationKind::kNone ||
@@ -898,12 +858,12 @@ bool DecodePlanner::run_step(const AppendParams& append, const DecodeParams& dec
   const StepAppendHost host = decode.batch.count > 0 ? step_append_host(append, decode, plan) : StepAppendHost::kNone;
   if (host == StepAppendHost::kNone) {
     launch_append(append, stream);
-    if (decode.batch.count > 0) run(decode, plan, stream, nullptr, StepAppendHost::kNone);
+    if (decode.batch.count > 0) run(decode, plan, stream, nullptr);
     return false;
   }
   check_append_params(append);
   const StepAppendArgs step = step_append_args(append);
-  run(decode, plan, stream, &step, host);
+  run(decode, plan, stream, &step);
   return true;
 }
 

@@ -110,18 +110,16 @@ Int8Steps default_int8_steps(const DecodeParams& params);
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
 // Which kernel of the decode's launch runs a decoding step's append
-// (DecodePlanner::launch_step, kernels/step_append.cuh), if any. Both need
-// the token-parallel append's layout (takes_token_parallel) into the
-// decode's pools and page table, one row per entry, and inline arrays
-// (both or neither) that show the same slots, one token each, at the
-// decode's lengths minus one. kExactKernel: a sliding window in both kinds
-// (the new token is read from its ring rows, or sink rows, only) and the exact
-// kernel taking the exact ranges: its block whose chunk ends at the token
-// appends it, a matrix rotation included (int2-rot's layout). kInt8Kernel:
-// no rotation, sink or window, every token on the int8 kernel's 64-token
-// steps (rtn's layout at 2 and 4 bits, GQA groups of at most 4 heads): the
-// warp whose run ends at the token appends it.
-enum class StepAppendHost { kNone, kInt8Kernel, kExactKernel };
+// (DecodePlanner::launch_step, kernels/step_append.cuh), if any.
+// kInt8Kernel: the token-parallel append's layout (takes_token_parallel)
+// without a rotation, sink or window, into the decode's pools and page
+// table, one row per entry; inline arrays (both or neither) that show the
+// same slots, one token each, at the decode's lengths minus one; and every
+// token on the int8 kernel's 64-token steps with no exact ranges (rtn's
+// layout at 2 and 4 bits, GQA groups of at most 4 heads): the warp whose run
+// ends at the token appends it. (The exact kernel's blocks hosting a
+// window's append were measured slower than two launches: bench/README.md.)
+enum class StepAppendHost { kNone, kInt8Kernel };
 StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
 
 // Plans and launches on one device (the current one at its first plan),
@@ -162,9 +160,8 @@ class DecodePlanner {
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
   // launch_step after the decode's checks.
   bool run_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan, cudaStream_t stream);
-  // `step`: a step's append and `host`, the kernel that runs it (null, kNone: none).
-  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step,
-           StepAppendHost host);
+  // `step`: a step's append, which the int8 kernel runs (null: none).
+  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device

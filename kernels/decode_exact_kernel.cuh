@@ -39,7 +39,6 @@
 // float32 rows keep the float32 path.
 #include "kernels/decode_attention_kernel.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
-#include "kernels/step_append.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 
@@ -279,22 +278,11 @@ constexpr int exact_min_blocks() {
   return E == ElementType::kFloat32 ? 2 : 4;
 }
 
-// The dynamic shared memory of decode_exact_kernel's kStepAppend blocks.
-template <int D>
-constexpr int exact_step_shared_bytes() {
-  return static_cast<int>(sizeof(step_append_device::StepAppendShared<D>));
-}
-
 // kHeads: 4 or 8, at least the GQA group (the heads past it score zero
-// queries and are not written). kStepAppend: a decoding step's append
-// (kernels/step_append.cuh): the block whose chunk ends at an entry's new
-// token (a ring or sink row: its only reader) appends that token of its KV
-// head first, the rotation's rows staged in the dynamic shared memory
-// (StepAppendShared, exact_step_shared_bytes).
-template <int D, int kHeads, ElementType E, bool kStepAppend = false>
+// queries and are not written).
+template <int D, int kHeads, ElementType E>
 __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>())
-    decode_exact_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment,
-                        const __grid_constant__ StepAppendParam<kStepAppend> step) {
+    decode_exact_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
   // As decode_split_kernel's exact blocks: launched as the int8 kernel's
   // dependent it reads nothing that kernel writes and waits for it before it
   // exits; launched first, the int8 kernel may start once every block runs.
@@ -322,15 +310,6 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   const int32_t slot = entry_slot(p, entry);
   const TensorPageLayout& kl = p.key_cache.layout;
   const TensorPageLayout& vl = p.value_cache.layout;
-  if constexpr (kStepAppend) {
-    if (last == tokens) {  // the block's chunk ends at the new token
-      extern __shared__ __align__(16) uint8_t step_shared[];
-      const int32_t* page_row = p.batch.page_table + slot * p.batch.page_table_stride;
-      step_append_device::append_step_token_block<D, kExactWarps * kWarpSize, E>(
-          p, step, entry, kv_head, step_append_device::step_token(p, step, entry, slot, tokens, page_row),
-          *reinterpret_cast<step_append_device::StepAppendShared<D>*>(step_shared));
-    }
-  }
 
   // Passes of kExactPass tokens over the block's chunk: in each, lanes j <
   // 16 and j + 16 take token j of the warp's 16.

@@ -18,7 +18,6 @@ struct StepAppendArgs {
   const void* values = nullptr;
   ElementType input = ElementType::kFloat32;
   Quantization key_quantization, value_quantization;
-  Rotation key_rotation, value_rotation;
   // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
   // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), by the
   // appending warp or block of every KV head (the same id), which then
@@ -67,8 +66,8 @@ KVFORGE_HOST_DEVICE inline StepTokenPlace step_token_place(const TensorLayoutSpe
 }
 
 // The step append of `append` (one new token per entry of the decode that
-// follows it, in the same order): its rows, input type, quantizers,
-// rotations, page table and inline new pages.
+// follows it, in the same order): its rows, input type, quantizers, page
+// table and inline new pages (no rotation: step_append_host).
 inline StepAppendArgs step_append_args(const AppendParams& append) {
   StepAppendArgs s;
   s.keys = append.keys;
@@ -76,8 +75,6 @@ inline StepAppendArgs step_append_args(const AppendParams& append) {
   s.input = append.input;
   s.key_quantization = append.key_quantization;
   s.value_quantization = append.value_quantization;
-  s.key_rotation = append.key_rotation;
-  s.value_rotation = append.value_rotation;
   s.page_table = append.page_table;
   for (int32_t i = 0; i < append.inline_arrays.count && i < kInlineBatchEntries; ++i) {
     s.new_page_plus_one[i] = append.inline_arrays.new_page_plus_one[i];

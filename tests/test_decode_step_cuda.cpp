@@ -13,10 +13,10 @@
 // sequences idle in some steps; every decode kernel takes part. Where
 // every sequence gets one token the CUDA backend appends inside the
 // decode's launch where it can (kernels/step_append.cuh): rtn's layout on
-// the int8 kernel's 64-token steps (its warps), int2-rot's window on the
-// exact kernel (its blocks, a matrix rotation staged); each case says
-// whether its steps must have taken that path (CudaBackend::fused_steps),
-// so that the bit-equality covers it. Skipped without a GPU.
+// the int8 kernel's 64-token steps (its warps); each case says whether its
+// steps must have taken that path (CudaBackend::fused_steps), so that the
+// bit-equality covers it and int2-rot's steps stay two launches. Skipped
+// without a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -209,17 +209,16 @@ std::vector<StepCase> step_cases() {
   add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
   // int2-rot: a sink and a window (the exact ranges first at few blocks,
   // else behind the int8 kernel), rotated (the queries rotated first); the
-  // one-token steps' appends in the exact kernel's blocks that end at them.
-  add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3, 256, true);
+  // one-token steps' appends launched on their own.
+  add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
   add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
-      40, 256, true);
+      40);
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
-                   kernels::ElementType::kBFloat16),
-      DecodeKernel::kAuto, 3, 256, true);
+                   kernels::ElementType::kBFloat16));
   // Steps from empty sequences: the sink's rows, the window filling and
   // wrapping, the first pages (rtn: from the first token).
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
-      256, true, true);
+      256, false, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
       true, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group
