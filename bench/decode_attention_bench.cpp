@@ -25,7 +25,9 @@
 // FlashInfer
 // columns come from bench/decode_baselines.py's JSON (--baselines), measured
 // in the same gpu_checks call. Writes rows with context, batch, method, bits,
-// time_us, sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
+// time_us (the decode as the cache launches it: at batch 32 and below its
+// slots and lengths in the launch, inline_arrays; device_arrays_time_us the
+// same decode reading them uploaded), sdpa_time_us, speedup_vs_sdpa, bytes_read, bandwidth_fraction,
 // append_time_us, append_over_decode_rate and the FlashInfer times, and the
 // append step's host and device sides (append_host_us, append_device_us),
 // the same four of the block-per-sequence append kernel as the baseline
@@ -372,8 +374,26 @@ int run(int argc, char** argv) {
           int multiprocessors = 0;
           KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
           const kernels::DecodePlan plan = kernels::plan_decode_attention(params, multiprocessors);
-          const auto decode = [&] { kernels::launch_decode_attention(params, nullptr); };
+          // The decode as QuantizedKVCache::decode_attention launches it: a
+          // batch of at most kInlineBatchEntries sequences carries its slots
+          // and lengths in the launch (InlineDecodeArrays: the kernels'
+          // first loads are then the page table's), a larger one reads them
+          // uploaded (`params`, which the other columns time). Both are
+          // timed where they differ (device_arrays_time_us).
+          kernels::DecodeParams launched = params;
+          const bool inline_arrays = batch <= kernels::kInlineBatchEntries;
+          if (inline_arrays) {
+            launched.inline_arrays.count = static_cast<int32_t>(batch);
+            std::copy(sequences.begin(), sequences.end(), launched.inline_arrays.slots);
+            std::copy(host_lengths.begin(), host_lengths.end(), launched.inline_arrays.lengths);
+            launched.batch.slots = nullptr;
+            launched.batch.lengths = nullptr;
+          }
+          const auto decode = [&] { kernels::launch_decode_attention(launched, nullptr); };
           const double time_us = median_us(decode, repeats, nullptr, cold);
+          const double device_arrays_time_us =
+              inline_arrays ? median_us([&] { kernels::launch_decode_attention(params, nullptr); }, repeats, nullptr, cold)
+                            : time_us;
           // The same with the L2 as the repeat before left it (what the
           // grids before 2026-12-05 timed), beside the cold time.
           const double warm_l2_time_us = cold == nullptr ? time_us : median_us(decode, repeats);
@@ -554,6 +574,8 @@ int run(int argc, char** argv) {
                                 {"cluster_merge", plan.cluster_merge},
                                 {"int8_steps", plan.int8 ? (plan.int8_steps == kernels::Int8Steps::kSteps32 ? 32 : 64) : 0},
                                 {"time_us", time_us},
+                                {"inline_arrays", inline_arrays},
+                                {"device_arrays_time_us", device_arrays_time_us},
                                 {"sdpa_time_us", sdpa.at(context)},
                                 {"speedup_vs_sdpa", sdpa.at(context) / time_us},
                                 {"bytes_read", bytes},
