@@ -252,14 +252,15 @@ void check_append_params(const AppendParams& params) {
     throw std::invalid_argument("append (CUDA): keys and values differ in sink_tokens or page_size: expected one "
                                 "page table's token slots for both");
   }
-  if (params.page_table == nullptr && opens_inline_pages(params.inline_arrays)) {
-    throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
-  }
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;
-  if (arrays.count != 0 && arrays.count != count) {
+  if (!inline_count_fits(arrays.count, count)) {
     throw std::invalid_argument("append (CUDA): inline batch arrays of " + std::to_string(arrays.count) +
-                                " entries for a batch of " + std::to_string(count) + ": expected 0 or the batch's");
+                                " entries for a batch of " + std::to_string(count) +
+                                ": expected 0 or the batch's, at most " + std::to_string(kInlineBatchEntries));
+  }
+  if (params.page_table == nullptr && opens_inline_pages(params.inline_arrays)) {
+    throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
   }
 }
 

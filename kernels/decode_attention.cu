@@ -56,7 +56,7 @@ void check_params(const DecodeParams& p) {
   }
   if (p.batch.count > 65535) refuse("a batch of " + std::to_string(p.batch.count) + " sequences, more than 65535");
   const int32_t inline_count = p.inline_arrays.count;
-  if (inline_count != 0 && (inline_count != p.batch.count || inline_count > kInlineBatchEntries)) {
+  if (!inline_count_fits(inline_count, p.batch.count)) {
     refuse("inline arrays of " + std::to_string(inline_count) + " entries for a batch of " +
            std::to_string(p.batch.count) + ": expected 0 or the batch's, at most " +
            std::to_string(kInlineBatchEntries));
@@ -817,7 +817,7 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
   if (append.batch.count != count || append.rows != count) return StepAppendHost::kNone;
   const InlineBatchArrays& a = append.inline_arrays;
   const InlineDecodeArrays& d = decode.inline_arrays;
-  if (a.count != d.count) return StepAppendHost::kNone;
+  if (a.count != d.count || !inline_count_fits(d.count, count)) return StepAppendHost::kNone;
   for (int32_t i = 0; i < a.count; ++i) {
     if (a.slots[i] != d.slots[i] || a.lengths[i] + 1 != d.lengths[i] || a.token_offsets[i + 1] != i + 1) {
       return StepAppendHost::kNone;

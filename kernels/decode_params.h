@@ -118,10 +118,19 @@ KVFORGE_HOST_DEVICE inline int32_t new_page_index(const TensorLayoutSpec& spec, 
   return slots > 0 ? static_cast<int32_t>((slots + spec.page_size - 1) / spec.page_size) : 0;
 }
 
+// Whether `count` inline entries (InlineBatchArrays' or InlineDecodeArrays')
+// can stand for a batch of `batch_count`: none, or the batch's and at most
+// kInlineBatchEntries. Checked before anything reads the arrays.
+inline bool inline_count_fits(int32_t count, int32_t batch_count) {
+  return count == 0 || (count == batch_count && count > 0 && count <= kInlineBatchEntries);
+}
+
 // Whether any entry of the inline arrays opens a page (append then writes
-// AppendParams::page_table, which must be set).
+// AppendParams::page_table, which must be set). Reads at most
+// kInlineBatchEntries entries.
 inline bool opens_inline_pages(const InlineBatchArrays& arrays) {
-  for (int32_t i = 0; i < arrays.count; ++i) {
+  const int32_t count = arrays.count < kInlineBatchEntries ? arrays.count : kInlineBatchEntries;
+  for (int32_t i = 0; i < count; ++i) {
     if (arrays.new_page_plus_one[i] > 0) return true;
   }
   return false;

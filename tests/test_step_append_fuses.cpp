@@ -11,10 +11,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "formats/quantizer_config.h"
+#include "kernels/append_launch.h"
+#include "kernels/cpu_reference.h"
 #include "kernels/decode_attention_launch.h"
 #include "kernels/quantized_kv_cache.h"
 #include "tests/hooked_cpu_backend.h"
@@ -107,7 +110,6 @@ TEST(StepAppendFuses, RtnStepsOnTheInt8WideStepsFuse) {
     with_step_params(rtn(0, 0), sequences, [&](const AppendParams& a, const DecodeParams& d) {
       EXPECT_EQ(a.inline_arrays.count, sequences <= kernels::kInlineBatchEntries ? sequences : 0);
       EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kInt8Kernel) << sequences;
-      EXPECT_NE(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << sequences << " sequences";
       DecodePlan three_stages = int8_wide_plan();
       three_stages.int8_steps = kernels::Int8Steps::kSteps64Stages3;
       EXPECT_NE(kernels::step_append_host(a, d, three_stages), StepAppendHost::kNone) << sequences << " sequences";
@@ -212,6 +214,39 @@ TEST(StepAppendFuses, ASinkOrWindowLeavesTheAppendOnItsOwn) {
     EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink alone";
     EXPECT_EQ(kernels::step_append_host(a, d, with_exact_kernel(int8_wide_plan())), StepAppendHost::kNone)
         << "sink alone";
+  });
+}
+
+// Inline arrays whose count is not the batch's, or past the arrays'
+// kInlineBatchEntries, are refused by every reader before it reads them:
+// the CUDA append's and decode's checks (host code: no GPU needed), the CPU
+// reference's, and the fused step's choice (none).
+TEST(StepAppendFuses, InlineCountsPastTheArraysOrTheBatchAreRefused) {
+  with_step_params(rtn(0, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    const auto expect_inline_refusal = [](const std::function<void()>& call, const std::string& what) {
+      try {
+        call();
+        ADD_FAILURE() << what << ": accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("inline"), std::string::npos) << what << ": " << e.what();
+      }
+    };
+    for (const int32_t batch : {kernels::kInlineBatchEntries + 1, 3}) {
+      const int32_t count = batch == 3 ? 2 : batch;  // past the arrays; not the batch's
+      AppendParams append = a;
+      append.batch.count = batch;
+      append.rows = batch;
+      append.inline_arrays.count = count;
+      DecodeParams decode = d;
+      decode.batch.count = batch;
+      decode.inline_arrays.count = count;
+      const std::string what = std::to_string(count) + " inline entries, a batch of " + std::to_string(batch);
+      expect_inline_refusal([&] { kernels::check_append_params(append); }, "CUDA append " + what);
+      expect_inline_refusal([&] { kernels::append_reference(append); }, "CPU append " + what);
+      expect_inline_refusal([&] { kernels::launch_decode_attention(decode, nullptr); }, "CUDA decode " + what);
+      expect_inline_refusal([&] { kernels::decode_attention_reference(decode); }, "CPU decode " + what);
+      EXPECT_EQ(kernels::step_append_host(append, decode, int8_wide_plan()), StepAppendHost::kNone) << what;
+    }
   });
 }
 
