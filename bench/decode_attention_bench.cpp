@@ -7,7 +7,7 @@
 //   here), batch and context: fill a QuantizedKVCache
 //   (CudaBackend) with random tokens through the append kernel, then time
 //   launch_decode_attention (planned once: DecodeParams built, slots and
-//   lengths uploaded) and one decode-step append (one token per sequence,
+//   lengths in the launch at batch 32 and below, else uploaded) and one decode-step append (one token per sequence,
 //   asynchronous_append): append_time_us per step of 16 queued back to back
 //   (throughput), append_latency_us of one step and its synchronize();
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
@@ -18,7 +18,8 @@
 // none of its bytes in L2, as a layer's decode in a server does (l2_cold;
 // the decode and SDPA also warm, as the grids before 2026-12-05 timed
 // them: warm_l2_time_us, sdpa_warm_l2_time_us); the report's empty_kernel_us and
-// empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h),
+// empty_dependent_pair_us are the same timer's floor (bench/launch_floor.h;
+// empty_dependent_pair_decode_params_us the pair with the decode's parameter block),
 // and a row's read_floor_us the time one plain kernel takes to read the
 // row's bytes_read under it (floor_speedup_vs_sdpa: the most any one launch
 // could gain on SDPA there).
@@ -303,6 +304,8 @@ int run(int argc, char** argv) {
   // it reads a byte (batch 1's fixed cost, bench/README.md).
   const double empty_kernel_us = median_us([] { launch_empty_kernel(nullptr); }, repeats);
   const double empty_dependent_pair_us = median_us([] { launch_empty_dependent_pair(nullptr); }, repeats);
+  const double empty_dependent_pair_decode_params_us =
+      median_us([] { launch_empty_dependent_pair_with_decode_params(nullptr); }, repeats);
   const kernels::ModelDimensions dims = decode_bench_dimensions();
   nlohmann::json rows = nlohmann::json::array();
   for (const int64_t batch : batches) {
@@ -378,8 +381,10 @@ int run(int argc, char** argv) {
           // batch of at most kInlineBatchEntries sequences carries its slots
           // and lengths in the launch (InlineDecodeArrays: the kernels'
           // first loads are then the page table's), a larger one reads them
-          // uploaded (`params`, which the other columns time). Both are
-          // timed where they differ (device_arrays_time_us).
+          // uploaded (`params`). Every decode column below times `launched`
+          // but device_arrays_time_us (`params`, where they differ) and the
+          // graph replay (a capture freezes inline arrays: a server's graph
+          // takes the uploaded ones).
           kernels::DecodeParams launched = params;
           const bool inline_arrays = batch <= kernels::kInlineBatchEntries;
           if (inline_arrays) {
@@ -405,15 +410,15 @@ int run(int argc, char** argv) {
           std::vector<double> planned_host_us, replanning_host_us;
           {
             kernels::DecodePlanner planner;
-            planner.launch(params, nullptr);  // its occupancy queries, once
+            planner.launch(launched, nullptr);  // its occupancy queries, once
             for (int i = 0; i < repeats; ++i) {
               busy_wait_on(nullptr, 2'000'000);
               auto begin = std::chrono::steady_clock::now();
-              planner.launch(params, nullptr);
+              planner.launch(launched, nullptr);
               planned_host_us.push_back(
                   std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
               begin = std::chrono::steady_clock::now();
-              kernels::launch_decode_attention(params, nullptr);
+              kernels::launch_decode_attention(launched, nullptr);
               replanning_host_us.push_back(
                   std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
               KVFORGE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -552,7 +557,7 @@ int run(int argc, char** argv) {
             for (int round = 0; round < 3; ++round) {
               steps.push_back(run_steps(true));
               two_launches.push_back(run_steps(false));
-              decodes.push_back(queued_run([&] { kernels::launch_decode_attention(params, append_stream); }, 2).device_us);
+              decodes.push_back(queued_run([&] { kernels::launch_decode_attention(launched, append_stream); }, 2).device_us);
             }
             return StepTimes{median(std::move(steps)), median(std::move(two_launches)), median(std::move(decodes)),
                              backend.fused_steps() > fused_before};
@@ -633,12 +638,12 @@ int run(int argc, char** argv) {
             return other_plan;
           };
           if (bf16_tensor_cores && plan.int8) {
-            kernels::DecodeParams bf16_params = params;
+            kernels::DecodeParams bf16_params = launched;
             bf16_params.kernel = kernels::DecodeKernel::kBf16TensorCores;
             time_choice(bf16_params, "bf16_tc");
           }
           if (general && plan.lookup) {
-            kernels::DecodeParams general_params = params;
+            kernels::DecodeParams general_params = launched;
             general_params.kernel = kernels::DecodeKernel::kGeneral;
             time_choice(general_params, "general");
           }
@@ -647,14 +652,14 @@ int run(int argc, char** argv) {
                                                 std::pair{kernels::Int8Steps::kSteps64Stages3, "steps64_stages3"},
                                                 std::pair{kernels::Int8Steps::kSteps64Stages4, "steps64_stages4"}}) {
               if (steps == plan.int8_steps) continue;  // the row's own time
-              kernels::DecodeParams other = params;
+              kernels::DecodeParams other = launched;
               other.int8_steps = steps;
               time_choice(other, prefix);
             }
           }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;
-            kernels::DecodeParams other = params;
+            kernels::DecodeParams other = launched;
             other.exact_chunk_tokens = static_cast<int32_t>(chunk);
             const std::string prefix = "exact_chunk_" + std::to_string(chunk);
             row[prefix + "_splits"] = time_choice(other, prefix).exact_splits;
@@ -665,7 +670,7 @@ int run(int argc, char** argv) {
             other_plan.tokens_per_split = forced;
             other_plan.splits = static_cast<int32_t>((tokens + forced - 1) / forced);
             other_plan.states = other_plan.splits + other_plan.exact_splits;
-            kernels::DecodeParams other = params;
+            kernels::DecodeParams other = launched;
             const int64_t other_bytes = kernels::DecodePlanner::workspace_bytes(other, other_plan);
             const at::Tensor other_workspace =
                 at::empty({other_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
@@ -705,6 +710,7 @@ int run(int argc, char** argv) {
                                  {"copy_bandwidth_bytes_per_s", copy_bandwidth},
                                  {"empty_kernel_us", empty_kernel_us},
                                  {"empty_dependent_pair_us", empty_dependent_pair_us},
+                                 {"empty_dependent_pair_decode_params_us", empty_dependent_pair_decode_params_us},
                                  {"rows", rows}};
   std::ofstream(out) << report.dump(1) << "\n";
   return 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/cuda_runtime_check.h"
+#include "kernels/decode_params.h"
 #include "kernels/programmatic_launch.cuh"
 
 namespace kvforge {
@@ -14,6 +15,11 @@ __global__ void empty_kernel() {}
 __global__ void empty_primary_kernel() { kernels::allow_dependent_launch(); }
 
 __global__ void empty_dependent_kernel() { kernels::wait_for_prerequisite_grid(); }
+
+// The same pair with the decode kernels' parameter block (DecodeParams by
+// value): what the launches' larger parameters cost, if anything.
+__global__ void empty_primary_params_kernel(const kernels::DecodeParams) { kernels::allow_dependent_launch(); }
+__global__ void empty_dependent_params_kernel(const kernels::DecodeParams) { kernels::wait_for_prerequisite_grid(); }
 
 // Every thread reads its share of `count` 16-byte words, the loads of four
 // words in flight at a time; the XOR of what it read is stored only if it
@@ -72,6 +78,12 @@ void ReadFloor::run(int64_t bytes, cudaStream_t stream) const {
 void launch_empty_dependent_pair(cudaStream_t stream) {
   kernels::launch_kernel(empty_primary_kernel, dim3(1), 32, 0, stream, false);
   kernels::launch_kernel(empty_dependent_kernel, dim3(1), 32, 0, stream, true);
+}
+
+void launch_empty_dependent_pair_with_decode_params(cudaStream_t stream) {
+  const kernels::DecodeParams params;
+  kernels::launch_kernel(empty_primary_params_kernel, dim3(1), 32, 0, stream, false, params);
+  kernels::launch_kernel(empty_dependent_params_kernel, dim3(1), 32, 0, stream, true, params);
 }
 
 }  // namespace kvforge

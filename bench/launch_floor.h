@@ -18,6 +18,11 @@ void launch_empty_kernel(cudaStream_t stream);
 // empty kernel that waits for it, on `stream`.
 void launch_empty_dependent_pair(cudaStream_t stream);
 
+// The same pair, each kernel taking a DecodeParams by value (1,104 bytes
+// since the inline decode arrays, 712 before): the parameter block's share
+// of a decode call's launches.
+void launch_empty_dependent_pair_with_decode_params(cudaStream_t stream);
+
 // The least time one launch on this device takes to read a decode call's
 // bytes, launch included (the decode benchmark's read_floor_us): one
 // kernel over every multiprocessor reading `bytes` of a buffer in 16-byte
