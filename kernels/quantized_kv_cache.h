@@ -106,8 +106,8 @@ class KernelBackend {
   virtual void decode_attention(const DecodeParams& params) = 0;
   // A decoding step: `step_append`, one new token for each entry of
   // `decode` in its order (decode's lengths count it), then `decode`: the
-  // same results and refusals as the two calls (the decode's checked
-  // first). A device backend may run both in one launch (CudaBackend:
+  // same results and refusals as the two calls (this default appends first;
+  // CudaBackend refuses a bad decode before it appends). A device backend may run both in one launch (CudaBackend:
   // DecodePlanner::launch_step) and says so by returning true.
   virtual bool decode_step(const AppendParams& step_append, const DecodeParams& decode) {
     append(step_append);

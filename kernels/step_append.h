@@ -20,7 +20,7 @@ struct StepAppendArgs {
   Quantization key_quantization, value_quantization;
   // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
   // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), by the
-  // appending warp or block of every KV head (the same id), which then
+  // appending warp of every KV head (the same id), which then
   // reads it back from the table after its own write and fence: no block
   // depends on another's write. (A change that let one KV head write it
   // would have the others read a stale entry.)
