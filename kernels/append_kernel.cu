@@ -254,11 +254,7 @@ void check_append_params(const AppendParams& params) {
   }
   const int32_t count = params.batch.count;
   const InlineBatchArrays& arrays = params.inline_arrays;
-  if (!inline_count_fits(arrays.count, count)) {
-    throw std::invalid_argument("append (CUDA): inline batch arrays of " + std::to_string(arrays.count) +
-                                " entries for a batch of " + std::to_string(count) +
-                                ": expected 0 or the batch's, at most " + std::to_string(kInlineBatchEntries));
-  }
+  check_inline_count("append (CUDA)", arrays.count, count);
   if (params.page_table == nullptr && opens_inline_pages(params.inline_arrays)) {
     throw std::invalid_argument("append (CUDA): inline new pages without a writable page_table");
   }

@@ -577,12 +577,7 @@ struct SplitState {
 }  // namespace
 
 void append_reference(const AppendParams& given) {
-  if (!inline_count_fits(given.inline_arrays.count, given.batch.count)) {
-    throw std::invalid_argument("append (CPU reference): inline batch arrays of " +
-                                std::to_string(given.inline_arrays.count) + " entries for a batch of " +
-                                std::to_string(given.batch.count) + ": expected 0 or the batch's, at most " +
-                                std::to_string(kInlineBatchEntries));
-  }
+  check_inline_count("append (CPU reference)", given.inline_arrays.count, given.batch.count);
   AppendParams params = given;
   if (given.inline_arrays.count > 0) {  // host memory either way
     params.batch.slots = params.inline_arrays.slots;
@@ -633,12 +628,7 @@ TokenReadout read_token_reference(const PagedTensor& cache, const Dequantization
 }
 
 void decode_attention_reference(const DecodeParams& params) {
-  if (!inline_count_fits(params.inline_arrays.count, params.batch.count)) {
-    throw std::invalid_argument("decode_attention (CPU reference): inline arrays of " +
-                                std::to_string(params.inline_arrays.count) + " entries for a batch of " +
-                                std::to_string(params.batch.count) + ": expected 0 or the batch's, at most " +
-                                std::to_string(kInlineBatchEntries));
-  }
+  check_inline_count("decode_attention (CPU reference)", params.inline_arrays.count, params.batch.count);
   const SequenceBatch& batch = params.batch;
   const TensorLayoutSpec& key_spec = params.key_cache.layout.spec;
   const int64_t dim = key_spec.head_dim, kv_heads = key_spec.kv_heads;

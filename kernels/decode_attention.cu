@@ -56,11 +56,7 @@ void check_params(const DecodeParams& p) {
   }
   if (p.batch.count > 65535) refuse("a batch of " + std::to_string(p.batch.count) + " sequences, more than 65535");
   const int32_t inline_count = p.inline_arrays.count;
-  if (!inline_count_fits(inline_count, p.batch.count)) {
-    refuse("inline arrays of " + std::to_string(inline_count) + " entries for a batch of " +
-           std::to_string(p.batch.count) + ": expected 0 or the batch's, at most " +
-           std::to_string(kInlineBatchEntries));
-  }
+  check_inline_count("decode_attention (CUDA)", inline_count, p.batch.count);
   const bool arrays = inline_count > 0 || (p.batch.slots != nullptr && p.batch.lengths != nullptr);
   if (p.batch.count > 0 && (!arrays || p.batch.page_table == nullptr || p.queries == nullptr || p.output == nullptr)) {
     refuse("a null slots, lengths, page_table, queries or output pointer");

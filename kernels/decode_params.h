@@ -12,6 +12,8 @@
 // sequence, as vLLM's block tables): page id p is page p of every layer's
 // key pool and of every layer's value pool.
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/runtime_layout.h"
 
@@ -123,6 +125,16 @@ KVFORGE_HOST_DEVICE inline int32_t new_page_index(const TensorLayoutSpec& spec, 
 // kInlineBatchEntries. Checked before anything reads the arrays.
 inline bool inline_count_fits(int32_t count, int32_t batch_count) {
   return count == 0 || (count == batch_count && count > 0 && count <= kInlineBatchEntries);
+}
+
+// Refuses (std::invalid_argument, prefixed by `who`) an inline count that
+// does not fit the batch (inline_count_fits). Host code: every reader's
+// check before it reads the arrays.
+inline void check_inline_count(const char* who, int32_t count, int32_t batch_count) {
+  if (inline_count_fits(count, batch_count)) return;
+  throw std::invalid_argument(std::string(who) + ": inline arrays of " + std::to_string(count) +
+                              " entries for a batch of " + std::to_string(batch_count) +
+                              ": expected 0 or the batch's, at most " + std::to_string(kInlineBatchEntries));
 }
 
 // Whether any entry of the inline arrays opens a page (append then writes
