@@ -18,6 +18,7 @@
 #include "kernels/decode_lookup_kernel.cuh"
 #include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/rotate_queries_launch.h"
 
 namespace kvforge::kernels {
 namespace {
@@ -137,19 +138,6 @@ bool exact_kernel_reads(const DecodeParams& p) {
   const bool rope_free = !p.keys_pre_rope || (k.sink_tokens <= 1 && p.key_cache.layout.ring_capacity == 0);
   return rope_free && same_quantized_ranges(k, v) && k.element == v.element && aligned(p.key_cache.exact) &&
          aligned(p.value_cache.exact) && p.num_heads / k.kv_heads <= 8;
-}
-
-// Kernels whose blocks share multiprocessors with the int8 kernel's (the
-// exact blocks beside them at batch 1, the query rotation before them) ask
-// for the largest shared-memory carveout: a multiprocessor configures its
-// L1/shared split for the first kernel it runs, and a small kernel's own
-// choice (12 KB a block) leaves no room for the int8 blocks' 55 KB until
-// it drains (int2-rot at 128K batch 1: 47 -> 55 us with the exact kernel,
-// which asked for less than the general kernel's 36 KB).
-template <typename Kernel>
-void prefer_max_shared_carveout(Kernel kernel) {
-  KVFORGE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
 }
 
 template <int D, int kHeads, ElementType E>
@@ -462,24 +450,34 @@ int tensor_core_blocks_per_multiprocessor(const DecodeParams& p, bool int8, bool
   return k.bits == 2 ? tensor_core_residency<128, 2>(p) : tensor_core_residency<128, 4>(p);
 }
 
-// The queries rotated once for the call (DecodePlan::rotate_queries_first).
-template <int D>
-void launch_rotate_queries(const DecodeParams& p, const device::SplitWorkspace& workspace, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.key_cache.layout.spec.kv_heads), static_cast<unsigned>(p.batch.count));
-  prefer_max_shared_carveout(device::rotate_group_queries_kernel<D>);
-  launch_kernel(device::rotate_group_queries_kernel<D>, grid, device::kRotationSlices * D, 0, stream, false, p, workspace);
+// A decoding step's append as the launches take it: the kernel that runs
+// it (step_append_host's) holds the args, the others null.
+struct StepAppendKernels {
+  const StepAppendArgs* int8 = nullptr;      // kInt8Kernel
+  const StepAppendArgs* rotation = nullptr;  // kRotateQueries
+};
+
+// The queries rotated once for the call (DecodePlan::rotate_queries_first),
+// with the step's rows where it carries them.
+void launch_rotation_first(const DecodeParams& p, const device::SplitWorkspace& workspace,
+                           const StepAppendKernels& step, cudaStream_t stream) {
+  if (step.rotation != nullptr) {
+    launch_rotate_queries_step(p, workspace.queries, *step.rotation, stream);
+  } else {
+    launch_rotate_queries(p, workspace.queries, stream);
+  }
 }
 
 template <int D, int kBits>
 void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                     cudaStream_t stream, const StepAppendArgs* step) {
+                     cudaStream_t stream, const StepAppendKernels& step) {
   if (plan.lookup) {
     launch_lookup<D, kBits>(p, workspace, plan, stream);
     if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
     return;
   }
   if (plan.tensor_cores) {
-    if (plan.rotate_queries_first) launch_rotate_queries<D>(p, workspace, stream);
+    if (plan.rotate_queries_first) launch_rotation_first(p, workspace, step, stream);
     if (plan.int8) {
       // Both orders make the second kernel the first's programmatic
       // dependent: it reads nothing the first writes, and waits for it
@@ -491,9 +489,9 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // queries, then lets the exact blocks launch: load_group_queries).
       if (plan.exact_first) {
         launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
-        launch_int8<D>(p, workspace, plan, stream, true, step);
+        launch_int8<D>(p, workspace, plan, stream, true, step.int8);
       } else {
-        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step);
+        launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step.int8);
         if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
@@ -522,7 +520,7 @@ void launch_merge(const DecodeParams& p, const device::SplitWorkspace& workspace
 
 template <int D>
 void launch_for_head_dim(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
-                         cudaStream_t stream, const StepAppendArgs* step) {
+                         cudaStream_t stream, const StepAppendKernels& step) {
   if (p.key_cache.layout.spec.bits == 2) {
     launch_for_bits<D, 2>(p, workspace, plan, stream, step);
   } else {
@@ -762,17 +760,17 @@ int64_t DecodePlanner::workspace_bytes(const DecodeParams& params) { return work
 void DecodePlanner::launch(const DecodeParams& params, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan(params), stream, nullptr);
+  run(params, plan(params), stream, nullptr, StepAppendHost::kNone);
 }
 
 void DecodePlanner::launch(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream) {
   check_params(params);
   if (params.batch.count == 0) return;
-  run(params, plan, stream, nullptr);
+  run(params, plan, stream, nullptr, StepAppendHost::kNone);
 }
 
 void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream,
-                        const StepAppendArgs* step) {
+                        const StepAppendArgs* step, StepAppendHost host) {
   if (plan.states > 0x7fffffff || plan.splits > 0x7fffffff) refuse("more than 2^31 - 1 context splits");
   const int64_t bytes = workspace_bytes_for(params, plan);
   void* memory = params.workspace;
@@ -784,15 +782,51 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
   workspace.acc = workspace.max_sum + 2 * states;
   workspace.max_splits = static_cast<int32_t>(plan.states);
   if (plan.rotate_queries_first) workspace.queries = workspace.acc + states * params.key_cache.layout.spec.head_dim;
+  StepAppendKernels step_kernels;
+  if (host == StepAppendHost::kInt8Kernel) step_kernels.int8 = step;
+  if (host == StepAppendHost::kRotateQueries) step_kernels.rotation = step;
   if (params.key_cache.layout.spec.head_dim == 64) {
-    launch_for_head_dim<64>(params, workspace, plan, stream, step);
+    launch_for_head_dim<64>(params, workspace, plan, stream, step_kernels);
   } else {
-    launch_for_head_dim<128>(params, workspace, plan, stream, step);
+    launch_for_head_dim<128>(params, workspace, plan, stream, step_kernels);
   }
   const cudaError_t launched = cudaGetLastError();
   if (owned) KVFORGE_CUDA_CHECK(cudaFreeAsync(memory, stream));
   KVFORGE_CUDA_CHECK(launched);
 }
+
+namespace {
+
+bool same_rotation(const Rotation& a, const Rotation& b) {
+  return a.kind == b.kind && a.matrix == b.matrix && a.centre == b.centre && a.pair_cos == b.pair_cos &&
+         a.pair_sin == b.pair_sin;
+}
+
+// A sliding window of at least one token: a step's new token is exact, in
+// the window, and read from its exact row only.
+bool slides_over_new_tokens(const TensorLayoutSpec& spec) {
+  return spec.window_rule == WindowRule::kSliding && spec.residual_tokens > 0;
+}
+
+// step_append_host's answer for a rotated step whose other conditions hold.
+StepAppendHost rotated_step_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
+  const TensorLayoutSpec& keys = append.key_cache.layout.spec;
+  // The query rotation's kernel holds the keys' matrix, and the values' is
+  // the decode's too; it runs first, so that the exact blocks, and the
+  // kernels that let them launch, start after it has stored the token.
+  if (append.key_rotation.kind != RotationKind::kMatrix || !same_rotation(append.key_rotation, decode.key_rotation) ||
+      !same_rotation(append.value_rotation, decode.value_rotation)) {
+    return StepAppendHost::kNone;
+  }
+  if (!slides_over_new_tokens(keys) || !slides_over_new_tokens(append.value_cache.layout.spec)) {
+    return StepAppendHost::kNone;
+  }
+  if (keys.head_dim != 64 && keys.head_dim != 128) return StepAppendHost::kNone;
+  if (!plan.tensor_cores || plan.lookup || !plan.rotate_queries_first) return StepAppendHost::kNone;
+  return StepAppendHost::kRotateQueries;
+}
+
+}  // namespace
 
 StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan) {
   const TensorPageLayout& keys = append.key_cache.layout;
@@ -819,10 +853,12 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
       return StepAppendHost::kNone;
     }
   }
+  if (append.key_rotation.kind != RotationKind::kNone || append.value_rotation.kind != RotationKind::kNone) {
+    return rotated_step_host(append, decode, plan);
+  }
   // Without a rotation, sink or window the int8 kernel's 64-token steps
   // read it from its codes, and nothing else runs beside them.
-  if (append.key_rotation.kind != RotationKind::kNone || append.value_rotation.kind != RotationKind::kNone ||
-      keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 || values.ring_capacity != 0) {
+  if (keys.spec.sink_tokens != 0 || keys.ring_capacity != 0 || values.ring_capacity != 0) {
     return StepAppendHost::kNone;
   }
   if (!plan.tensor_cores || !plan.int8 || plan.lookup || plan.int8_steps == Int8Steps::kSteps32 ||
@@ -854,12 +890,12 @@ bool DecodePlanner::run_step(const AppendParams& append, const DecodeParams& dec
   const StepAppendHost host = decode.batch.count > 0 ? step_append_host(append, decode, plan) : StepAppendHost::kNone;
   if (host == StepAppendHost::kNone) {
     launch_append(append, stream);
-    if (decode.batch.count > 0) run(decode, plan, stream, nullptr);
+    if (decode.batch.count > 0) run(decode, plan, stream, nullptr, StepAppendHost::kNone);
     return false;
   }
   check_append_params(append);
   const StepAppendArgs step = step_append_args(append);
-  run(decode, plan, stream, &step);
+  run(decode, plan, stream, &step, host);
   return true;
 }
 

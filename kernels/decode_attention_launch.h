@@ -110,16 +110,25 @@ Int8Steps default_int8_steps(const DecodeParams& params);
 DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors);
 
 // Which kernel of the decode's launch runs a decoding step's append
-// (DecodePlanner::launch_step, kernels/step_append.cuh), if any.
-// kInt8Kernel: the token-parallel append's layout (takes_token_parallel)
-// without a rotation, sink or window, into the decode's pools and page
-// table, one row per entry; inline arrays (both or neither) that show the
-// same slots, one token each, at the decode's lengths minus one; and every
-// token on the int8 kernel's 64-token steps with no exact ranges (rtn's
-// layout at 2 and 4 bits, GQA groups of at most 4 heads): the warp whose run
-// ends at the token appends it. (The exact kernel's blocks hosting a
-// window's append were measured slower than two launches: bench/README.md.)
-enum class StepAppendHost { kNone, kInt8Kernel };
+// (DecodePlanner::launch_step, kernels/step_append.cuh), if any. Both need
+// the token-parallel append's layout (takes_token_parallel) into the
+// decode's pools and page table, one row per entry, and inline arrays (both
+// or neither) that show the same slots, one token each, at the decode's
+// lengths minus one.
+// - kInt8Kernel: no rotation, sink or window, and every token on the int8
+//   kernel's 64-token steps with no exact ranges (rtn's layout at 2 and 4
+//   bits, GQA groups of at most 4 heads): the warp whose run ends at the
+//   token appends it.
+// - kRotateQueries: the keys' matrix rotation (the values' a matrix or
+//   none) the decode's own, a sliding window in both kinds, and a plan that
+//   rotates the queries first (int2-rot's layout from batch 8 at 32K
+//   tokens): the query rotation's kernel rotates and stores the token
+//   beside the queries. The token is in the window, so no kernel reads its
+//   codes in this call, and those that read its exact rows start after
+//   that kernel has completed.
+// (The exact kernel's blocks hosting a window's append were measured slower
+// than two launches: bench/README.md.)
+enum class StepAppendHost { kNone, kInt8Kernel, kRotateQueries };
 StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan);
 
 // Plans and launches on one device (the current one at its first plan),
@@ -160,8 +169,10 @@ class DecodePlanner {
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
   // launch_step after the decode's checks.
   bool run_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan, cudaStream_t stream);
-  // `step`: a step's append, which the int8 kernel runs (null: none).
-  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step);
+  // `step`: a step's append, run by the kernel `host` names (null or
+  // kNone: none).
+  void run(const DecodeParams& params, const DecodePlan& plan, cudaStream_t stream, const StepAppendArgs* step,
+           StepAppendHost host);
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device

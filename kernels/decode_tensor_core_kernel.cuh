@@ -301,9 +301,10 @@ __device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot
 // are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
 // block's threads together, synchronized on return. kRowsInFlight:
 // rotate_group_queries's. With `rotated` (SplitWorkspace::queries) the
-// queries are rotate_group_queries_kernel's: the kernel, launched as its
-// programmatic dependent, waits for it here, and lets its own dependent
-// launch only then (that one reads them too, without waiting: its
+// queries are rotate_group_queries_kernel's (rotate_queries_kernel.cuh):
+// the kernel, launched as its programmatic dependent, waits for it here,
+// and lets its own dependent launch only then (that one reads them too,
+// and what that kernel's step append stored, without waiting: its
 // prerequisite is this kernel).
 template <int D, int kRowsInFlight = 16>
 __device__ inline void load_group_queries(const DecodeParams& p, const float* rotated, int64_t state_base, int group,
@@ -328,57 +329,6 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
                                          &query[0][0]);
   __syncthreads();
-}
-
-// The keys' matrix rotation of every query of the batch, once per decode
-// call (DecodePlan::rotate_queries_first): one block per (KV head,
-// sequence) into SplitWorkspace::queries. The tensor-core kernels' blocks
-// had each rotated their group's queries, 64 KB of the matrix from L2 and
-// 64 K fmas per block of 4 heads at head_dim 128: at 32K tokens and batch 8
-// some 500 blocks, 11% of the int8 kernel's instructions
-// (bench/results/ncu-decode-int2rot-rotated-h200-2026-12-02.txt). The
-// matrix's rows are cut into kRotationSlices slices, thread (slice, j)
-// loading its slice of column j at once (one round trip to memory; a
-// thread per column, 32 rows in flight, made four and ran 7 us a block) and
-// summing it for each head in one fma chain in row order; the slices'
-// sums are added in slice order. The kernel behind it may launch at once
-// and waits for it before it reads the queries (load_group_queries).
-inline constexpr int kRotationSlices = 4;
-template <int D>
-__global__ void __launch_bounds__(kRotationSlices * D)
-    rotate_group_queries_kernel(const DecodeParams p, const SplitWorkspace workspace) {
-  allow_dependent_launch();
-  constexpr int kRows = D / kRotationSlices;
-  __shared__ __align__(16) float raw[kMaxTensorCoreGroup][D];
-  __shared__ float partial[kRotationSlices][kMaxTensorCoreGroup][D];
-  const int kv_head = blockIdx.x, entry = blockIdx.y;
-  const int group = p.num_heads / p.key_cache.layout.spec.kv_heads;
-  const int64_t first = static_cast<int64_t>(entry) * p.num_heads + kv_head * group;
-  const int j = threadIdx.x % D, slice = threadIdx.x / D;
-  const float* column = p.key_rotation.matrix + static_cast<int64_t>(kv_head) * D * D + slice * kRows * D + j;
-  float r[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) r[i] = column[i * D];
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) raw[i / D][i % D] = load_io(p.io, p.queries, first * D + i);
-  __syncthreads();
-  for (int h = 0; h < group; ++h) {
-    const float* x = &raw[h][slice * kRows];
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRows; i += 4) {
-      const float4 q = *reinterpret_cast<const float4*>(x + i);
-      sum = __fmaf_rn(q.w, r[i + 3], __fmaf_rn(q.z, r[i + 2], __fmaf_rn(q.y, r[i + 1], __fmaf_rn(q.x, r[i], sum))));
-    }
-    partial[slice][h][j] = sum;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    float sum = partial[0][h][d];
-#pragma unroll
-    for (int s = 1; s < kRotationSlices; ++s) sum = __fadd_rn(sum, partial[s][h][d]);
-    workspace.queries[first * D + i] = sum;
-  }
 }
 
 // Head h's state over a block's kWarps warps' (max and sum in log2 units;

@@ -95,4 +95,17 @@ int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads
   return clusters;
 }
 
+// Kernels whose blocks share multiprocessors with the int8 kernel's (the
+// exact blocks beside them at batch 1, the query rotation before them) ask
+// for the largest shared-memory carveout: a multiprocessor configures its
+// L1/shared split for the first kernel it runs, and a small kernel's own
+// choice (12 KB a block) leaves no room for the int8 blocks' 55 KB until
+// it drains (int2-rot at 128K batch 1: 47 -> 55 us with the exact kernel,
+// which asked for less than the general kernel's 36 KB).
+template <typename Kernel>
+void prefer_max_shared_carveout(Kernel kernel) {
+  KVFORGE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+}
+
 }  // namespace kvforge::kernels

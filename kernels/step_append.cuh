@@ -1,8 +1,8 @@
 #pragma once
 // Device code of a decoding step's append inside the decode's kernels
-// (StepAppendArgs, kernels/step_append.h): the warp that reads an
-// entry's new token quantizes and stores that token of its KV head, keys
-// and values, before it reads anything of it. A separate
+// (StepAppendArgs, kernels/step_append.h): the kernel that first reads an
+// entry's new token, or one that every reader of it waits for, quantizes
+// and stores that token, keys and values. A separate
 // append launch costs a decoding step about an empty kernel's time (~2.7 us
 // on the H200 under the benchmark's timer), more than a tenth of the decode
 // at batch 1 (bench/README.md): inside the decode's launch the append is a
@@ -11,13 +11,20 @@
 // The layouts served are the token-parallel append's: each token is
 // quantized on its own, so the code is append_token_kernel.cuh's (the same
 // float64 operations in the same order as the CPU reference, written with
-// explicit intrinsics and fmas: this file is compiled with FMA
-// contraction, as the decode) and stores the same bytes as the append
-// kernel. Without a rotation, sink or window (rtn's) the int8 kernel's warp
-// whose run ends at the new token appends it (append_step_token). (The exact
-// kernel's block that reads a window's new token appending it, a matrix
-// rotation included, was measured slower than two launches and removed:
-// bench/README.md, the thirty-third session.)
+// explicit intrinsics and fmas, so that FMA contraction, on in the decode's
+// files, changes nothing) and stores the same bytes as the append
+// kernel. Two hosts (step_append_host):
+// - Without a rotation, sink or window (rtn's) the int8 kernel's warp
+//   whose run ends at the new token appends it (append_step_token).
+// - With matrix rotations and a sliding window in both kinds (int2-rot's),
+//   where the queries are rotated first, the query rotation's kernel
+//   (rotate_queries_kernel.cuh) rotates and stores the token, a block per
+//   (KV head, entry, kind) (append_rotated_step_row): the token lies in the
+//   window, read from its exact row only by kernels that start after that
+//   kernel has completed.
+// (The exact kernel's block that reads a window's new token appending it, a
+// matrix rotation included, was measured slower than two launches and
+// removed: bench/README.md, the thirty-third session.)
 #include <cstdint>
 
 #include "kernels/append_token_kernel.cuh"
@@ -95,6 +102,106 @@ __device__ inline void append_step_token(const DecodeParams& p, const StepAppend
   // (the code rows' copies go through L2).
   __threadfence();
   __syncwarp();
+}
+
+// ---------------------------------------------------------------- rotated
+// int2-rot's step append beside the query rotation (StepAppendHost::
+// kRotateQueries): block (KV head, entry, kind) of the query rotation's
+// kernel stores entry's new token of that kind. y_j = sum_i (x_i - c_i) R_ij,
+// i ascending, one float64 fma per term (the CPU reference's order, as
+// append_token_rotated_kernel's): a chain that cannot be cut, so the
+// block's kSlices slices of the matrix's rows take turns, slice s continuing
+// slice s - 1's sums over its own rows from the registers that hold them
+// (thread (slice, j): rows [s D / kSlices, (s + 1) D / kSlices) of column j,
+// the query rotation's own registers for the keys), a barrier a turn. The
+// matrix is widened to float64 element by element (16 conversions a cycle a
+// multiprocessor): a kind a block halves a block's share.
+
+template <int D>
+struct RotatedStepShared {
+  double x[D];    // the row as the cache's element, minus the centre where there is one
+  double sum[D];  // y_j so far: every slice's turn adds its rows
+};
+
+// The block's one RotatedStepShared (declared here, so that only the
+// kernels that call this hold it).
+template <int D>
+__device__ inline RotatedStepShared<D>& rotated_step_shared() {
+  __shared__ RotatedStepShared<D> shared;
+  return shared;
+}
+
+// Thread i < D: channel i of entry `entry`'s new row of `kind`, KV head
+// `kv_head`, into shared.x (the caller synchronizes before the sums read it).
+template <int D, ElementType kElement>
+__device__ inline void load_rotated_step_row(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                             int32_t kv_head, int kind, RotatedStepShared<D>& shared) {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i >= D) return;
+  const int64_t width = static_cast<int64_t>(p.key_cache.layout.spec.kv_heads) * D;
+  const auto* input = static_cast<const uint8_t*>(kind == 0 ? step.keys : step.values) +
+                      (entry * width + kv_head * D + i) * element_bytes(step.input);
+  double x = append_device::round_to_element(kElement, append_device::load_element(step.input, input));
+  const Rotation& rotation = kind == 0 ? p.key_rotation : p.value_rotation;
+  if (rotation.kind == RotationKind::kMatrix && rotation.centre != nullptr) {
+    x = __dsub_rn(x, static_cast<double>(rotation.centre[static_cast<int64_t>(kv_head) * D + i]));
+  }
+  shared.x[i] = x;
+}
+
+// The sums y_j = sum_i x_i R_ij into shared.sum, slice by slice (`column`:
+// this thread's rows of column j, threadIdx.x = slice * D + j). Every
+// thread of the block calls it (a barrier a slice), after a barrier that
+// made shared.x visible; on return shared.sum is.
+template <int D, int kSlices>
+__device__ inline void rotate_step_row(const float (&column)[D / kSlices], RotatedStepShared<D>& shared) {
+  constexpr int kRows = D / kSlices;
+  const int j = static_cast<int>(threadIdx.x) % D, slice = static_cast<int>(threadIdx.x) / D;
+  for (int s = 0; s < kSlices; ++s) {
+    if (slice == s) {
+      double sum = s == 0 ? 0.0 : shared.sum[j];
+      const double* x = shared.x + s * kRows;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) sum = fma(x[i], static_cast<double>(column[i]), sum);
+      shared.sum[j] = sum;
+    }
+    __syncthreads();
+  }
+}
+
+// Warp 0: the row (shared.sum where the kind is rotated, else shared.x)
+// rounded to the cache's element and stored as append_token_kernel's
+// store_token_part stores it: codes and pair, the sink's or the window's
+// exact row; the keys' block of KV head 0 writes a page the step opens into
+// the page table (for the calls after this one: this call's kernels read
+// no code of the token, it is in the window).
+template <int D, int kBits, ElementType kElement>
+__device__ inline void store_rotated_step_row(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                              int32_t kv_head, int kind, bool rotated,
+                                              const RotatedStepShared<D>& shared) {
+  constexpr int kE = D / 32;
+  if (threadIdx.x >= 32) return;
+  const int lane = static_cast<int>(threadIdx.x);
+  const int32_t slot = entry_slot(p, entry);
+  const int64_t length = entry_length(p, entry);
+  const int32_t* page_row = p.batch.page_table + static_cast<int64_t>(slot) * p.batch.page_table_stride;
+  const StepTokenPlace place = step_token_place(p.key_cache.layout.spec, step, entry, slot, length, page_row);
+  if (kind == 0 && kv_head == 0 && lane == 0 && place.new_page_index >= 0) {
+    step.page_table[static_cast<int64_t>(slot) * p.batch.page_table_stride + place.new_page_index] = place.new_page;
+  }
+  const PagedTensor& cache = kind == 0 ? p.key_cache : p.value_cache;
+  append_device::TokenTarget target;
+  target.slot = place.slot;
+  target.token = place.token;
+  target.to_ring = cache.layout.ring_capacity > 0;  // one token: the last of its append
+  target.page_id = place.page_id;
+  const double* row = rotated ? shared.sum : shared.x;
+  double y[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) y[e] = append_device::round_to_element(kElement, row[lane * kE + e]);
+  const append_device::TokenTensorArgs args{cache, kind == 0 ? step.key_quantization : step.value_quantization,
+                                            Rotation{}, nullptr};
+  append_device::store_token_part<kE, kBits, kElement>(args, target, kv_head, y);
 }
 
 }  // namespace kvforge::kernels::step_append_device

@@ -1,10 +1,11 @@
 #pragma once
 // A decoding step's append carried by the decode's own launch
 // (DecodePlanner::launch_step, kernels/decode_attention_launch.h): what the
-// int8 decode kernel needs, beyond its DecodeParams, to append each batch
-// entry's one new token before it attends over it. The pools, slots and
-// lengths are the decode's (its lengths count the new token: entry i's goes
-// to position lengths[i] - 1); the rest is the step's AppendParams'.
+// kernel that appends each batch entry's one new token (the int8 decode
+// kernel, or the query rotation's: step_append_host) needs beyond its
+// DecodeParams. The pools, slots, lengths and rotations are the decode's
+// (its lengths count the new token: entry i's goes to position lengths[i] -
+// 1); the rest is the step's AppendParams'.
 // A plain struct of pointers and values (host and device), as the params.
 #include <cstdint>
 #include <type_traits>
@@ -67,7 +68,8 @@ KVFORGE_HOST_DEVICE inline StepTokenPlace step_token_place(const TensorLayoutSpe
 
 // The step append of `append` (one new token per entry of the decode that
 // follows it, in the same order): its rows, input type, quantizers, page
-// table and inline new pages (no rotation: step_append_host).
+// table and inline new pages (its rotations are the decode's:
+// step_append_host).
 inline StepAppendArgs step_append_args(const AppendParams& append) {
   StepAppendArgs s;
   s.keys = append.keys;

@@ -8,15 +8,16 @@
 // arrays), the lengths the decode reads (the append's) and the sync that
 // hands back a host output (tests/test_torch_ops.py (g) runs the
 // asynchronous form, device tensors). Prefill chunks of hundreds of
-// tokens and single tokens across page, group and window boundaries, 3 and
+// tokens and single tokens across page, group and window boundaries, 3 to
 // 40 sequences (the append's arrays carried in its launch or uploaded),
 // sequences idle in some steps; every decode kernel takes part. Where
 // every sequence gets one token the CUDA backend appends inside the
 // decode's launch where it can (kernels/step_append.cuh): rtn's layout on
-// the int8 kernel's 64-token steps (its warps); each case says whether its
-// steps must have taken that path (CudaBackend::fused_steps), so that the
-// bit-equality covers it and int2-rot's steps stay two launches. Skipped
-// without a GPU.
+// the int8 kernel's 64-token steps (its warps), int2-rot's rotated layouts
+// in the query rotation's kernel where the queries are rotated first; each
+// case says whether its steps must have taken that path
+// (CudaBackend::fused_steps), so that the bit-equality covers it and the
+// other steps stay two launches. Skipped without a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -208,17 +209,34 @@ std::vector<StepCase> step_cases() {
       DecodeKernel::kAuto, 40, 256, true);
   add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
   // int2-rot: a sink and a window (the exact ranges first at few blocks,
-  // else behind the int8 kernel), rotated (the queries rotated first); the
-  // one-token steps' appends launched on their own.
+  // else behind the int8 kernel), rotated. With the queries rotated first
+  // (20 sequences and more: the exact blocks too many to go first) the
+  // one-token steps' appends run in the rotation's kernel: fp16, bf16 and
+  // fp32 rows, the values rotated or not, inline arrays (20 and 24
+  // sequences) and uploaded ones (40). Without a rotation, or with the
+  // exact blocks first (3 sequences), the appends are launched on their own.
   add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
   add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
-      40);
+      40, 256, true);
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
                    kernels::ElementType::kBFloat16));
+  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16_24_sequences", 4, 64, 16),
+                   kernels::ElementType::kBFloat16),
+      DecodeKernel::kAuto, 24, 256, true);
+  {
+    KernelCase keys_only = with_element(
+        testing::int2rot_rotated_layout("int2rot_keys_rotated_2bit_d128_gqa4_fp32_20_sequences", 2, 128, 8),
+        kernels::ElementType::kFloat32);
+    keys_only.value_rotation = RotationForm::kNone;
+    add(keys_only, DecodeKernel::kAuto, 20, 256, true);
+  }
   // Steps from empty sequences: the sink's rows, the window filling and
-  // wrapping, the first pages (rtn: from the first token).
+  // wrapping, the first pages (rtn: from the first token); int2-rot's with
+  // the exact blocks first (3 sequences) and inside the query rotation (20).
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
       256, false, true);
+  add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
+      DecodeKernel::kAuto, 20, 256, true, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
       true, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group

@@ -1,7 +1,7 @@
 // step_append_host (kernels/decode_attention_launch.h): which decoding
 // steps the CUDA launcher runs with the append inside the decode's launch
-// (the int8 kernel's, rtn's layout), and which it leaves to the append
-// kernel. A wrong answer stores a token the kernel cannot store or attends
+// (the int8 kernel's for rtn's layout, the query rotation's for int2-rot's),
+// and which it leaves to the append kernel. A wrong answer stores a token the kernel cannot store or attends
 // over rows nobody appended yet, so every condition is taken away one at a
 // time from a step that fuses. The params are the ones
 // QuantizedKVCache::decode_step hands its backend (captured on the CPU
@@ -192,10 +192,11 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
   });
 }
 
-// A sink or a window in either kind: the token is read from exact rows (by
-// the exact ranges' kernels), never from the int8 kernel's codes: the append
-// runs on its own, whatever the plan (the exact kernel's blocks hosting it
-// were measured slower than two launches, bench/README.md).
+// Unrotated, a sink or a window in either kind: the token is read from
+// exact rows (by the exact ranges' kernels), never from the int8 kernel's
+// codes, and no query rotation runs first: the append runs on its own,
+// whatever the plan (the exact kernel's blocks hosting it were measured
+// slower than two launches, bench/README.md).
 TEST(StepAppendFuses, ASinkOrWindowLeavesTheAppendOnItsOwn) {
   for (const int64_t sink : {0, 4}) {
     with_step_params(rtn(sink, 8), 3, [&](const AppendParams& a, const DecodeParams& d) {
@@ -208,12 +209,107 @@ TEST(StepAppendFuses, ASinkOrWindowLeavesTheAppendOnItsOwn) {
       lookup.lookup = true;
       EXPECT_EQ(kernels::step_append_host(a, d, lookup), StepAppendHost::kNone) << "sink " << sink;
       EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink " << sink;
+      DecodePlan rotation_first = with_exact_kernel(int8_wide_plan());  // no rotation: nothing to host it
+      rotation_first.rotate_queries_first = true;
+      EXPECT_EQ(kernels::step_append_host(a, d, rotation_first), StepAppendHost::kNone) << "sink " << sink;
     });
   }
   with_step_params(rtn(4, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
     EXPECT_EQ(kernels::step_append_host(a, d, int8_wide_plan()), StepAppendHost::kNone) << "sink alone";
     EXPECT_EQ(kernels::step_append_host(a, d, with_exact_kernel(int8_wide_plan())), StepAppendHost::kNone)
         << "sink alone";
+  });
+}
+
+// int2-rot's steps (matrix rotations, the decode's own; a sink and a
+// sliding window in both kinds): where the plan rotates the queries first,
+// the query rotation's kernel appends the token (kRotateQueries), with the
+// values' rotation a matrix or none. Every other rotated step runs the
+// append on its own: a decode rotation that is not the append's (the rows
+// would be stored in another basis than the one attended in), the token read
+// from codes in this call (no window, or one flushed in blocks), or no
+// query rotation launched first (the exact blocks first at batch 1, other
+// kernels).
+TEST(StepAppendFuses, RotatedStepsWithAWindowFuseIntoTheQueryRotation) {
+  alignas(16) static const float key_matrix[2 * 64 * 64] = {}, value_matrix[2 * 64 * 64] = {},
+                                 other_matrix[2 * 64 * 64] = {};
+  static const float centre[2 * 64] = {}, other_centre[2 * 64] = {};
+  const auto rotated = [&](AppendParams& a, DecodeParams& d) {
+    for (kernels::Rotation* r : {&a.key_rotation, &d.key_rotation}) {
+      r->kind = kernels::RotationKind::kMatrix;
+      r->matrix = key_matrix;
+      r->centre = centre;
+    }
+    for (kernels::Rotation* r : {&a.value_rotation, &d.value_rotation}) {
+      r->kind = kernels::RotationKind::kMatrix;
+      r->matrix = value_matrix;
+    }
+  };
+  DecodePlan rotation_first = with_exact_kernel(int8_wide_plan());
+  rotation_first.rotate_queries_first = true;
+  for (const int sequences : {3, 40}) {  // inline arrays, and uploaded ones
+    with_step_params(rtn(4, 16), sequences, [&](const AppendParams& a, const DecodeParams& d) {
+      AppendParams append = a;
+      DecodeParams decode = d;
+      rotated(append, decode);
+      EXPECT_EQ(kernels::step_append_host(append, decode, rotation_first), StepAppendHost::kRotateQueries)
+          << sequences << " sequences";
+      DecodePlan bf16 = rotation_first;  // the bf16 tensor-core kernel behind the rotation
+      bf16.int8 = false;
+      EXPECT_EQ(kernels::step_append_host(append, decode, bf16), StepAppendHost::kRotateQueries) << sequences;
+      AppendParams keys_only = append;
+      DecodeParams decode_keys_only = decode;
+      keys_only.value_rotation = decode_keys_only.value_rotation = kernels::Rotation{};
+      EXPECT_EQ(kernels::step_append_host(keys_only, decode_keys_only, rotation_first), StepAppendHost::kRotateQueries)
+          << sequences << " sequences, values unrotated";
+    });
+  }
+  with_step_params(rtn(4, 16), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    using Change = std::function<void(AppendParams&, DecodeParams&, DecodePlan&)>;
+    const auto refused = [&](const std::string& what, const Change& change) {
+      AppendParams append = a;
+      DecodeParams decode = d;
+      rotated(append, decode);
+      DecodePlan plan = rotation_first;
+      change(append, decode, plan);
+      EXPECT_EQ(kernels::step_append_host(append, decode, plan), StepAppendHost::kNone) << what;
+    };
+    refused("no query rotation first (the exact blocks first)", [](AppendParams&, DecodeParams&, DecodePlan& p) {
+      p.rotate_queries_first = false;
+      p.exact_first = true;
+    });
+    refused("the lookup kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.lookup = true; });
+    refused("no tensor-core kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.tensor_cores = false; });
+    refused("the decode's key matrix another",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.key_rotation.matrix = other_matrix; });
+    refused("the decode's key centre another",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.key_rotation.centre = other_centre; });
+    refused("the decode's values unrotated",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.value_rotation = kernels::Rotation{}; });
+    refused("the append's values unrotated",
+            [](AppendParams& a, DecodeParams&, DecodePlan&) { a.value_rotation = kernels::Rotation{}; });
+    refused("the values rotated alone", [](AppendParams& a, DecodeParams& d, DecodePlan&) {
+      a.key_rotation = d.key_rotation = kernels::Rotation{};
+    });
+    refused("the keys' window flushed in blocks", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.key_cache.layout.spec.window_rule = kernels::WindowRule::kBlockFlush;
+    });
+    refused("the values' window flushed in blocks", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.value_cache.layout.spec.window_rule = kernels::WindowRule::kBlockFlush;
+    });
+    refused("a token more", [](AppendParams& a, DecodeParams&, DecodePlan&) {
+      a.rows += 1;
+      a.inline_arrays.token_offsets[a.inline_arrays.count] += 1;
+    });
+    refused("other value pages", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.value_cache.pages += 1; });
+    refused("a length off", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.lengths[1] += 1; });
+  });
+  // A sink without a window: the token is read from codes in this call.
+  with_step_params(rtn(4, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
+    AppendParams append = a;
+    DecodeParams decode = d;
+    rotated(append, decode);
+    EXPECT_EQ(kernels::step_append_host(append, decode, rotation_first), StepAppendHost::kNone) << "no window";
   });
 }
 
