@@ -797,6 +797,16 @@ void DecodePlanner::run(const DecodeParams& params, const DecodePlan& plan, cuda
 
 namespace {
 
+// Every field: the kernels that append take the decode's layouts (its
+// head_dim, bits, element, sink and window), the append's are what
+// step_append_host checks.
+bool same_spec(const TensorLayoutSpec& a, const TensorLayoutSpec& b) {
+  return a.kv_heads == b.kv_heads && a.head_dim == b.head_dim && a.bits == b.bits && a.page_size == b.page_size &&
+         a.grouping == b.grouping && a.group == b.group && a.element == b.element && a.sink_tokens == b.sink_tokens &&
+         a.residual_tokens == b.residual_tokens && a.window_rule == b.window_rule && a.outliers == b.outliers &&
+         a.outlier_page_entries == b.outlier_page_entries;
+}
+
 bool same_rotation(const Rotation& a, const Rotation& b) {
   return a.kind == b.kind && a.matrix == b.matrix && a.centre == b.centre && a.pair_cos == b.pair_cos &&
          a.pair_sin == b.pair_sin;
@@ -832,12 +842,14 @@ StepAppendHost step_append_host(const AppendParams& append, const DecodeParams& 
   const TensorPageLayout& keys = append.key_cache.layout;
   const TensorPageLayout& values = append.value_cache.layout;
   // The token-parallel append's layouts (each token quantized on its own),
-  // into the pools and page table the decode reads.
+  // into the pools and page table the decode reads, as the decode lays
+  // them out.
   if (!takes_token_parallel(append)) return StepAppendHost::kNone;
   if (append.key_cache.pages != decode.key_cache.pages || append.value_cache.pages != decode.value_cache.pages ||
       append.key_cache.exact != decode.key_cache.exact || append.value_cache.exact != decode.value_cache.exact ||
       append.batch.page_table != decode.batch.page_table || append.page_table != decode.batch.page_table ||
-      append.batch.page_table_stride != decode.batch.page_table_stride) {
+      append.batch.page_table_stride != decode.batch.page_table_stride ||
+      !same_spec(keys.spec, decode.key_cache.layout.spec) || !same_spec(values.spec, decode.value_cache.layout.spec)) {
     return StepAppendHost::kNone;
   }
   // One new token per entry, the entries in the decode's order: what the

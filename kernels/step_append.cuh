@@ -19,7 +19,8 @@
 // - With matrix rotations and a sliding window in both kinds (int2-rot's),
 //   where the queries are rotated first, the query rotation's kernel
 //   (rotate_queries_kernel.cuh) rotates and stores the token, a block per
-//   (KV head, entry, kind) (append_rotated_step_row): the token lies in the
+//   (KV head, entry, kind) (load_rotated_step_row, rotate_step_row,
+//   store_rotated_step_row): the token lies in the
 //   window, read from its exact row only by kernels that start after that
 //   kernel has completed.
 // (The exact kernel's block that reads a window's new token appending it, a

@@ -20,11 +20,14 @@ struct StepAppendArgs {
   ElementType input = ElementType::kFloat32;
   Quantization key_quantization, value_quantization;
   // The page table, written: entry i's new page (new_page_plus_one[i] - 1,
-  // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1), by the
-  // appending warp of every KV head (the same id), which then
-  // reads it back from the table after its own write and fence: no block
-  // depends on another's write. (A change that let one KV head write it
-  // would have the others read a stale entry.)
+  // as InlineBatchArrays') at new_page_index(spec, lengths[i] - 1). In the
+  // int8 kernel by the appending warp of every KV head (the same id), which
+  // then reads it back from the table after its own write and fence: no
+  // block depends on another's write (a change that let one KV head write
+  // it would have the others read a stale entry). In the query rotation's
+  // kernel by the keys' block of KV head 0 alone: no kernel of the call
+  // reads that entry (the token is in the window), the blocks that store
+  // take the id from here (step_token_place).
   int32_t* page_table = nullptr;
   int32_t new_page_plus_one[kInlineBatchEntries] = {};  // all 0 where the pages were uploaded
 };

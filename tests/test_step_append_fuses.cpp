@@ -152,6 +152,12 @@ TEST(StepAppendFuses, EveryMissingConditionRunsTheAppendOnItsOwn) {
       p.tokens_per_split = 10;
     });
     refused("the append's page table another", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.page_table += 1; });
+    // The decode's layouts not the append's (the appending kernels take the
+    // decode's).
+    refused("the decode's key bits", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.key_cache.layout.spec.bits = 4; });
+    refused("the decode's value element", [](AppendParams&, DecodeParams& d, DecodePlan&) {
+      d.value_cache.layout.spec.element = kernels::ElementType::kBFloat16;
+    });
     // The append: not the token-parallel kernel's, rotated, outliers.
     refused("per-sequence append kernel",
             [](AppendParams& a, DecodeParams&, DecodePlan&) { a.kernel = kernels::AppendKernel::kPerSequence; });
@@ -303,6 +309,12 @@ TEST(StepAppendFuses, RotatedStepsWithAWindowFuseIntoTheQueryRotation) {
     });
     refused("other value pages", [](AppendParams& a, DecodeParams&, DecodePlan&) { a.value_cache.pages += 1; });
     refused("a length off", [](AppendParams&, DecodeParams& d, DecodePlan&) { d.inline_arrays.lengths[1] += 1; });
+    // The decode's layouts without the window the append's have: its
+    // kernels would read the token's codes in this call.
+    refused("the decode's keys without a window",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.key_cache.layout.spec.residual_tokens = 0; });
+    refused("the decode's values' window another",
+            [](AppendParams&, DecodeParams& d, DecodePlan&) { d.value_cache.layout.spec.residual_tokens = 8; });
   });
   // A sink without a window: the token is read from codes in this call.
   with_step_params(rtn(4, 0), 3, [&](const AppendParams& a, const DecodeParams& d) {
