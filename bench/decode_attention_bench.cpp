@@ -39,9 +39,15 @@
 // same decode replayed from a CUDA graph (graph_time_us, graph_host_us; or
 // graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
-// tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`,
+// tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`, `exact_slots_reserved`,
 // `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads` and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
-// kernel's steps (32 or 64 tokens); with --bf16-tensor-cores also the bf16 tensor-core
+// kernel's steps (32 or 64 tokens); with --rotation-before-exact, where the exact
+// blocks launch first beside a matrix key rotation, the same decode with the
+// queries rotated first and the exact blocks behind the int8 kernel in their
+// kept slots (DecodeParams::rotate_before_exact_blocks: rotation_first_time_us,
+// _splits, _speedup_vs_sdpa; and its decoding steps, whose appends then join
+// the rotation's kernel: rotation_first_step_device_us, _step_fused,
+// _step_decode_device_us); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
 // with --general also the general kernel's where the lookup kernel is the
@@ -239,6 +245,12 @@ int run(int argc, char** argv) {
   app.add_flag("--general", general,
                "also time the general kernel where the lookup kernel is the default (general_* columns), the "
                "lookup kernel's predecessor on kvquant's layouts");
+  bool rotation_before_exact = false;
+  app.add_flag("--rotation-before-exact", rotation_before_exact,
+               "where the exact blocks launch first beside a matrix key rotation (batch 1), also time the queries "
+               "rotated first and the exact blocks behind the int8 kernel in their kept slots "
+               "(DecodeParams::rotate_before_exact_blocks): rotation_first_time_us, and with the appends "
+               "rotation_first_step_device_us, _step_fused, _step_decode_device_us");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -538,7 +550,7 @@ int run(int argc, char** argv) {
             double step_us = 0, two_launches_us = 0, decode_us = 0;
             bool fused = false;
           };
-          const auto measure_steps = [&] {
+          const auto measure_steps = [&](const kernels::DecodeParams& decode_alone) {
             const auto run_steps = [&](bool fused) {
               cache.set_fused_decode_step(fused);
               const double us = queued_run([&] {
@@ -557,7 +569,8 @@ int run(int argc, char** argv) {
             for (int round = 0; round < 3; ++round) {
               steps.push_back(run_steps(true));
               two_launches.push_back(run_steps(false));
-              decodes.push_back(queued_run([&] { kernels::launch_decode_attention(launched, append_stream); }, 2).device_us);
+              decodes.push_back(
+                  queued_run([&] { kernels::launch_decode_attention(decode_alone, append_stream); }, 2).device_us);
             }
             return StepTimes{median(std::move(steps)), median(std::move(two_launches)), median(std::move(decodes)),
                              backend.fused_steps() > fused_before};
@@ -572,6 +585,7 @@ int run(int argc, char** argv) {
                                 {"exact_splits", plan.exact_splits},
                                 {"exact_chunk", plan.exact_chunk},
                                 {"exact_first", plan.exact_first},
+                                {"exact_slots_reserved", plan.exact_slots_reserved},
                                 {"exact_kernel", plan.exact_kernel},
                                 {"rotate_queries_first", plan.rotate_queries_first},
                                 {"wide_merge", plan.wide_merge},
@@ -607,7 +621,7 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_latency_us", per_sequence.latency_us},
                         {"append_per_sequence_host_us", per_sequence.host_us},
                         {"append_per_sequence_device_us", per_sequence.device_us}});
-            const StepTimes steps = measure_steps();
+            const StepTimes steps = measure_steps(launched);
             const double added = steps.step_us - steps.decode_us;
             const double added_two = steps.two_launches_us - steps.decode_us;
             const auto rate = [&](double a) { return a > 0 ? nlohmann::json(steps.decode_us / a) : nlohmann::json(); };
@@ -619,6 +633,16 @@ int run(int argc, char** argv) {
                         {"append_in_step_over_decode_rate", rate(added)},
                         {"append_in_two_launch_step_us", added_two},
                         {"append_in_two_launch_step_over_decode_rate", rate(added_two)}});
+            if (rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix) {
+              kernels::DecodeParams behind = launched;
+              behind.rotate_before_exact_blocks = true;
+              cache.set_rotate_before_exact_blocks(true);
+              const StepTimes rotation_first = measure_steps(behind);
+              cache.set_rotate_before_exact_blocks(false);
+              row.update({{"rotation_first_step_device_us", rotation_first.step_us},
+                          {"rotation_first_step_fused", rotation_first.fused},
+                          {"rotation_first_step_decode_device_us", rotation_first.decode_us}});
+            }
           }
           row.update(graph_replay_columns(params, repeats, cold));
           // Another kernel choice on the same cache and queries: its time,
@@ -656,6 +680,11 @@ int run(int argc, char** argv) {
               other.int8_steps = steps;
               time_choice(other, prefix);
             }
+          }
+          if (rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix) {
+            kernels::DecodeParams other = launched;
+            other.rotate_before_exact_blocks = true;
+            time_choice(other, "rotation_first");
           }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;

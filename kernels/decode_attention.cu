@@ -672,9 +672,11 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
     const int64_t all_resident =
         static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.lookup, plan.int8_steps);
-    plan.exact_first = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
-    plan.rotate_queries_first = plan.tensor_cores && p.key_rotation.kind == RotationKind::kMatrix && !plan.exact_first;
-    const int64_t resident = plan.exact_first ? all_resident - exact_blocks : all_resident;
+    plan.exact_slots_reserved = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
+    const bool key_matrix = p.key_rotation.kind == RotationKind::kMatrix;
+    plan.exact_first = plan.exact_slots_reserved && !(key_matrix && p.rotate_before_exact_blocks);
+    plan.rotate_queries_first = plan.tensor_cores && key_matrix && !plan.exact_first;
+    const int64_t resident = plan.exact_slots_reserved ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
     const int64_t kQuantum = plan.int8     ? device::kInt8Warps * step_tokens

@@ -53,6 +53,14 @@ struct DecodePlan {
   // rotation behind the exact blocks, or launch first and hold the exact
   // blocks back until its last wave started: batch 1 at 128K, 47 -> 57 us.)
   bool rotate_queries_first = false;
+  // The exact blocks are few (exact_first's condition), and the int8
+  // kernel's splits are planned for the slots they leave, whether they
+  // launch first (exact_first) or, with
+  // DecodeParams::rotate_before_exact_blocks, behind the int8 kernel after
+  // the query rotation: once every int8 block has its queries they take
+  // those slots, beside the int8 blocks rather than after the last wave
+  // (where that wave is the only one).
+  bool exact_slots_reserved = false;
   int64_t states = 0;            // split states per query head: splits + exact_splits
   // The merge's blocks take four groups of head_dim threads, each loading
   // 16 states' rows at once: many states (over 8) and at most one such

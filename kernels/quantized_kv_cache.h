@@ -72,6 +72,12 @@ struct CacheOptions {
   // decode's launch where the layout allows it); off: append, then
   // decode_attention, to compare. The same bytes and outputs either way.
   bool fused_decode_step = true;
+  // DecodeParams::rotate_before_exact_blocks (CUDA; the CPU reference
+  // ignores it): at batch 1, with a matrix key rotation and a window or
+  // sink (int2-rot's), the queries rotated first and the exact blocks
+  // behind the int8 kernel in slots kept for them, so that a decoding
+  // step's append joins the rotation's kernel. Off: the exact blocks first.
+  bool rotate_before_exact_blocks = false;
 };
 
 enum class TensorKind { kKeys, kValues };
@@ -222,6 +228,8 @@ class QuantizedKVCache {
   // CacheOptions::fused_decode_step for later steps (a benchmark's baseline
   // in the same run).
   void set_fused_decode_step(bool fused) { options_.fused_decode_step = fused; }
+  // CacheOptions::rotate_before_exact_blocks for later calls (likewise).
+  void set_rotate_before_exact_blocks(bool rotate) { options_.rotate_before_exact_blocks = rotate; }
 
   // The DecodeParams decode_attention passes its backend for `layer`, in
   // backend memory, except the call's own arrays: batch.count, batch.slots,

@@ -453,6 +453,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.kernel = c.kernel;
   host.int8_steps = c.int8_steps;
   host.exact_chunk_tokens = c.exact_chunk_tokens;
+  host.rotate_before_exact_blocks = c.rotate_before_exact_blocks;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -491,6 +492,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
           << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores || plan.lookup) << c.name;
+    if (c.rotate_before_exact_blocks) {
+      EXPECT_TRUE(plan.exact_slots_reserved && !plan.exact_first && plan.rotate_queries_first)
+          << c.name << ": the exact blocks do not run behind the rotation in their kept slots";
+    }
     // The planner's chunk where there are exact ranges: the exact kernel's
     // two passes, the general kernel's one.
     if ((plan.tensor_cores || plan.lookup) && plan.exact_splits > 0) {

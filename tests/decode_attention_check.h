@@ -78,6 +78,10 @@ struct DecodeCase : KernelCase {
   // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
   // checked.
   int32_t exact_chunk_tokens = 0;
+  // DecodeParams::rotate_before_exact_blocks: the case must take it (few
+  // exact blocks, a matrix key rotation: the queries rotated first, the
+  // exact blocks behind the int8 kernel in their kept slots; checked).
+  bool rotate_before_exact_blocks = false;
   // From this token on (>= 0), every token of a sequence repeats that
   // token's keys and values: each step's tokens then share their outlier
   // channels (the kernels' colliding corrections); -1: every token drawn.

@@ -149,6 +149,17 @@ std::vector<Case> cases() {
               k4);
     merge_heads.lengths = {700, 65, 300};
     all.push_back(merge_heads);
+    // The queries rotated before the exact blocks where they are few
+    // (DecodeParams::rotate_before_exact_blocks: the exact blocks behind
+    // the int8 kernel in the slots kept for them, reading the rotated
+    // queries): the 64-token steps at GQA 4, and below the 32-token steps
+    // at GQA 8 beside bf16 rows of exact chunks that reach all four warps.
+    Case rotation_first = steps(
+        decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotation_before_exact_2bit_d128_gqa4", 2,
+                                                    128, 8)),
+        k4);
+    rotation_first.rotate_before_exact_blocks = true;
+    all.push_back(rotation_first);
     // decode_exact_kernel over chunks that reach all four of its warps (the
     // other cases' sink of 4 and window of 16 fill one warp's 16 tokens):
     // a sink of 40 and a window of 100 in one-pass chunks (of 40, 64 and
@@ -185,6 +196,13 @@ std::vector<Case> cases() {
         with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_bf16_rows_2bit_d64_gqa8", 2, 64, 16)),
              kInt8),
         ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000}));
+    Case rotation_first_rows = exact_rows(
+        with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotation_before_exact_bf16_rows_2bit_d64_gqa8", 2,
+                                                         64, 16)),
+             kInt8),
+        ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000});
+    rotation_first_rows.rotate_before_exact_blocks = true;
+    all.push_back(rotation_first_rows);
     // Longer exact chunks (DecodeParams::exact_chunk_tokens): blocks of
     // several 64-token passes whose warps carry their softmax states from
     // pass to pass. int2-rot's sink of 64 and window of 256 in blocks of 256
@@ -314,7 +332,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 19);
+  EXPECT_EQ(int8_cases, 21);
 }
 
 // On any machine: the lookup kernel reads kvquant's layouts (keys per
@@ -368,7 +386,7 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 9);
+  EXPECT_EQ(wide_cases, 10);
 }
 
 // The default's plan of the case's layout (params from with_layout_params)
@@ -425,6 +443,43 @@ TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRo
   }
   EXPECT_GE(clustered, 1);
   EXPECT_GE(merged, 1);
+}
+
+// On the GPU: DecodeParams::rotate_before_exact_blocks changes where the
+// exact blocks launch, never the splits: where they are few (their slots
+// kept) and the keys have a matrix rotation, the queries are rotated first
+// and the exact blocks launch behind the int8 kernel, with the same splits
+// and states as when they launch first; elsewhere the plan is the same.
+TEST(DecodeAttentionCudaPlan, TheRotationBeforeTheExactBlocksKeepsTheirSlotsAndSplits) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int moved = 0, unchanged = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.batch.count = static_cast<int32_t>(c.lengths.size());
+      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+      params.rotate_before_exact_blocks = false;
+      const kernels::DecodePlan first = case_plan(c, params);
+      params.rotate_before_exact_blocks = true;
+      const kernels::DecodePlan behind = case_plan(c, params);
+      EXPECT_EQ(behind.splits, first.splits) << c.name;
+      EXPECT_EQ(behind.tokens_per_split, first.tokens_per_split) << c.name;
+      EXPECT_EQ(behind.exact_splits, first.exact_splits) << c.name;
+      EXPECT_EQ(behind.states, first.states) << c.name;
+      EXPECT_EQ(behind.exact_slots_reserved, first.exact_slots_reserved) << c.name;
+      EXPECT_EQ(first.exact_first, first.exact_slots_reserved) << c.name;
+      if (first.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix) {
+        EXPECT_FALSE(behind.exact_first) << c.name;
+        EXPECT_TRUE(behind.rotate_queries_first) << c.name;
+        ++moved;
+      } else {
+        EXPECT_EQ(behind.exact_first, first.exact_first) << c.name;
+        EXPECT_EQ(behind.rotate_queries_first, first.rotate_queries_first) << c.name;
+        ++unchanged;
+      }
+    });
+  }
+  EXPECT_GE(moved, 2);
+  EXPECT_GE(unchanged, 1);
 }
 
 TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {

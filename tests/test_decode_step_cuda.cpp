@@ -52,6 +52,8 @@ struct StepCase {
   // sink, the window fills and wraps, the first pages open (else a prefill
   // of hundreds of tokens comes first).
   bool from_empty = false;
+  // CacheOptions::rotate_before_exact_blocks (both caches).
+  bool rotate_before_exact = false;
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
@@ -98,6 +100,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   options.outlier_page_entries = 64;
   options.tokens_per_split = c.tokens_per_split;
   options.decode_kernel = c.kernel;
+  options.rotate_before_exact_blocks = c.rotate_before_exact;
   const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
   auto stepped_backend = std::make_unique<kernels::CudaBackend>();
   const kernels::CudaBackend& stepped_cuda = *stepped_backend;
@@ -189,8 +192,9 @@ std::vector<StepCase> step_cases() {
   using testing::make_kernel_case;
   std::vector<StepCase> all;
   const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
-                       int64_t tokens_per_split = 256, bool fuses = false, bool from_empty = false) {
-    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty});
+                       int64_t tokens_per_split = 256, bool fuses = false, bool from_empty = false,
+                       bool rotate_before_exact = false) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty, rotate_before_exact});
   };
   const auto with_element = [](KernelCase layout, kernels::ElementType element) {
     layout.element = element;
@@ -237,6 +241,13 @@ std::vector<StepCase> step_cases() {
       256, false, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
       DecodeKernel::kAuto, 20, 256, true, true);
+  // The few exact blocks of 3 sequences behind the query rotation
+  // (CacheOptions::rotate_before_exact_blocks): the appends in the
+  // rotation's kernel there too, prefilled and from empty.
+  add(testing::int2rot_rotated_layout("int2rot_rotation_before_exact_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
+      256, true, false, true);
+  add(testing::int2rot_rotated_layout("int2rot_rotation_before_exact_from_empty_2bit_d128_gqa4", 2, 128, 8),
+      DecodeKernel::kAuto, 3, 256, true, true, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
       true, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group
