@@ -47,7 +47,8 @@
 // kept slots (DecodeParams::rotate_before_exact_blocks: rotation_first_time_us,
 // _splits, _speedup_vs_sdpa; and its decoding steps, whose appends then join
 // the rotation's kernel: rotation_first_step_device_us, _step_fused,
-// _step_decode_device_us); with --bf16-tensor-cores also the bf16 tensor-core
+// _step_two_launches_device_us, _step_decode_device_us, each round of steps
+// timed right after the exact-blocks-first setting's); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
 // with --general also the general kernel's where the lookup kernel is the
@@ -250,7 +251,7 @@ int run(int argc, char** argv) {
                "where the exact blocks launch first beside a matrix key rotation (batch 1), also time the queries "
                "rotated first and the exact blocks behind the int8 kernel in their kept slots "
                "(DecodeParams::rotate_before_exact_blocks): rotation_first_time_us, and with the appends "
-               "rotation_first_step_device_us, _step_fused, _step_decode_device_us");
+               "rotation_first_step_device_us, _step_fused, _step_two_launches_device_us, _step_decode_device_us");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -345,9 +346,14 @@ int run(int argc, char** argv) {
     for (const std::string& method : methods) {
       for (const int b : bits) {
         const QuantizerConfig config = decode_bench_config(method, b);
+        const int append_repeats = std::max(3, repeats / 4);
         kernels::CacheOptions options;
         options.max_sequences = batch;
-        options.max_context = contexts.back() + 2048;  // the append and step measurements add tokens
+        // The append and step measurements add tokens: the steps 6 queued
+        // runs of (2 + append_repeats) x kAppendRun tokens a setting, the
+        // rotation before the exact blocks a second setting.
+        options.max_context = contexts.back() + 2048 +
+                              (rotation_before_exact ? 6 * (2 + append_repeats) * kAppendRun : 0);
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
@@ -477,7 +483,6 @@ int run(int argc, char** argv) {
             step.values = step_values.data_ptr<float>() + offset;
             cache.append(0, step);
           };
-          const int append_repeats = std::max(3, repeats / 4);
           // The append kernel's measurements (the same as the step's kernel
           // choice's: the token-parallel kernel where the layout allows it,
           // then the block-per-sequence kernel as the baseline of the same run).
@@ -550,7 +555,15 @@ int run(int argc, char** argv) {
             double step_us = 0, two_launches_us = 0, decode_us = 0;
             bool fused = false;
           };
-          const auto measure_steps = [&](const kernels::DecodeParams& decode_alone) {
+          // A setting of the steps: CacheOptions::rotate_before_exact_blocks
+          // and the decode alone that goes with it (its own workspace).
+          struct StepSetting {
+            bool rotate_before_exact = false;
+            kernels::DecodeParams decode_alone;
+          };
+          // Each setting's times, the settings taken in turn within each
+          // round (so that they see the same contexts and clocks).
+          const auto measure_steps = [&](const std::vector<StepSetting>& settings) {
             const auto run_steps = [&](bool fused) {
               cache.set_fused_decode_step(fused);
               const double us = queued_run([&] {
@@ -564,16 +577,28 @@ int run(int argc, char** argv) {
               return us;
             };
             // Alternately, so that the device's clocks treat them alike.
-            std::vector<double> steps, two_launches, decodes;
-            const int64_t fused_before = backend.fused_steps();
+            const size_t n = settings.size();
+            std::vector<std::vector<double>> steps(n), two_launches(n), decodes(n);
+            std::vector<int64_t> fused(n, 0);
             for (int round = 0; round < 3; ++round) {
-              steps.push_back(run_steps(true));
-              two_launches.push_back(run_steps(false));
-              decodes.push_back(
-                  queued_run([&] { kernels::launch_decode_attention(decode_alone, append_stream); }, 2).device_us);
+              for (size_t v = 0; v < n; ++v) {
+                cache.set_rotate_before_exact_blocks(settings[v].rotate_before_exact);
+                const int64_t fused_before = backend.fused_steps();
+                steps[v].push_back(run_steps(true));
+                fused[v] += backend.fused_steps() - fused_before;
+                two_launches[v].push_back(run_steps(false));
+                decodes[v].push_back(
+                    queued_run([&] { kernels::launch_decode_attention(settings[v].decode_alone, append_stream); }, 2)
+                        .device_us);
+              }
             }
-            return StepTimes{median(std::move(steps)), median(std::move(two_launches)), median(std::move(decodes)),
-                             backend.fused_steps() > fused_before};
+            cache.set_rotate_before_exact_blocks(false);
+            std::vector<StepTimes> times;
+            for (size_t v = 0; v < n; ++v) {
+              times.push_back(StepTimes{median(std::move(steps[v])), median(std::move(two_launches[v])),
+                                        median(std::move(decodes[v])), fused[v] > 0});
+            }
+            return times;
           };
           nlohmann::json row = {{"context", context},
                                 {"tokens", tokens},
@@ -621,7 +646,25 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_latency_us", per_sequence.latency_us},
                         {"append_per_sequence_host_us", per_sequence.host_us},
                         {"append_per_sequence_device_us", per_sequence.device_us}});
-            const StepTimes steps = measure_steps(launched);
+            // With --rotation-before-exact where the exact blocks go first
+            // beside a matrix key rotation: the rotation first as a second
+            // setting (its decode alone in a workspace sized for its plan,
+            // which holds the rotated queries).
+            std::vector<StepSetting> settings{{false, launched}};
+            at::Tensor behind_workspace;
+            const bool rotation_first =
+                rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix;
+            if (rotation_first) {
+              kernels::DecodeParams behind = launched;
+              behind.rotate_before_exact_blocks = true;
+              const int64_t behind_bytes = kernels::decode_workspace_bytes(behind);
+              behind_workspace = at::empty({behind_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+              behind.workspace = behind_workspace.data_ptr();
+              behind.workspace_bytes = behind_bytes;
+              settings.push_back({true, behind});
+            }
+            const std::vector<StepTimes> step_times = measure_steps(settings);
+            const StepTimes& steps = step_times.front();
             const double added = steps.step_us - steps.decode_us;
             const double added_two = steps.two_launches_us - steps.decode_us;
             const auto rate = [&](double a) { return a > 0 ? nlohmann::json(steps.decode_us / a) : nlohmann::json(); };
@@ -633,15 +676,12 @@ int run(int argc, char** argv) {
                         {"append_in_step_over_decode_rate", rate(added)},
                         {"append_in_two_launch_step_us", added_two},
                         {"append_in_two_launch_step_over_decode_rate", rate(added_two)}});
-            if (rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix) {
-              kernels::DecodeParams behind = launched;
-              behind.rotate_before_exact_blocks = true;
-              cache.set_rotate_before_exact_blocks(true);
-              const StepTimes rotation_first = measure_steps(behind);
-              cache.set_rotate_before_exact_blocks(false);
-              row.update({{"rotation_first_step_device_us", rotation_first.step_us},
-                          {"rotation_first_step_fused", rotation_first.fused},
-                          {"rotation_first_step_decode_device_us", rotation_first.decode_us}});
+            if (rotation_first) {
+              const StepTimes& behind = step_times.back();
+              row.update({{"rotation_first_step_device_us", behind.step_us},
+                          {"rotation_first_step_fused", behind.fused},
+                          {"rotation_first_step_two_launches_device_us", behind.two_launches_us},
+                          {"rotation_first_step_decode_device_us", behind.decode_us}});
             }
           }
           row.update(graph_replay_columns(params, repeats, cold));

@@ -667,8 +667,9 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
-    // blocks (DecodePlan::exact_first) take a slot each from the int8
-    // kernel's (a general block needs fewer registers than an int8 one).
+    // blocks (DecodePlan::exact_slots_reserved) take a slot each from the
+    // int8 kernel's (a general block needs fewer registers than an int8 one),
+    // launched first or behind the query rotation.
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
     const int64_t all_resident =
         static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.lookup, plan.int8_steps);

@@ -270,7 +270,7 @@ __device__ inline void exact_passes_tensor_cores(ExactShared<D, kHeads>& s, uint
 
 // Residency: 4 blocks a multiprocessor with 16-bit rows (128 registers, an
 // int8 block's: at batch 1 the plan counts an exact block as one int8 slot,
-// DecodePlan::exact_first; ptxas spills a few bytes, 16 at GQA 4 and
+// DecodePlan::exact_slots_reserved; ptxas spills a few bytes, 16 at GQA 4 and
 // head_dim 128, for the values' words and weights in flight; unbounded it
 // took 168-190); float32 rows hold twice the words.
 template <ElementType E>

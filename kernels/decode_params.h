@@ -241,9 +241,9 @@ struct DecodeParams {
   // (DecodePlan::exact_first: batch 1) and the keys have a matrix rotation,
   // rotate the queries first instead and launch the exact blocks behind the
   // int8 kernel, into the slots the plan keeps for them
-  // (DecodePlan::exact_slots_reserved): every block then reads the rotated
-  // queries, and a decoding step's append joins the rotation's kernel
-  // (step_append_host). Off: the exact blocks first.
+  // (DecodePlan::exact_slots_reserved): the int8 and exact kernels' blocks
+  // then read the rotated queries, and a decoding step's append joins the
+  // rotation's kernel (step_append_host). Off: the exact blocks first.
   bool rotate_before_exact_blocks = false;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:

@@ -519,6 +519,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
+      EXPECT_EQ(planned.exact_first, plan.exact_first) << c.name;
+      EXPECT_EQ(planned.exact_slots_reserved, plan.exact_slots_reserved) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;
       EXPECT_EQ(planned.exact_chunk, plan.exact_chunk) << c.name;
     }
