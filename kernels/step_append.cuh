@@ -41,7 +41,8 @@ struct StepToken {
   int32_t new_page = 0;
 };
 
-// Entry `entry`'s new token (step_token_place).
+// Entry `entry`'s new token (step_token_place), outside the window (the
+// rotated step sets to_ring for its window).
 __device__ inline StepToken step_token(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
                                        int32_t slot, int64_t length, const int32_t* page_row) {
   const StepTokenPlace place = step_token_place(p.key_cache.layout.spec, step, entry, slot, length, page_row);
@@ -184,18 +185,12 @@ __device__ inline void store_rotated_step_row(const DecodeParams& p, const StepA
   if (threadIdx.x >= 32) return;
   const int lane = static_cast<int>(threadIdx.x);
   const int32_t slot = entry_slot(p, entry);
-  const int64_t length = entry_length(p, entry);
   const int32_t* page_row = p.batch.page_table + static_cast<int64_t>(slot) * p.batch.page_table_stride;
-  const StepTokenPlace place = step_token_place(p.key_cache.layout.spec, step, entry, slot, length, page_row);
-  if (kind == 0 && kv_head == 0 && lane == 0 && place.new_page_index >= 0) {
-    step.page_table[static_cast<int64_t>(slot) * p.batch.page_table_stride + place.new_page_index] = place.new_page;
-  }
+  const StepToken token = step_token(p, step, entry, slot, entry_length(p, entry), page_row);
+  if (kind == 0 && kv_head == 0 && lane == 0) write_step_page(p, step, token);
   const PagedTensor& cache = kind == 0 ? p.key_cache : p.value_cache;
-  append_device::TokenTarget target;
-  target.slot = place.slot;
-  target.token = place.token;
+  append_device::TokenTarget target = token.target;
   target.to_ring = cache.layout.ring_capacity > 0;  // one token: the last of its append
-  target.page_id = place.page_id;
   const double* row = rotated ? shared.sum : shared.x;
   double y[kE];
 #pragma unroll
