@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kRotationSlices * D)
   if constexpr (kStepAppend) {
     if (blockIdx.z == 1) {  // the value row alone
       auto& step_row = step_append_device::rotated_step_shared<D>();
+      step_append_device::place_rotated_step_token(p, step, entry, step_row);
       const bool matrix = p.value_rotation.kind == RotationKind::kMatrix;
       float r[kRows];
       if (matrix) {
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(kRotationSlices * D)
       step_append_device::load_rotated_step_row<D, kElement>(p, step, entry, kv_head, 1, step_row);
       __syncthreads();
       if (matrix) step_append_device::rotate_step_row<D, kRotationSlices>(r, step_row);
-      step_append_device::store_rotated_step_row<D, kBits, kElement>(p, step, entry, kv_head, 1, matrix, step_row);
+      step_append_device::store_rotated_step_row<D, kBits, kElement>(p, step, kv_head, 1, matrix, step_row);
       return;
     }
   }
@@ -67,8 +68,9 @@ __global__ void __launch_bounds__(kRotationSlices * D)
 #pragma unroll
   for (int i = 0; i < kRows; ++i) r[i] = column[i * D];
   if constexpr (kStepAppend) {
-    step_append_device::load_rotated_step_row<D, kElement>(p, step, entry, kv_head, 0,
-                                                           step_append_device::rotated_step_shared<D>());
+    auto& step_row = step_append_device::rotated_step_shared<D>();
+    step_append_device::place_rotated_step_token(p, step, entry, step_row);
+    step_append_device::load_rotated_step_row<D, kElement>(p, step, entry, kv_head, 0, step_row);
   }
   for (int i = threadIdx.x; i < group * D; i += blockDim.x) raw[i / D][i % D] = load_io(p.io, p.queries, first * D + i);
   __syncthreads();
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(kRotationSlices * D)
   if constexpr (kStepAppend) {  // the key row, from the same registers (the plan rotates the keys by a matrix)
     auto& step_row = step_append_device::rotated_step_shared<D>();
     step_append_device::rotate_step_row<D, kRotationSlices>(r, step_row);
-    step_append_device::store_rotated_step_row<D, kBits, kElement>(p, step, entry, kv_head, 0, true, step_row);
+    step_append_device::store_rotated_step_row<D, kBits, kElement>(p, step, kv_head, 0, true, step_row);
   }
 }
 

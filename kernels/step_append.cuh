@@ -123,6 +123,7 @@ template <int D>
 struct RotatedStepShared {
   double x[D];    // the row as the cache's element, minus the centre where there is one
   double sum[D];  // y_j so far: every slice's turn adds its rows
+  StepToken token;  // where it goes (place_rotated_step_token)
 };
 
 // The block's one RotatedStepShared (declared here, so that only the
@@ -171,22 +172,33 @@ __device__ inline void rotate_step_row(const float (&column)[D / kSlices], Rotat
   }
 }
 
+// Thread 0: entry `entry`'s new token (step_token) into shared.token for
+// warp 0's store, taken before the sums so that its page-table load is not
+// behind them, nor its registers live through them (the caller's barriers
+// make it visible).
+template <int D>
+__device__ inline void place_rotated_step_token(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                                RotatedStepShared<D>& shared) {
+  if (threadIdx.x != 0) return;
+  const int32_t slot = entry_slot(p, entry);
+  const int32_t* page_row = p.batch.page_table + static_cast<int64_t>(slot) * p.batch.page_table_stride;
+  shared.token = step_token(p, step, entry, slot, entry_length(p, entry), page_row);
+}
+
 // Warp 0: the row (shared.sum where the kind is rotated, else shared.x)
 // rounded to the cache's element and stored as append_token_kernel's
-// store_token_part stores it: codes and pair, the sink's or the window's
-// exact row; the keys' block of KV head 0 writes a page the step opens into
-// the page table (for the calls after this one: this call's kernels read
-// no code of the token, it is in the window).
+// store_token_part stores it at shared.token (place_rotated_step_token's): codes and
+// pair, the sink's or the window's exact row; the keys' block of KV head 0
+// writes a page the step opens into the page table (for the calls after
+// this one: this call's kernels read no code of the token, it is in the
+// window).
 template <int D, int kBits, ElementType kElement>
-__device__ inline void store_rotated_step_row(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
-                                              int32_t kv_head, int kind, bool rotated,
-                                              const RotatedStepShared<D>& shared) {
+__device__ inline void store_rotated_step_row(const DecodeParams& p, const StepAppendArgs& step, int32_t kv_head,
+                                              int kind, bool rotated, const RotatedStepShared<D>& shared) {
   constexpr int kE = D / 32;
   if (threadIdx.x >= 32) return;
   const int lane = static_cast<int>(threadIdx.x);
-  const int32_t slot = entry_slot(p, entry);
-  const int32_t* page_row = p.batch.page_table + static_cast<int64_t>(slot) * p.batch.page_table_stride;
-  const StepToken token = step_token(p, step, entry, slot, entry_length(p, entry), page_row);
+  const StepToken token = shared.token;
   if (kind == 0 && kv_head == 0 && lane == 0) write_step_page(p, step, token);
   const PagedTensor& cache = kind == 0 ? p.key_cache : p.value_cache;
   append_device::TokenTarget target = token.target;
