@@ -40,7 +40,8 @@
 // graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`, `exact_slots_reserved`,
-// `exact_kernel`, `rotate_queries_first`, `wide_merge`, `merge_heads` and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
+// `exact_kernel`, `rotate_queries_first`, `rotation_step_in_one_wave`, `wide_merge`, `merge_heads`
+// and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --rotation-before-exact, where the exact
 // blocks launch first beside a matrix key rotation, the same decode with the
 // queries rotated first and the exact blocks behind the int8 kernel in their
@@ -613,6 +614,7 @@ int run(int argc, char** argv) {
                                 {"exact_slots_reserved", plan.exact_slots_reserved},
                                 {"exact_kernel", plan.exact_kernel},
                                 {"rotate_queries_first", plan.rotate_queries_first},
+                                {"rotation_step_in_one_wave", plan.rotation_step_in_one_wave},
                                 {"wide_merge", plan.wide_merge},
                                 {"merge_heads", plan.merge_heads},
                                 {"cluster_merge", plan.cluster_merge},

@@ -639,10 +639,12 @@ namespace {
 // resident_blocks(int8, lookup, steps): blocks per multiprocessor of the kernel;
 // choose_splits(longest, per_split, resident, max_splits): as
 // splits_for_whole_waves (kernels/split_plan.h); resident_clusters(steps,
-// splits): clusters of `splits` int8 blocks on the device.
-template <typename Resident, typename ChooseSplits, typename ResidentClusters>
+// splits): clusters of `splits` int8 blocks on the device;
+// rotation_step_resident(): blocks per multiprocessor of the query
+// rotation's step variant (rotate_queries_step_blocks_per_multiprocessor).
+template <typename Resident, typename ChooseSplits, typename ResidentClusters, typename RotationStepResident>
 DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident resident_blocks, ChooseSplits choose_splits,
-                     ResidentClusters resident_clusters) {
+                     ResidentClusters resident_clusters, RotationStepResident rotation_step_resident) {
   DecodePlan plan;
   const TensorLayoutSpec& k = p.key_cache.layout.spec;
   const int64_t longest = std::max<int64_t>(1, longest_context(p));
@@ -677,6 +679,9 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const bool key_matrix = p.key_rotation.kind == RotationKind::kMatrix;
     plan.exact_first = plan.exact_slots_reserved && !(key_matrix && p.rotate_before_exact_blocks);
     plan.rotate_queries_first = plan.tensor_cores && key_matrix && !plan.exact_first;
+    plan.rotation_step_in_one_wave =
+        plan.rotate_queries_first &&
+        2 * per_split <= static_cast<int64_t>(multiprocessors) * rotation_step_resident();
     const int64_t resident = plan.exact_slots_reserved ? all_resident - exact_blocks : all_resident;
     const int64_t wave_splits = choose_splits(
         longest, per_split, resident, std::min(ceil_div64(longest, 256), 4 * ceil_div64(resident, per_split)));
@@ -714,7 +719,8 @@ DecodePlan plan_decode_attention(const DecodeParams& p, int multiprocessors) {
         return tensor_core_blocks_per_multiprocessor(p, int8, lookup, steps);
       },
       splits_for_whole_waves,
-      [&](Int8Steps steps, int32_t splits) { return int8_clusters_on_device(p, steps, splits); });
+      [&](Int8Steps steps, int32_t splits) { return int8_clusters_on_device(p, steps, splits); },
+      [&] { return rotate_queries_step_blocks_per_multiprocessor(p); });
 }
 
 
@@ -742,7 +748,18 @@ DecodePlan DecodePlanner::plan(const DecodeParams& params) {
   return plan_with(
       params, multiprocessors_,
       [&](bool int8, bool lookup, Int8Steps steps) { return resident_blocks(params, int8, lookup, steps); },
-      choose_splits, [&](Int8Steps steps, int32_t splits) { return resident_clusters(params, steps, splits); });
+      choose_splits, [&](Int8Steps steps, int32_t splits) { return resident_clusters(params, steps, splits); },
+      [&] { return rotation_step_resident(params); });
+}
+
+int DecodePlanner::rotation_step_resident(const DecodeParams& params) {
+  const TensorLayoutSpec& k = params.key_cache.layout.spec;
+  const int variant = static_cast<int>(k.head_dim) * 64 + k.bits * 4 + static_cast<int>(k.element);
+  const auto known = rotation_step_resident_.find(variant);
+  if (known != rotation_step_resident_.end()) return known->second;
+  const int blocks = rotate_queries_step_blocks_per_multiprocessor(params);
+  rotation_step_resident_.emplace(variant, blocks);
+  return blocks;
 }
 
 int DecodePlanner::resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits) {
@@ -836,6 +853,9 @@ StepAppendHost rotated_step_host(const AppendParams& append, const DecodeParams&
   }
   if (keys.head_dim != 64 && keys.head_dim != 128) return StepAppendHost::kNone;
   if (!plan.tensor_cores || plan.lookup || !plan.rotate_queries_first) return StepAppendHost::kNone;
+  // Its second block per (KV head, sequence) must add no wave that the
+  // decode's kernels would wait for.
+  if (!plan.rotation_step_in_one_wave) return StepAppendHost::kNone;
   return StepAppendHost::kRotateQueries;
 }
 

@@ -55,6 +55,15 @@ struct DecodePlan {
   // rotation behind the exact blocks, or launch first and hold the exact
   // blocks back until its last wave started: batch 1 at 128K, 47 -> 57 us.)
   bool rotate_queries_first = false;
+  // rotate_queries_first, and the rotation's step variant (a decoding
+  // step's append inside it, StepAppendHost::kRotateQueries: a second block
+  // per (KV head, sequence) for the value row) runs all its blocks at once
+  // on the device. A wave more would hold back the decode's kernels, which
+  // wait for it: at head_dim 128 its blocks take 82 registers a thread (one
+  // of 512 threads per multiprocessor, where the rotation alone fits two),
+  // and int2-rot's step at batch 32 (32K, 2 bits, H100) took 286 -> 297 us
+  // where at batch 8, in one wave, it fell 93 -> 89 us.
+  bool rotation_step_in_one_wave = false;
   // The exact blocks are few (exact_first's condition), and the int8
   // kernel's splits are planned for the slots they leave, whether they
   // launch first (exact_first) or, with
@@ -177,6 +186,7 @@ class DecodePlanner {
   };
   int resident_blocks(const DecodeParams& params, bool int8, bool lookup, Int8Steps steps);
   int resident_clusters(const DecodeParams& params, Int8Steps steps, int32_t splits);
+  int rotation_step_resident(const DecodeParams& params);
   // launch_step after the decode's checks.
   bool run_step(const AppendParams& append, const DecodeParams& decode, const DecodePlan& plan, cudaStream_t stream);
   // `step`: a step's append, run by the kernel `host` names (null or
@@ -186,6 +196,7 @@ class DecodePlanner {
   int multiprocessors_ = 0;  // 0: not asked yet
   std::map<int, int> resident_;  // kernel variant -> blocks per multiprocessor
   std::map<std::pair<int, int32_t>, int> resident_clusters_;  // (int8 variant, splits) -> clusters on the device
+  std::map<int, int> rotation_step_resident_;  // (head_dim, bits, element) -> the step rotation's blocks per multiprocessor
   SplitQuestion last_question_;  // the last split search and its answer
   int64_t last_splits_ = 1;
 };

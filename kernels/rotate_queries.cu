@@ -20,34 +20,34 @@ void launch_rotation(Kernel kernel, const DecodeParams& p, int threads, unsigned
   launch_kernel(kernel, grid, threads, 0, stream, false, p, rotated, step);
 }
 
+// The step variant's instance for the decode's head_dim, bits and element
+// (one signature for all: the template arguments are the kernel's own).
+using StepRotationKernel = decltype(&device::rotate_group_queries_kernel<64, true, 2, ElementType::kFloat16>);
+
 template <int D, int kBits>
-void launch_step_for_bits(const DecodeParams& p, float* rotated, const StepAppendArgs& step, cudaStream_t stream) {
-  constexpr int kThreads = device::kRotationSlices * D;
+StepRotationKernel step_kernel_for_bits(ElementType element) {
   using E = ElementType;
-  switch (p.key_cache.layout.spec.element) {
+  switch (element) {
     case E::kFloat16:
-      launch_rotation(device::rotate_group_queries_kernel<D, true, kBits, E::kFloat16>, p, kThreads, 2, rotated, step,
-                      stream);
-      return;
+      return device::rotate_group_queries_kernel<D, true, kBits, E::kFloat16>;
     case E::kBFloat16:
-      launch_rotation(device::rotate_group_queries_kernel<D, true, kBits, E::kBFloat16>, p, kThreads, 2, rotated, step,
-                      stream);
-      return;
+      return device::rotate_group_queries_kernel<D, true, kBits, E::kBFloat16>;
     case E::kFloat32:
-      launch_rotation(device::rotate_group_queries_kernel<D, true, kBits, E::kFloat32>, p, kThreads, 2, rotated, step,
-                      stream);
-      return;
+      break;
   }
+  return device::rotate_group_queries_kernel<D, true, kBits, E::kFloat32>;
 }
 
 template <int D>
-void launch_step_for_head_dim(const DecodeParams& p, float* rotated, const StepAppendArgs& step, cudaStream_t stream) {
-  if (p.key_cache.layout.spec.bits == 2) {
-    launch_step_for_bits<D, 2>(p, rotated, step, stream);
-  } else {
-    launch_step_for_bits<D, 4>(p, rotated, step, stream);
-  }
+StepRotationKernel step_kernel_for_head_dim(const TensorLayoutSpec& spec) {
+  return spec.bits == 2 ? step_kernel_for_bits<D, 2>(spec.element) : step_kernel_for_bits<D, 4>(spec.element);
 }
+
+StepRotationKernel step_rotation_kernel(const TensorLayoutSpec& spec) {
+  return spec.head_dim == 64 ? step_kernel_for_head_dim<64>(spec) : step_kernel_for_head_dim<128>(spec);
+}
+
+int rotation_threads(const TensorLayoutSpec& spec) { return device::kRotationSlices * static_cast<int>(spec.head_dim); }
 
 }  // namespace
 
@@ -63,11 +63,17 @@ void launch_rotate_queries(const DecodeParams& p, float* rotated, cudaStream_t s
 
 void launch_rotate_queries_step(const DecodeParams& p, float* rotated, const StepAppendArgs& step,
                                 cudaStream_t stream) {
-  if (p.key_cache.layout.spec.head_dim == 64) {
-    launch_step_for_head_dim<64>(p, rotated, step, stream);
-  } else {
-    launch_step_for_head_dim<128>(p, rotated, step, stream);
-  }
+  const TensorLayoutSpec& keys = p.key_cache.layout.spec;
+  launch_rotation(step_rotation_kernel(keys), p, rotation_threads(keys), 2, rotated, step, stream);
+}
+
+int rotate_queries_step_blocks_per_multiprocessor(const DecodeParams& p) {
+  const TensorLayoutSpec& keys = p.key_cache.layout.spec;
+  const StepRotationKernel kernel = step_rotation_kernel(keys);
+  prefer_max_shared_carveout(kernel);  // as its launches ask
+  int blocks = 0;
+  KVFORGE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, rotation_threads(keys), 0));
+  return blocks;
 }
 
 }  // namespace kvforge::kernels

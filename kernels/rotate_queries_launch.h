@@ -19,4 +19,9 @@ void launch_rotate_queries(const DecodeParams& params, float* rotated, cudaStrea
 void launch_rotate_queries_step(const DecodeParams& params, float* rotated, const StepAppendArgs& step,
                                 cudaStream_t stream);
 
+// Blocks of that step variant (its instance for the decode's head_dim, bits
+// and element) one multiprocessor holds at once: DecodePlan's
+// rotation_step_in_one_wave.
+int rotate_queries_step_blocks_per_multiprocessor(const DecodeParams& params);
+
 }  // namespace kvforge::kernels

@@ -16,6 +16,7 @@
 
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/decode_attention_launch.h"
+#include "kernels/rotate_queries_launch.h"
 #include "kernels/split_plan.h"
 #include "model/rope.h"
 #include "tests/decode_attention_check.h"
@@ -480,6 +481,44 @@ TEST(DecodeAttentionCudaPlan, TheRotationBeforeTheExactBlocksKeepsTheirSlotsAndS
   }
   EXPECT_GE(moved, 2);
   EXPECT_GE(unchanged, 1);
+}
+
+// On the GPU: a decoding step's append joins the query rotation's kernel
+// (StepAppendHost::kRotateQueries) only where that kernel, with its second
+// block per (KV head, sequence), runs every block at once: two blocks per
+// (KV head, sequence) against the device's multiprocessors times the blocks
+// the step variant's occupancy allows each. The same plan on one
+// multiprocessor fewer than it needs says no.
+TEST(DecodeAttentionCudaPlan, TheRotationTakesTheStepOnlyInOneWave) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int checked = 0;
+  for (const Case& c : cases()) {
+    with_layout_params(c, [&](kernels::DecodeParams params) {
+      params.batch.count = static_cast<int32_t>(c.lengths.size());
+      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+      const kernels::DecodePlan plan = case_plan(c, params);
+      if (!plan.rotate_queries_first) {
+        EXPECT_FALSE(plan.rotation_step_in_one_wave) << c.name;
+        return;
+      }
+      const int per_multiprocessor = kernels::rotate_queries_step_blocks_per_multiprocessor(params);
+      ASSERT_GE(per_multiprocessor, 1) << c.name;
+      const int64_t blocks = int64_t{2} * params.key_cache.layout.spec.kv_heads * params.batch.count;
+      const auto needed = static_cast<int>((blocks + per_multiprocessor - 1) / per_multiprocessor);
+      // (Fewer multiprocessors leave the exact blocks' slots unreserved, so
+      // the queries are still rotated first.)
+      const kernels::DecodePlan fits = kernels::plan_decode_attention(params, needed);
+      ASSERT_TRUE(fits.rotate_queries_first) << c.name << " on " << needed;
+      EXPECT_TRUE(fits.rotation_step_in_one_wave) << c.name << " on " << needed;
+      if (needed > 1) {
+        const kernels::DecodePlan short_of_one = kernels::plan_decode_attention(params, needed - 1);
+        ASSERT_TRUE(short_of_one.rotate_queries_first) << c.name << " on " << needed - 1;
+        EXPECT_FALSE(short_of_one.rotation_step_in_one_wave) << c.name << " on " << needed - 1;
+        ++checked;
+      }
+    });
+  }
+  EXPECT_GE(checked, 3);
 }
 
 TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {

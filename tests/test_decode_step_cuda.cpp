@@ -219,9 +219,13 @@ std::vector<StepCase> step_cases() {
   // fp32 rows, the values rotated or not, inline arrays (20 and 24
   // sequences) and uploaded ones (40). Without a rotation, or with the
   // exact blocks first (3 sequences), the appends are launched on their own.
+  // The rotation's step blocks must run in one wave
+  // (DecodePlan::rotation_step_in_one_wave): two per (KV head, sequence) of
+  // the tests' 2 KV heads, at head_dim 128 one a multiprocessor (80 blocks
+  // at 20 sequences), at 64 several (160 at 40).
   add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
-  add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
-      40, 256, true);
+  add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d64_gqa4_40_sequences", 2, 64, 8), DecodeKernel::kAuto, 40,
+      256, true);
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
                    kernels::ElementType::kBFloat16));
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16_24_sequences", 4, 64, 16),

@@ -235,7 +235,8 @@ TEST(StepAppendFuses, ASinkOrWindowLeavesTheAppendOnItsOwn) {
 // would be stored in another basis than the one attended in), the token read
 // from codes in this call (no window, or one flushed in blocks), or no
 // query rotation launched first (the exact blocks first at batch 1, other
-// kernels).
+// kernels), or a rotation whose step blocks would take more than one wave
+// (DecodePlan::rotation_step_in_one_wave).
 TEST(StepAppendFuses, RotatedStepsWithAWindowFuseIntoTheQueryRotation) {
   alignas(16) static const float key_matrix[2 * 64 * 64] = {}, value_matrix[2 * 64 * 64] = {},
                                  other_matrix[2 * 64 * 64] = {};
@@ -253,6 +254,7 @@ TEST(StepAppendFuses, RotatedStepsWithAWindowFuseIntoTheQueryRotation) {
   };
   DecodePlan rotation_first = with_exact_kernel(int8_wide_plan());
   rotation_first.rotate_queries_first = true;
+  rotation_first.rotation_step_in_one_wave = true;
   for (const int sequences : {3, 40}) {  // inline arrays, and uploaded ones
     with_step_params(rtn(4, 16), sequences, [&](const AppendParams& a, const DecodeParams& d) {
       AppendParams append = a;
@@ -284,6 +286,8 @@ TEST(StepAppendFuses, RotatedStepsWithAWindowFuseIntoTheQueryRotation) {
       p.rotate_queries_first = false;
       p.exact_first = true;
     });
+    refused("the rotation with the step's blocks past one wave",
+            [](AppendParams&, DecodeParams&, DecodePlan& p) { p.rotation_step_in_one_wave = false; });
     refused("the lookup kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.lookup = true; });
     refused("no tensor-core kernel", [](AppendParams&, DecodeParams&, DecodePlan& p) { p.tensor_cores = false; });
     refused("the decode's key matrix another",
