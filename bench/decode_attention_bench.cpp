@@ -42,14 +42,16 @@
 // tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`, `exact_slots_reserved`,
 // `exact_kernel`, `rotate_queries_first`, `rotation_step_in_one_wave`, `wide_merge`, `merge_heads`
 // and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
-// kernel's steps (32 or 64 tokens); with --rotation-before-exact, where the exact
-// blocks launch first beside a matrix key rotation, the same decode with the
-// queries rotated first and the exact blocks behind the int8 kernel in their
-// kept slots (DecodeParams::rotate_before_exact_blocks: rotation_first_time_us,
-// _splits, _speedup_vs_sdpa; and its decoding steps, whose appends then join
-// the rotation's kernel: rotation_first_step_device_us, _step_fused,
+// kernel's steps (32 or 64 tokens); with --exact-blocks-first, where the
+// queries are rotated first and the few exact blocks run behind the int8
+// kernel in their kept slots (the default beside a matrix key rotation),
+// the same decode with the exact blocks first, each block rotating its own
+// queries (DecodeParams::rotate_before_exact_blocks off:
+// exact_blocks_first_time_us, _splits, _speedup_vs_sdpa; and its decoding
+// steps, whose appends then run on their own:
+// exact_blocks_first_step_device_us, _step_fused,
 // _step_two_launches_device_us, _step_decode_device_us, each round of steps
-// timed right after the exact-blocks-first setting's); with --bf16-tensor-cores also the bf16 tensor-core
+// timed right after the default's); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
 // with --general also the general kernel's where the lookup kernel is the
@@ -97,6 +99,13 @@ namespace kvforge {
 namespace {
 
 constexpr int64_t kHeads = kDecodeBenchHeads, kKvHeads = kDecodeBenchKvHeads, kHeadDim = kDecodeBenchHeadDim;
+
+// The plan rotates the queries before the few exact blocks, which run
+// behind the int8 kernel in their kept slots (what --exact-blocks-first
+// compares against the exact blocks first).
+bool rotation_before_exact_blocks(const kernels::DecodePlan& plan, const kernels::DecodeParams& params) {
+  return plan.exact_slots_reserved && !plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix;
+}
 
 // The middle element (the upper one of an even count).
 double median(std::vector<double> values) {
@@ -247,12 +256,13 @@ int run(int argc, char** argv) {
   app.add_flag("--general", general,
                "also time the general kernel where the lookup kernel is the default (general_* columns), the "
                "lookup kernel's predecessor on kvquant's layouts");
-  bool rotation_before_exact = false;
-  app.add_flag("--rotation-before-exact", rotation_before_exact,
-               "where the exact blocks launch first beside a matrix key rotation (batch 1), also time the queries "
-               "rotated first and the exact blocks behind the int8 kernel in their kept slots "
-               "(DecodeParams::rotate_before_exact_blocks): rotation_first_time_us, and with the appends "
-               "rotation_first_step_device_us, _step_fused, _step_two_launches_device_us, _step_decode_device_us");
+  bool exact_blocks_first = false;
+  app.add_flag("--exact-blocks-first", exact_blocks_first,
+               "where the queries are rotated first and the few exact blocks run behind the int8 kernel in their "
+               "kept slots (batch 1, a matrix key rotation), also time the exact blocks first "
+               "(DecodeParams::rotate_before_exact_blocks off): exact_blocks_first_time_us, and with the appends "
+               "exact_blocks_first_step_device_us, _step_fused, _step_two_launches_device_us, "
+               "_step_decode_device_us");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -352,9 +362,9 @@ int run(int argc, char** argv) {
         options.max_sequences = batch;
         // The append and step measurements add tokens: the steps 6 queued
         // runs of (2 + append_repeats) x kAppendRun tokens a setting, the
-        // rotation before the exact blocks a second setting.
+        // exact blocks first a second setting.
         options.max_context = contexts.back() + 2048 +
-                              (rotation_before_exact ? 6 * (2 + append_repeats) * kAppendRun : 0);
+                              (exact_blocks_first ? 6 * (2 + append_repeats) * kAppendRun : 0);
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
@@ -559,7 +569,7 @@ int run(int argc, char** argv) {
           // A setting of the steps: CacheOptions::rotate_before_exact_blocks
           // and the decode alone that goes with it (its own workspace).
           struct StepSetting {
-            bool rotate_before_exact = false;
+            bool rotate_before_exact = true;
             kernels::DecodeParams decode_alone;
           };
           // Each setting's times, the settings taken in turn within each
@@ -593,7 +603,7 @@ int run(int argc, char** argv) {
                         .device_us);
               }
             }
-            cache.set_rotate_before_exact_blocks(false);
+            cache.set_rotate_before_exact_blocks(kernels::CacheOptions{}.rotate_before_exact_blocks);
             std::vector<StepTimes> times;
             for (size_t v = 0; v < n; ++v) {
               times.push_back(StepTimes{median(std::move(steps[v])), median(std::move(two_launches[v])),
@@ -648,22 +658,20 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_latency_us", per_sequence.latency_us},
                         {"append_per_sequence_host_us", per_sequence.host_us},
                         {"append_per_sequence_device_us", per_sequence.device_us}});
-            // With --rotation-before-exact where the exact blocks go first
-            // beside a matrix key rotation: the rotation first as a second
-            // setting (its decode alone in a workspace sized for its plan,
-            // which holds the rotated queries).
-            std::vector<StepSetting> settings{{false, launched}};
-            at::Tensor behind_workspace;
-            const bool rotation_first =
-                rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix;
-            if (rotation_first) {
-              kernels::DecodeParams behind = launched;
-              behind.rotate_before_exact_blocks = true;
-              const int64_t behind_bytes = kernels::decode_workspace_bytes(behind);
-              behind_workspace = at::empty({behind_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
-              behind.workspace = behind_workspace.data_ptr();
-              behind.workspace_bytes = behind_bytes;
-              settings.push_back({true, behind});
+            // With --exact-blocks-first where the queries are rotated before
+            // the few exact blocks: the exact blocks first as a second
+            // setting (its decode alone in a workspace sized for its plan).
+            std::vector<StepSetting> settings{{launched.rotate_before_exact_blocks, launched}};
+            at::Tensor first_workspace;
+            const bool exact_first_too = exact_blocks_first && rotation_before_exact_blocks(plan, params);
+            if (exact_first_too) {
+              kernels::DecodeParams first = launched;
+              first.rotate_before_exact_blocks = false;
+              const int64_t first_bytes = kernels::decode_workspace_bytes(first);
+              first_workspace = at::empty({first_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+              first.workspace = first_workspace.data_ptr();
+              first.workspace_bytes = first_bytes;
+              settings.push_back({false, first});
             }
             const std::vector<StepTimes> step_times = measure_steps(settings);
             const StepTimes& steps = step_times.front();
@@ -678,12 +686,12 @@ int run(int argc, char** argv) {
                         {"append_in_step_over_decode_rate", rate(added)},
                         {"append_in_two_launch_step_us", added_two},
                         {"append_in_two_launch_step_over_decode_rate", rate(added_two)}});
-            if (rotation_first) {
-              const StepTimes& behind = step_times.back();
-              row.update({{"rotation_first_step_device_us", behind.step_us},
-                          {"rotation_first_step_fused", behind.fused},
-                          {"rotation_first_step_two_launches_device_us", behind.two_launches_us},
-                          {"rotation_first_step_decode_device_us", behind.decode_us}});
+            if (exact_first_too) {
+              const StepTimes& first = step_times.back();
+              row.update({{"exact_blocks_first_step_device_us", first.step_us},
+                          {"exact_blocks_first_step_fused", first.fused},
+                          {"exact_blocks_first_step_two_launches_device_us", first.two_launches_us},
+                          {"exact_blocks_first_step_decode_device_us", first.decode_us}});
             }
           }
           row.update(graph_replay_columns(params, repeats, cold));
@@ -723,10 +731,10 @@ int run(int argc, char** argv) {
               time_choice(other, prefix);
             }
           }
-          if (rotation_before_exact && plan.exact_first && params.key_rotation.kind == kernels::RotationKind::kMatrix) {
+          if (exact_blocks_first && rotation_before_exact_blocks(plan, params)) {
             kernels::DecodeParams other = launched;
-            other.rotate_before_exact_blocks = true;
-            time_choice(other, "rotation_first");
+            other.rotate_before_exact_blocks = false;
+            time_choice(other, "exact_blocks_first");
           }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;

@@ -44,9 +44,10 @@ struct DecodePlan {
   // int8: the exact ranges' blocks are few (at most an eighth of the int8
   // kernel's resident blocks: batch 1; exact_slots_reserved, below), so they
   // launch first and run beside the int8 kernel's, whose splits are planned
-  // for the slots they leave, unless DecodeParams::rotate_before_exact_blocks
-  // moves them behind the query rotation (a matrix key rotation); else the
-  // int8 kernel launches first and their blocks fill its last wave.
+  // for the slots they leave, unless the keys have a matrix rotation and
+  // DecodeParams::rotate_before_exact_blocks (the default) moves them behind
+  // the query rotation; else the int8 kernel launches first and their
+  // blocks fill its last wave.
   bool exact_first = false;
   // Tensor cores with a matrix key rotation, the exact blocks not first: the
   // queries are rotated once for the call (rotate_group_queries_kernel,

@@ -238,13 +238,17 @@ struct DecodeParams {
   // (DecodePlan::exact_chunk).
   int32_t exact_chunk_tokens = 0;
   // CUDA only: where the exact blocks are few enough to launch first
-  // (DecodePlan::exact_first: batch 1) and the keys have a matrix rotation,
-  // rotate the queries first instead and launch the exact blocks behind the
-  // int8 kernel, into the slots the plan keeps for them
-  // (DecodePlan::exact_slots_reserved): the int8 and exact kernels' blocks
-  // then read the rotated queries, and a decoding step's append joins the
-  // rotation's kernel (step_append_host). Off: the exact blocks first.
-  bool rotate_before_exact_blocks = false;
+  // (DecodePlan::exact_slots_reserved: batch 1, 2 at some layouts) and the
+  // keys have a matrix rotation, rotate the queries first and launch the
+  // exact blocks behind the int8 kernel, into the slots the plan keeps for
+  // them: the int8 and exact kernels' blocks then read the rotated queries,
+  // and a decoding step's append joins the rotation's kernel
+  // (step_append_host). Off: the exact blocks first (DecodePlan::exact_first),
+  // each block rotating its own queries. On by default: on the H100, int2-rot
+  // at batch 1 and 2, 4K-128K, 2 and 4 bits, a decode took within 0.2 us as
+  // long or up to 3.3 us less, a step 2.3-5.3 us less
+  // (bench/results/decode-rotation-first-h100-2026-12-05.json).
+  bool rotate_before_exact_blocks = true;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

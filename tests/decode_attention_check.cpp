@@ -453,7 +453,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.kernel = c.kernel;
   host.int8_steps = c.int8_steps;
   host.exact_chunk_tokens = c.exact_chunk_tokens;
-  host.rotate_before_exact_blocks = c.rotate_before_exact_blocks;
+  host.rotate_before_exact_blocks = !c.exact_blocks_first;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -492,10 +492,11 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
           << c.name;
     }
     if (c.kernel == kernels::DecodeKernel::kGeneral) EXPECT_FALSE(plan.tensor_cores || plan.lookup) << c.name;
-    if (c.rotate_before_exact_blocks) {
-      EXPECT_TRUE(plan.exact_slots_reserved && !plan.exact_first && plan.rotate_queries_first)
-          << c.name << ": the exact blocks do not run behind the rotation in their kept slots";
+    if (plan.exact_slots_reserved && on_device.key_rotation.kind == kernels::RotationKind::kMatrix) {
+      EXPECT_EQ(plan.exact_first, c.exact_blocks_first) << c.name << ": the exact blocks' order";
+      EXPECT_EQ(plan.rotate_queries_first, !c.exact_blocks_first) << c.name;
     }
+    if (c.exact_blocks_first) EXPECT_TRUE(plan.exact_first) << c.name << ": the exact blocks do not launch first";
     // The planner's chunk where there are exact ranges: the exact kernel's
     // two passes, the general kernel's one.
     if ((plan.tensor_cores || plan.lookup) && plan.exact_splits > 0) {
@@ -519,6 +520,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
+      EXPECT_EQ(planned.rotation_step_in_one_wave, plan.rotation_step_in_one_wave) << c.name;
       EXPECT_EQ(planned.exact_first, plan.exact_first) << c.name;
       EXPECT_EQ(planned.exact_slots_reserved, plan.exact_slots_reserved) << c.name;
       EXPECT_EQ(planned.int8_steps, plan.int8_steps) << c.name;

@@ -78,10 +78,12 @@ struct DecodeCase : KernelCase {
   // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
   // checked.
   int32_t exact_chunk_tokens = 0;
-  // DecodeParams::rotate_before_exact_blocks: the case must take it (few
-  // exact blocks, a matrix key rotation: the queries rotated first, the
-  // exact blocks behind the int8 kernel in their kept slots; checked).
-  bool rotate_before_exact_blocks = false;
+  // DecodeParams::rotate_before_exact_blocks off: where the exact blocks
+  // are few and the keys have a matrix rotation, they launch first, each
+  // block rotating its queries (DecodePlan::exact_first), instead of behind
+  // the query rotation and the int8 kernel in their kept slots (the
+  // default). Where the plan keeps their slots, its order is checked.
+  bool exact_blocks_first = false;
   // From this token on (>= 0), every token of a sequence repeats that
   // token's keys and values: each step's tokens then share their outlier
   // channels (the kernels' colliding corrections); -1: every token drawn.

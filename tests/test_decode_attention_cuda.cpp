@@ -150,17 +150,18 @@ std::vector<Case> cases() {
               k4);
     merge_heads.lengths = {700, 65, 300};
     all.push_back(merge_heads);
-    // The queries rotated before the exact blocks where they are few
-    // (DecodeParams::rotate_before_exact_blocks: the exact blocks behind
-    // the int8 kernel in the slots kept for them, reading the rotated
-    // queries): the 64-token steps at GQA 4, and below the 32-token steps
+    // The exact blocks first where they are few (DecodeParams::
+    // rotate_before_exact_blocks off: each of them, and each int8 block,
+    // rotating its own queries), where the int2-rot cases at these lengths
+    // rotate the queries first and run them behind the int8 kernel in their
+    // kept slots: the 64-token steps at GQA 4, and below the 32-token steps
     // at GQA 8 beside bf16 rows of exact chunks that reach all four warps.
-    Case rotation_first = steps(
-        decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotation_before_exact_2bit_d128_gqa4", 2,
+    Case exact_first = steps(
+        decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_exact_blocks_first_2bit_d128_gqa4", 2,
                                                     128, 8)),
         k4);
-    rotation_first.rotate_before_exact_blocks = true;
-    all.push_back(rotation_first);
+    exact_first.exact_blocks_first = true;
+    all.push_back(exact_first);
     // decode_exact_kernel over chunks that reach all four of its warps (the
     // other cases' sink of 4 and window of 16 fill one warp's 16 tokens):
     // a sink of 40 and a window of 100 in one-pass chunks (of 40, 64 and
@@ -197,13 +198,13 @@ std::vector<Case> cases() {
         with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotated_bf16_rows_2bit_d64_gqa8", 2, 64, 16)),
              kInt8),
         ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000}));
-    Case rotation_first_rows = exact_rows(
-        with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_rotation_before_exact_bf16_rows_2bit_d64_gqa8", 2,
+    Case exact_first_rows = exact_rows(
+        with(decode_case(testing::int2rot_rotated_layout("int8_int2rot_exact_blocks_first_bf16_rows_2bit_d64_gqa8", 2,
                                                          64, 16)),
              kInt8),
         ElementType::kBFloat16, 40, 100, {1, 17, 39, 40, 41, 139, 140, 141, 203, 1000});
-    rotation_first_rows.rotate_before_exact_blocks = true;
-    all.push_back(rotation_first_rows);
+    exact_first_rows.exact_blocks_first = true;
+    all.push_back(exact_first_rows);
     // Longer exact chunks (DecodeParams::exact_chunk_tokens): blocks of
     // several 64-token passes whose warps carry their softmax states from
     // pass to pass. int2-rot's sink of 64 and window of 256 in blocks of 256

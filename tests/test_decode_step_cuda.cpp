@@ -52,8 +52,9 @@ struct StepCase {
   // sink, the window fills and wraps, the first pages open (else a prefill
   // of hundreds of tokens comes first).
   bool from_empty = false;
-  // CacheOptions::rotate_before_exact_blocks (both caches).
-  bool rotate_before_exact = false;
+  // CacheOptions::rotate_before_exact_blocks off (both caches): the few
+  // exact blocks of a matrix key rotation first, not behind the rotation.
+  bool exact_blocks_first = false;
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
@@ -100,7 +101,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   options.outlier_page_entries = 64;
   options.tokens_per_split = c.tokens_per_split;
   options.decode_kernel = c.kernel;
-  options.rotate_before_exact_blocks = c.rotate_before_exact;
+  options.rotate_before_exact_blocks = !c.exact_blocks_first;
   const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
   auto stepped_backend = std::make_unique<kernels::CudaBackend>();
   const kernels::CudaBackend& stepped_cuda = *stepped_backend;
@@ -193,8 +194,8 @@ std::vector<StepCase> step_cases() {
   std::vector<StepCase> all;
   const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
                        int64_t tokens_per_split = 256, bool fuses = false, bool from_empty = false,
-                       bool rotate_before_exact = false) {
-    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty, rotate_before_exact});
+                       bool exact_blocks_first = false) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty, exact_blocks_first});
   };
   const auto with_element = [](KernelCase layout, kernels::ElementType element) {
     layout.element = element;
@@ -212,13 +213,14 @@ std::vector<StepCase> step_cases() {
                    kernels::ElementType::kFloat32),
       DecodeKernel::kAuto, 40, 256, true);
   add(make_kernel_case("rtn_4bit_d64_gqa8_40_sequences", QuantMethod::kRtn, 4, 64, 16), DecodeKernel::kAuto, 40, 512);
-  // int2-rot: a sink and a window (the exact ranges first at few blocks,
-  // else behind the int8 kernel), rotated. With the queries rotated first
-  // (20 sequences and more: the exact blocks too many to go first) the
-  // one-token steps' appends run in the rotation's kernel: fp16, bf16 and
-  // fp32 rows, the values rotated or not, inline arrays (20 and 24
+  // int2-rot: a sink and a window (the exact ranges first at few blocks
+  // without a key rotation, else behind the int8 kernel), rotated. With
+  // the queries rotated first (the default where the keys have a matrix)
+  // the one-token steps' appends run in the rotation's kernel: fp16, bf16
+  // and fp32 rows, the values rotated or not, inline arrays (3, 20 and 24
   // sequences) and uploaded ones (40). Without a rotation, or with the
-  // exact blocks first (3 sequences), the appends are launched on their own.
+  // exact blocks first (CacheOptions::rotate_before_exact_blocks off, 3
+  // sequences), the appends are launched on their own.
   // The rotation's step blocks must run in one wave
   // (DecodePlan::rotation_step_in_one_wave): two per (KV head, sequence) of
   // the tests' 2 KV heads, at head_dim 128 one a multiprocessor (80 blocks
@@ -226,8 +228,9 @@ std::vector<StepCase> step_cases() {
   add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
   add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d64_gqa4_40_sequences", 2, 64, 8), DecodeKernel::kAuto, 40,
       256, true);
-  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16", 4, 64, 16),
-                   kernels::ElementType::kBFloat16));
+  add(with_element(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_4bit_d64_gqa8_bf16", 4, 64, 16),
+                   kernels::ElementType::kBFloat16),
+      DecodeKernel::kAuto, 3, 256, false, false, true);
   add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_4bit_d64_gqa8_bf16_24_sequences", 4, 64, 16),
                    kernels::ElementType::kBFloat16),
       DecodeKernel::kAuto, 24, 256, true);
@@ -238,20 +241,20 @@ std::vector<StepCase> step_cases() {
     keys_only.value_rotation = RotationForm::kNone;
     add(keys_only, DecodeKernel::kAuto, 20, 256, true);
   }
+  // The few exact blocks of 3 sequences behind the query rotation
+  // (CacheOptions::rotate_before_exact_blocks, the default): the appends in
+  // the rotation's kernel there too.
+  add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3, 256, true);
   // Steps from empty sequences: the sink's rows, the window filling and
-  // wrapping, the first pages (rtn: from the first token); int2-rot's with
-  // the exact blocks first (3 sequences) and inside the query rotation (20).
+  // wrapping, the first pages (rtn: from the first token); int2-rot's
+  // inside the query rotation (3 and 20 sequences) and with the exact
+  // blocks first (3).
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
-      256, false, true);
+      256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
       DecodeKernel::kAuto, 20, 256, true, true);
-  // The few exact blocks of 3 sequences behind the query rotation
-  // (CacheOptions::rotate_before_exact_blocks): the appends in the
-  // rotation's kernel there too, prefilled and from empty.
-  add(testing::int2rot_rotated_layout("int2rot_rotation_before_exact_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
-      256, true, false, true);
-  add(testing::int2rot_rotated_layout("int2rot_rotation_before_exact_from_empty_2bit_d128_gqa4", 2, 128, 8),
-      DecodeKernel::kAuto, 3, 256, true, true, true);
+  add(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_from_empty_2bit_d128_gqa4", 2, 128, 8),
+      DecodeKernel::kAuto, 3, 256, false, true, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
       true, true);
   // KIVI: keys in per-channel groups of tokens quantized when the group
