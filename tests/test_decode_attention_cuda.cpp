@@ -310,6 +310,17 @@ void with_layout_params(const Case& c, F&& f) {
   f(cache.decode_params(0));
 }
 
+// with_layout_params with the case's batch: its sequences and longest
+// length (what the plan's splits and waves follow).
+template <typename F>
+void with_case_batch_params(const Case& c, F&& f) {
+  with_layout_params(c, [&](kernels::DecodeParams params) {
+    params.batch.count = static_cast<int32_t>(c.lengths.size());
+    params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+    f(params);
+  });
+}
+
 // On any machine (no GPU needed): the int8 cases are layouts the 8-bit
 // integer kernel reads, the default takes it wherever it reads a layout (at
 // 2 and 4 bits), and the layouts it does not read (kvquant's non-uniform
@@ -429,9 +440,7 @@ TEST(DecodeAttentionCudaPlan, TheInt8SplitsMergeInClustersWithoutExactRangesOrRo
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   int clustered = 0, merged = 0;
   for (const Case& c : cases()) {
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = static_cast<int32_t>(c.lengths.size());
-      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+    with_case_batch_params(c, [&](kernels::DecodeParams params) {
       const kernels::DecodePlan plan = case_plan(c, params);
       const bool rotated = params.key_rotation.kind == kernels::RotationKind::kMatrix ||
                            params.value_rotation.kind == kernels::RotationKind::kMatrix;
@@ -456,9 +465,7 @@ TEST(DecodeAttentionCudaPlan, TheRotationBeforeTheExactBlocksKeepsTheirSlotsAndS
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   int moved = 0, unchanged = 0;
   for (const Case& c : cases()) {
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = static_cast<int32_t>(c.lengths.size());
-      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+    with_case_batch_params(c, [&](kernels::DecodeParams params) {
       params.rotate_before_exact_blocks = false;
       const kernels::DecodePlan first = case_plan(c, params);
       params.rotate_before_exact_blocks = true;
@@ -494,9 +501,7 @@ TEST(DecodeAttentionCudaPlan, TheRotationTakesTheStepOnlyInOneWave) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   int checked = 0;
   for (const Case& c : cases()) {
-    with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = static_cast<int32_t>(c.lengths.size());
-      params.batch.max_length = *std::max_element(c.lengths.begin(), c.lengths.end());
+    with_case_batch_params(c, [&](kernels::DecodeParams params) {
       const kernels::DecodePlan plan = case_plan(c, params);
       if (!plan.rotate_queries_first) EXPECT_FALSE(plan.rotation_step_in_one_wave) << c.name;
       if (params.key_rotation.kind != kernels::RotationKind::kMatrix || !plan.tensor_cores) return;
