@@ -259,7 +259,7 @@ int run(int argc, char** argv) {
   bool exact_blocks_first = false;
   app.add_flag("--exact-blocks-first", exact_blocks_first,
                "where the queries are rotated first and the few exact blocks run behind the int8 kernel in their "
-               "kept slots (batch 1, a matrix key rotation), also time the exact blocks first "
+               "kept slots (batch 1, 2 at some layouts; a matrix key rotation), also time the exact blocks first "
                "(DecodeParams::rotate_before_exact_blocks off): exact_blocks_first_time_us, and with the appends "
                "exact_blocks_first_step_device_us, _step_fused, _step_two_launches_device_us, "
                "_step_decode_device_us");
@@ -603,7 +603,7 @@ int run(int argc, char** argv) {
                         .device_us);
               }
             }
-            cache.set_rotate_before_exact_blocks(kernels::CacheOptions{}.rotate_before_exact_blocks);
+            cache.set_rotate_before_exact_blocks(settings.front().rotate_before_exact);
             std::vector<StepTimes> times;
             for (size_t v = 0; v < n; ++v) {
               times.push_back(StepTimes{median(std::move(steps[v])), median(std::move(two_launches[v])),

@@ -42,7 +42,8 @@ struct DecodePlan {
   // the general kernel's.
   bool exact_kernel = false;
   // int8: the exact ranges' blocks are few (at most an eighth of the int8
-  // kernel's resident blocks: batch 1; exact_slots_reserved, below), so they
+  // kernel's resident blocks: batch 1, 2 at some layouts;
+  // exact_slots_reserved, below), so they
   // launch first and run beside the int8 kernel's, whose splits are planned
   // for the slots they leave, unless the keys have a matrix rotation and
   // DecodeParams::rotate_before_exact_blocks (the default) moves them behind

@@ -73,8 +73,9 @@ struct CacheOptions {
   // decode_attention, to compare. The same bytes and outputs either way.
   bool fused_decode_step = true;
   // DecodeParams::rotate_before_exact_blocks (CUDA; the CPU reference
-  // ignores it): at batch 1 and 2, with a matrix key rotation and a window
-  // or sink (int2-rot's), the queries rotated first and the exact blocks
+  // ignores it): where the exact blocks are few (batch 1, 2 at some
+  // layouts), with a matrix key rotation and a window or sink (int2-rot's),
+  // the queries rotated first and the exact blocks
   // behind the int8 kernel in slots kept for them, so that a decoding
   // step's append joins the rotation's kernel. Off: the exact blocks first.
   bool rotate_before_exact_blocks = true;

@@ -52,12 +52,11 @@ int rotation_threads(const TensorLayoutSpec& spec) { return device::kRotationSli
 }  // namespace
 
 void launch_rotate_queries(const DecodeParams& p, float* rotated, cudaStream_t stream) {
+  const int threads = rotation_threads(p.key_cache.layout.spec);
   if (p.key_cache.layout.spec.head_dim == 64) {
-    launch_rotation(device::rotate_group_queries_kernel<64>, p, device::kRotationSlices * 64, 1, rotated,
-                    NoStepAppend{}, stream);
+    launch_rotation(device::rotate_group_queries_kernel<64>, p, threads, 1, rotated, NoStepAppend{}, stream);
   } else {
-    launch_rotation(device::rotate_group_queries_kernel<128>, p, device::kRotationSlices * 128, 1, rotated,
-                    NoStepAppend{}, stream);
+    launch_rotation(device::rotate_group_queries_kernel<128>, p, threads, 1, rotated, NoStepAppend{}, stream);
   }
 }
 

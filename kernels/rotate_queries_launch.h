@@ -21,7 +21,7 @@ void launch_rotate_queries_step(const DecodeParams& params, float* rotated, cons
 
 // Blocks of that step variant (its instance for the decode's head_dim, bits
 // and element) one multiprocessor holds at once: DecodePlan's
-// rotation_step_in_one_wave.
+// rotation_step_in_one_wave (0, where none fits: no step joins it).
 int rotate_queries_step_blocks_per_multiprocessor(const DecodeParams& params);
 
 }  // namespace kvforge::kernels

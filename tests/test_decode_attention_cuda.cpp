@@ -504,14 +504,18 @@ TEST(DecodeAttentionCudaPlan, TheRotationTakesTheStepOnlyInOneWave) {
     with_case_batch_params(c, [&](kernels::DecodeParams params) {
       const kernels::DecodePlan plan = case_plan(c, params);
       if (!plan.rotate_queries_first) EXPECT_FALSE(plan.rotation_step_in_one_wave) << c.name;
+      kernels::DecodeParams exact_first = params;  // the exact blocks first where they are few
+      exact_first.rotate_before_exact_blocks = false;
+      const kernels::DecodePlan first = case_plan(c, exact_first);
+      if (!first.rotate_queries_first) EXPECT_FALSE(first.rotation_step_in_one_wave) << c.name;
       if (params.key_rotation.kind != kernels::RotationKind::kMatrix || !plan.tensor_cores) return;
       const int per_multiprocessor = kernels::rotate_queries_step_blocks_per_multiprocessor(params);
       ASSERT_GE(per_multiprocessor, 1) << c.name;
       const int64_t blocks = int64_t{2} * params.key_cache.layout.spec.kv_heads * params.batch.count;
       const auto needed = static_cast<int>((blocks + per_multiprocessor - 1) / per_multiprocessor);
-      // (So few multiprocessors leave the exact blocks' slots unreserved:
-      // the queries are rotated first, also where on 132 the exact blocks
-      // go first.)
+      // (So few multiprocessors leave the exact blocks' slots unreserved,
+      // so the queries are rotated first whatever rotate_before_exact_blocks
+      // says.)
       const kernels::DecodePlan fits = kernels::plan_decode_attention(params, needed);
       ASSERT_TRUE(fits.rotate_queries_first) << c.name << " on " << needed;
       EXPECT_TRUE(fits.rotation_step_in_one_wave) << c.name << " on " << needed;

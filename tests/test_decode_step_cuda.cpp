@@ -29,6 +29,7 @@
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_runtime_check.h"
 #include "kernels/quantized_kv_cache.h"
+#include "kernels/rotate_queries_launch.h"
 #include "model/rope.h"
 #include "tests/kernel_activations.h"
 #include "tests/kernel_cases.h"
@@ -47,7 +48,10 @@ struct StepCase {
   DecodeKernel kernel = DecodeKernel::kAuto;
   int sequences = 3;
   int64_t tokens_per_split = 256;
-  bool fuses = false;  // the one-token steps append inside the decode's launch
+  // The one-token steps append inside the decode's launch (a rotated
+  // layout's: where this device holds the rotation's step blocks in one
+  // wave).
+  bool fuses = false;
   // The decoding steps from empty sequences: the first tokens land in the
   // sink, the window fills and wraps, the first pages open (else a prefill
   // of hundreds of tokens comes first).
@@ -107,6 +111,18 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   const kernels::CudaBackend& stepped_cuda = *stepped_backend;
   kernels::QuantizedKVCache stepped(config, dims, options, std::move(stepped_backend));
   kernels::QuantizedKVCache plain(config, dims, options, std::make_unique<kernels::CudaBackend>());
+  // A rotated step joins the query rotation's kernel only where that
+  // kernel's two blocks per (KV head, sequence) run in one wave on this
+  // device (DecodePlan::rotation_step_in_one_wave), counted here from the
+  // step variant's occupancy: a device that holds fewer expects the two
+  // launches its planner takes instead.
+  bool fuses = c.fuses;
+  if (fuses && l.key_rotation == RotationForm::kMatrix) {
+    int multiprocessors = 0;
+    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
+    const int per_multiprocessor = kernels::rotate_queries_step_blocks_per_multiprocessor(stepped.decode_params(0));
+    fuses = int64_t{2} * kKvHeads * c.sequences <= int64_t{multiprocessors} * per_multiprocessor;
+  }
 
   const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty);
   std::vector<int64_t> totals(static_cast<size_t>(c.sequences), 0);
@@ -171,7 +187,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
     for (int s = 0; s < c.sequences; ++s) lengths[static_cast<size_t>(s)] += rounds[r][static_cast<size_t>(s)];
   }
   EXPECT_GT(outputs_compared, 0);
-  if (c.fuses) {
+  if (fuses) {
     EXPECT_GT(stepped_cuda.fused_steps(), 0) << l.name << ": no step appended inside the decode's launch";
   } else {
     EXPECT_EQ(stepped_cuda.fused_steps(), 0) << l.name << ": a step appended inside the decode's launch";
@@ -222,12 +238,17 @@ std::vector<StepCase> step_cases() {
   // exact blocks first (CacheOptions::rotate_before_exact_blocks off, 3
   // sequences), the appends are launched on their own.
   // The rotation's step blocks must run in one wave
-  // (DecodePlan::rotation_step_in_one_wave): two per (KV head, sequence) of
-  // the tests' 2 KV heads, at head_dim 128 one a multiprocessor (80 blocks
-  // at 20 sequences), at 64 several (160 at 40).
+  // (DecodePlan::rotation_step_in_one_wave; the test counts them against
+  // this device): two per (KV head, sequence) of the tests' 2 KV heads, at
+  // head_dim 128 one a multiprocessor (80 blocks at 20 sequences), at 64
+  // several (160 at 40). At head_dim 128, 40 sequences take 160 blocks:
+  // past one wave on 132 multiprocessors, where those steps are the two
+  // launches (the queries still rotated first, the arrays uploaded).
   add(testing::int2rot_window_layout("int2rot_window_2bit_d128_gqa4", 2, 128, 8));
   add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d64_gqa4_40_sequences", 2, 64, 8), DecodeKernel::kAuto, 40,
       256, true);
+  add(testing::int2rot_rotated_layout("int2rot_rotated_2bit_d128_gqa4_40_sequences", 2, 128, 8), DecodeKernel::kAuto,
+      40, 256, true);
   add(with_element(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_4bit_d64_gqa8_bf16", 4, 64, 16),
                    kernels::ElementType::kBFloat16),
       DecodeKernel::kAuto, 3, 256, false, false, true);
