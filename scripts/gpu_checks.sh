@@ -7,7 +7,8 @@
 #     against transformers' on the same windows (committed fixtures), within 0.1%;
 #   - the README's demo with --device cuda.
 # Inputs: .carry/shared (models/pyllama-16m, data/*.txt) copied from ../shared,
-# and optionally .carry/debs (-dev packages the image may lack).
+# and optionally .carry/debs (-dev packages the image may lack; or .stash/debs,
+# kept by a GPU_CHECKS_ONLY=stash call just before).
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,12 +35,20 @@ step machine
 # name the commit (KVFORGE_COMMIT).
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; echo "${KVFORGE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } | tee "$LOGS/machine.txt"
 
-# GPU_CHECKS_ONLY=stash: the first of the two calls that bring FlashInfer
-# (scripts/prepare_flashinfer_wheels.sh): keep the carried part a in .stash/
-# (ignored, so it stays on the machine while it is warm) and stop.
+# GPU_CHECKS_ONLY=stash: a call that only keeps what it carries in .stash/
+# (ignored, so it stays on the machine while it is warm) and stops: one call
+# carries at most 64 MiB with the tree, so FlashInfer's wheel
+# (scripts/prepare_flashinfer_wheels.sh) and the -dev packages come in calls
+# of their own, back to back: stash with .carry-wheels/a, stash with
+# .carry/debs, then the kernels call with .carry-wheels/b.
 if [ "${GPU_CHECKS_ONLY:-}" = stash ]; then
-  mkdir -p .stash && rm -rf .stash/wheels-a && cp -r .carry-wheels/a .stash/wheels-a && ls -la .stash/wheels-a
-  echo "gpu_checks (stash): part a kept; the next call, back to back, carries .carry-wheels/b"
+  mkdir -p .stash
+  kept=0
+  if [ -d .carry-wheels/a ]; then rm -rf .stash/wheels-a && cp -r .carry-wheels/a .stash/wheels-a && kept=1; fi
+  if [ -d .carry/debs ]; then rm -rf .stash/debs && cp -r .carry/debs .stash/debs && kept=1; fi
+  ls -la .stash/*
+  [ $kept = 1 ] || { echo "gpu_checks (stash): neither .carry-wheels/a nor .carry/debs was carried"; exit 1; }
+  echo "gpu_checks (stash): kept; call again back to back (the machine is released after a short idle time)"
   exit 0
 fi
 
@@ -68,10 +77,11 @@ if [ -d .carry-wheels/b ]; then
     echo "FlashInfer wheel: .carry-wheels/b carried but no stashed part a (run GPU_CHECKS_ONLY=stash just before)"
   fi
 fi
+debs=.carry/debs; [ -d "$debs" ] || debs=.stash/debs  # carried in this call or stashed by one before
 for pc in libpcre2-8 openssl; do
-  if ! pkg-config --exists "$pc" && ls .carry/debs/*.deb >/dev/null 2>&1; then
-    echo "$pc missing: unpacking carried -dev packages"
-    for deb in .carry/debs/*.deb; do dpkg -x "$deb" /; done
+  if ! pkg-config --exists "$pc" && ls "$debs"/*.deb >/dev/null 2>&1; then
+    echo "$pc missing: unpacking carried -dev packages ($debs)"
+    for deb in "$debs"/*.deb; do dpkg -x "$deb" /; done
   fi
 done
 

@@ -2,13 +2,15 @@
 # FlashInfer for the decode baselines (bench/decode_baselines.py) on the GPU
 # machine, which has no network: downloads flashinfer-python and the few
 # packages its import needs (for the GPU image's python 3.12), and splits the
-# 101 MB wheel in two, because one device call carries at most 64 MiB:
+# 101 MB wheel in two, because one device call carries at most 64 MiB with
+# the tree (~13 MiB; part a is 51 MiB so that each call fits):
 #   .carry-wheels/a: the wheel's first part and its SHA256;
 #   .carry-wheels/b: the second part and the small wheels.
-# On the GPU machine, two calls back to back (the second while the machine is
+# On the GPU machine, three calls back to back (each while the machine is
 # still warm): `GPU_CHECKS_ONLY=stash bash scripts/gpu_checks.sh` with carry
-# [".carry-wheels/a"] keeps part a in .stash/, then the kernels call with
-# carry [".carry/debs", ".carry-wheels/b"] joins, checks and installs it.
+# [".carry-wheels/a"] keeps part a in .stash/, the same with carry
+# [".carry/debs"] keeps the -dev packages, then the kernels call with carry
+# [".carry-wheels/b"] joins, checks and installs the wheel.
 # Usage: scripts/prepare_flashinfer_wheels.sh [VERSION]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,7 @@ python3 -m pip download -q --no-deps -d "$work" einops tabulate nvidia-ml-py pac
 rm -rf .carry-wheels && mkdir -p .carry-wheels/a .carry-wheels/b
 wheel=$(ls "$work"/flashinfer_python-*.whl)
 (cd "$work" && sha256sum "$(basename "$wheel")") > .carry-wheels/a/SHA256
-split -b 52M -a 1 "$wheel" "$work/part-"
+split -b 51M -a 1 "$wheel" "$work/part-"
 mv "$work/part-a" .carry-wheels/a/flashinfer.part-a
 mv "$work/part-b" .carry-wheels/b/flashinfer.part-b
 find "$work" -maxdepth 1 -name '*.whl' ! -name 'flashinfer_python-*' -exec mv {} .carry-wheels/b/ \;
