@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""The issue's decode targets read off a decode-attention grid
+(bench/results/decode_attention.json, written by kvforge_bench_decode_attention),
+as Markdown: for every method, bits and batch at 32K tokens and beyond, the
+speedup against bf16 SDPA in the same run (target >= 4x), the fraction of the
+measured copy bandwidth (target >= 70%) and the append's rate against the
+decode rate it must keep up with (target >= 10x), each marked met or not,
+then the ranges per method, bits and batch.
+
+The append's rate is the decode-step column where the grid has it
+(append_in_step_over_decode_rate: the added time of a decoding step's append,
+fused or as its own launch, against the decode alone), else the separate
+append's (append_over_decode_rate).
+
+Usage: bench/format_decode_targets.py GRID.json [--min-context 32768]
+"""
+import argparse
+import json
+from collections import defaultdict
+
+SPEEDUP, BANDWIDTH, APPEND = 4.0, 0.70, 10.0
+
+
+def append_rate(row):
+    rate = row.get("append_in_step_over_decode_rate")
+    return rate if rate is not None else row.get("append_over_decode_rate")
+
+
+def mark(value, target, fmt):
+    if value is None:
+        return "-"
+    return (fmt.format(value) + (" ✓" if value >= target else ""))
+
+
+def span(values, fmt):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)}-{fmt.format(high)}"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("grid")
+    parser.add_argument("--min-context", type=int, default=32768)
+    args = parser.parse_args()
+    with open(args.grid) as f:
+        grid = json.load(f)
+    rows = [r for r in grid["rows"] if r["context"] >= args.min_context]
+    cold = all(r.get("l2_cold", False) for r in rows)
+    print(f"{grid['machine']}, commit {grid['commit']}, {'cold' if cold else 'warm'} L2, "
+          f"copy bandwidth {grid['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
+          f"targets: {SPEEDUP:g}x bf16 SDPA, {BANDWIDTH:.0%} of the copy bandwidth, append {APPEND:g}x the decode "
+          f"rate (✓ met).\n")
+    print("| method | bits | batch | context | time us | SDPA us | speedup | bandwidth | append rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    key = lambda r: (r["method"], r["bits"], r["batch"], r["context"])
+    for r in sorted(rows, key=key):
+        print(f"| {r['method']} | {r['bits']} | {r['batch']} | {r['context'] // 1024}K | {r['time_us']:.1f} | "
+              f"{r['sdpa_time_us']:.1f} | {mark(r['speedup_vs_sdpa'], SPEEDUP, '{:.2f}x')} | "
+              f"{mark(r['bandwidth_fraction'], BANDWIDTH, '{:.0%}')} | {mark(append_rate(r), APPEND, '{:.1f}x')} |")
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["method"], r["bits"], r["batch"])].append(r)
+    print("\n| method | bits | batch | speedup | bandwidth | append rate | all three met at |")
+    print("|---|---|---|---|---|---|---|")
+    for (method, bits, batch), group in sorted(groups.items()):
+        met = [r["context"] // 1024 for r in sorted(group, key=key)
+               if r["speedup_vs_sdpa"] >= SPEEDUP and r["bandwidth_fraction"] >= BANDWIDTH
+               and (append_rate(r) or 0) >= APPEND]
+        print(f"| {method} | {bits} | {batch} | {span([r['speedup_vs_sdpa'] for r in group], '{:.2f}x')} | "
+              f"{span([r['bandwidth_fraction'] for r in group], '{:.0%}')} | "
+              f"{span([append_rate(r) for r in group], '{:.1f}x')} | "
+              f"{', '.join(f'{c}K' for c in met) if met else 'none'} |")
+
+
+if __name__ == "__main__":
+    main()
