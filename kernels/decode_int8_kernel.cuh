@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "kernels/cluster_merge.cuh"
+#include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
@@ -329,6 +330,35 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   static_assert(sizeof(ClusterMergeShared<kInt8Warps>) <= sizeof(shared.query), "the cluster merge's scratch");
   auto cluster_shared = [&] { return reinterpret_cast<ClusterMergeShared<kInt8Warps>*>(&shared.query[0][0]); };
   auto merged_rows = [&] { return reinterpret_cast<float (*)[D]>(dynamic_shared); };
+  // The exact ranges' chunks this block takes (TensorCoreSplits::exact_splits;
+  // the wide steps' layouts only, at head_dim 128, with bf16 rows and at
+  // most 4 heads a group: DecodePlan::exact_in_int8_blocks; at head_dim 64
+  // ptxas spilled 48-72 bytes in the walk with them compiled in, none
+  // without), after its walk, over the
+  // stages (free by then): chunk e by split splits - 1 - e % splits, so that
+  // the last splits, the shortest and the empty ones, take them first. Each
+  // is decode_exact_kernel's block's work (exact_chunk_state), its state
+  // after the splits'; the rotated queries are complete (the caller has
+  // waited for them).
+  auto exact_chunks = [&] {
+    if constexpr (kStepStages == 2 && !kStepAppend && D == 128) {
+      static_assert(kInt8Warps == kExactWarps, "an int8 block's threads are an exact block's");
+      static_assert(sizeof(ExactShared<D, 4>) <= static_cast<size_t>(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>()),
+                    "the stages hold an exact chunk's shared memory");
+      if (splits.exact_splits == 0) return;
+      // The block's indices read again here, not kept from the preamble:
+      // held through the walk they cost it registers (ptxas spilled 8 bytes
+      // at head_dim 128).
+      const int block_splits = static_cast<int>(gridDim.x);
+      const SplitAssignment assignment{0, true, block_splits, splits.exact_chunk};
+      auto& exact_shared = *reinterpret_cast<ExactShared<D, 4>*>(dynamic_shared);
+      for (int e = block_splits - 1 - static_cast<int>(blockIdx.x); e < splits.exact_splits; e += block_splits) {
+        __syncthreads();  // the stages (or the previous chunk's shared memory) are read
+        exact_chunk_state<D, 4, ElementType::kBFloat16>(p, workspace, assignment, exact_shared, e,
+                                                        static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
+      }
+    }
+  };
   if (first >= last) {  // an empty split: a state the merge skips
     if (splits.cluster_merge) {
       merge_in_cluster<D, kInt8Warps>(p.io, p.output, state_base, group, false, cluster_shared(), nullptr, nullptr,
@@ -337,6 +367,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       write_empty_state(workspace, block, split);
     }
     wait_for_prerequisite_grid();
+    exact_chunks();
     return;
   }
   const int32_t slot = entry_slot(p, entry);
@@ -1207,6 +1238,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   } else {
     write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
   }
+  exact_chunks();
   wait_for_prerequisite_grid();
 }
 

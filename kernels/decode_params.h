@@ -249,6 +249,13 @@ struct DecodeParams {
   // long or up to 3.3 us less, a step 2.3-5.3 us less
   // (bench/results/decode-rotation-first-h100-2026-12-05.json).
   bool rotate_before_exact_blocks = true;
+  // CUDA only: where the int8 kernel's wide steps read the layout at
+  // head_dim 128 and decode_exact_kernel would read its exact ranges in bf16
+  // rows (int2-rot's with a bf16 model), the int8 kernel's own blocks take the
+  // exact chunks after their walk (DecodePlan::exact_in_int8_blocks), in
+  // place of a second kernel whose blocks mostly ran after the int8
+  // kernel's last wave. Off: that second kernel, as before.
+  bool exact_ranges_in_int8_blocks = true;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

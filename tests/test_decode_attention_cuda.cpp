@@ -219,6 +219,24 @@ std::vector<Case> cases() {
         ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 129, 200, 320, 321, 385, 1000});
     chunk256.exact_chunk_tokens = 256;
     all.push_back(chunk256);
+    // The int8 blocks' exact chunks in the planner's chunks of 64
+    // (DecodePlan::exact_in_int8_blocks: wide steps, bf16 rows, GQA 4):
+    // int2-rot's sink of 64 and window of 256 in 5 chunks over the last
+    // splits of each (KV head, sequence), a block taking several where its
+    // sequence has fewer splits than chunks (splits of 256 tokens: 700
+    // tokens have 2 beside their 5 chunks) and the empty splits of the
+    // short sequences taking theirs; and the same through decode_exact_kernel
+    // (DecodeParams::exact_ranges_in_int8_blocks off).
+    Case in_int8 = exact_rows(
+        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_exact_in_int8_bf16_rows_2bit_d128_gqa4",
+                                                          2, 128, 8)),
+              k4),
+        ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 320, 321, 700, 4099, 9001});
+    all.push_back(in_int8);
+    Case separate = in_int8;
+    separate.name = "int8_steps64x4_int2rot_exact_kernel_separate_bf16_rows_2bit_d128_gqa4";
+    separate.exact_kernel_separate = true;
+    all.push_back(separate);
     Case chunk128 = exact_rows(
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_chunk128_2bit_d64_gqa1", 2, 64,
                                                           2)),
@@ -345,7 +363,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 21);
+  EXPECT_EQ(int8_cases, 23);
 }
 
 // On any machine: the lookup kernel reads kvquant's layouts (keys per
@@ -399,15 +417,16 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 10);
+  EXPECT_EQ(wide_cases, 12);
 }
 
 // The default's plan of the case's layout (params from with_layout_params)
-// with the case's kernel and int8 steps, on the H200's 132 multiprocessors
-// (the residency questions ask the device).
+// with the case's kernel, int8 steps and exact kernel choice, on the H200's
+// 132 multiprocessors (the residency questions ask the device).
 kernels::DecodePlan case_plan(const Case& c, kernels::DecodeParams& params) {
   params.kernel = c.kernel;
   params.int8_steps = c.int8_steps;
+  params.exact_ranges_in_int8_blocks = !c.exact_kernel_separate;
   return kernels::plan_decode_attention(params, 132);
 }
 
@@ -567,9 +586,10 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
 }
 
 // On the GPU (the plan asks the device for its residency): the exact
-// blocks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
-// of 64 and window of 256 take 5 blocks of 64, 3 of 128 (the default), 2 of
-// 256 or of 320.
+// chunks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
+// of 64 and window of 256 take 5 chunks of 64, 3 of 128, 2 of 256 or of
+// 320; by default 5 of 64 in the int8 blocks (bf16 rows, the wide steps)
+// and 3 of 128 in decode_exact_kernel's (exact_ranges_in_int8_blocks off).
 TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const Case& c : cases()) {
@@ -579,18 +599,58 @@ TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
       params.batch.max_length = 32768;
       ASSERT_EQ(params.key_cache.layout.spec.sink_tokens, 64);
       ASSERT_EQ(params.key_cache.layout.ring_capacity, 256);
-      for (const auto& [chunk, blocks] : {std::pair{0, 3}, std::pair{64, 5}, std::pair{128, 3}, std::pair{256, 2},
-                                          std::pair{320, 2}}) {
-        params.exact_chunk_tokens = chunk;
-        const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
-        EXPECT_EQ(plan.exact_chunk, chunk == 0 ? 128 : chunk);
-        EXPECT_EQ(plan.exact_splits, blocks) << chunk;
-        EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
+      for (const bool in_int8 : {true, false}) {
+        params.exact_ranges_in_int8_blocks = in_int8;
+        for (const auto& [chunk, blocks] : {std::pair{0, in_int8 ? 5 : 3}, std::pair{64, 5}, std::pair{128, 3},
+                                            std::pair{256, 2}, std::pair{320, 2}}) {
+          params.exact_chunk_tokens = chunk;
+          const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+          EXPECT_EQ(plan.exact_in_int8_blocks, in_int8) << chunk;
+          EXPECT_EQ(plan.exact_chunk, chunk != 0 ? chunk : in_int8 ? 64 : 128);
+          EXPECT_EQ(plan.exact_splits, blocks) << chunk;
+          EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
+        }
       }
     });
     return;
   }
   ADD_FAILURE() << "the chunk256 case is gone";
+}
+
+// On the GPU: the int8 kernel's blocks take the exact chunks exactly where
+// its wide steps read the layout at head_dim 128 and decode_exact_kernel
+// would read bf16 rows at GQA <= 4, at every batch size; then nothing else launches for
+// them (no exact block first, no slot kept for one), the splits are planned
+// for every resident slot, and the queries of a matrix key rotation are
+// rotated first. Turned off (exact_ranges_in_int8_blocks), the same
+// layouts plan decode_exact_kernel's blocks.
+TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
+  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  int folded = 0, separate = 0;
+  for (const Case& c : cases()) {
+    with_case_batch_params(c, [&](kernels::DecodeParams params) {
+      const kernels::DecodePlan plan = case_plan(c, params);
+      const kernels::TensorLayoutSpec& k = params.key_cache.layout.spec;
+      const bool folds = plan.int8 && plan.exact_kernel && plan.int8_steps != kernels::Int8Steps::kSteps32 &&
+                         k.head_dim == 128 && k.element == ElementType::kBFloat16 && params.num_heads / k.kv_heads <= 4;
+      EXPECT_EQ(plan.exact_in_int8_blocks, folds && !c.exact_kernel_separate) << c.name;
+      if (!plan.exact_in_int8_blocks) {
+        ++separate;
+        return;
+      }
+      EXPECT_FALSE(plan.exact_first) << c.name;
+      EXPECT_FALSE(plan.exact_slots_reserved) << c.name;
+      EXPECT_EQ(plan.rotate_queries_first, params.key_rotation.kind == kernels::RotationKind::kMatrix) << c.name;
+      params.exact_ranges_in_int8_blocks = false;
+      const kernels::DecodePlan own = case_plan(c, params);
+      EXPECT_FALSE(own.exact_in_int8_blocks) << c.name;
+      EXPECT_TRUE(own.exact_kernel) << c.name;
+      EXPECT_GT(own.exact_splits, 0) << c.name;
+      ++folded;
+    });
+  }
+  EXPECT_GE(folded, 2);
+  EXPECT_GE(separate, 10);
 }
 
 // exact_chunk_tokens other than 0 or a positive multiple of 64 is refused

@@ -274,6 +274,14 @@ std::vector<StepCase> step_cases() {
       256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
       DecodeKernel::kAuto, 20, 256, true, true);
+  // bf16 rows at GQA 4 (the int8 kernel's wide steps): the int8 blocks take
+  // the exact chunks after their walk (DecodePlan::exact_in_int8_blocks),
+  // reading the ring rows the rotation's kernel stored the step's token in;
+  // from empty, so that the sink and the window fill and wrap.
+  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_exact_in_int8_from_empty_2bit_d128_gqa4_bf16", 2,
+                                                   128, 8),
+                   kernels::ElementType::kBFloat16),
+      DecodeKernel::kAuto, 3, 256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_from_empty_2bit_d128_gqa4", 2, 128, 8),
       DecodeKernel::kAuto, 3, 256, false, true, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
