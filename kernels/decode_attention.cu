@@ -664,20 +664,14 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
   if (plan.tensor_cores || plan.lookup) {
     const int64_t ring = std::max(p.key_cache.layout.ring_capacity, p.value_cache.layout.ring_capacity);
     const bool exact_kernel = exact_kernel_reads(p);
-    // The int8 kernel's blocks take the exact chunks (exact_in_int8_blocks):
-    // the instantiations its wide steps compile them into (head_dim 128,
-    // bf16 rows, at most 4 heads a group: the wide steps' packed parts).
-    const bool in_int8 = p.exact_ranges_in_int8_blocks && plan.int8 && exact_kernel &&
-                         plan.int8_steps != Int8Steps::kSteps32 && k.head_dim == 128 &&
-                         k.element == ElementType::kBFloat16 && p.num_heads / k.kv_heads <= 4;
     plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens
-                       : in_int8               ? device::kExactPass
                        : exact_kernel          ? device::kExactChunk
                                                : device::kExactPass;
-    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, plan.exact_chunk) +
-                                             ceil_div64(ring, plan.exact_chunk));
+    const auto exact_splits_of = [&](int64_t chunk) {
+      return static_cast<int32_t>(ceil_div64(k.sink_tokens, chunk) + ceil_div64(ring, chunk));
+    };
+    plan.exact_splits = exact_splits_of(plan.exact_chunk);
     plan.exact_kernel = plan.exact_splits > 0 && exact_kernel;
-    plan.exact_in_int8_blocks = plan.exact_kernel && in_int8;
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
     // every warp's tiles (16 tokens; the int8 kernel's steps: 32 or 64). Few exact
@@ -687,8 +681,20 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t exact_blocks = static_cast<int64_t>(plan.exact_splits) * per_split;
     const int64_t all_resident =
         static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.lookup, plan.int8_steps);
-    plan.exact_slots_reserved =
-        plan.int8 && !plan.exact_in_int8_blocks && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
+    plan.exact_slots_reserved = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
+    // Where they are not few, so that they would run mostly after the int8
+    // kernel's wave, the int8 kernel's blocks take the exact chunks
+    // (exact_in_int8_blocks), in chunks of one pass unless asked otherwise:
+    // the instantiations its wide steps compile them into (head_dim 128,
+    // bf16 rows, at most 4 heads a group: the wide steps' packed parts).
+    plan.exact_in_int8_blocks = p.exact_ranges_in_int8_blocks && plan.int8 && plan.exact_kernel &&
+                                !plan.exact_slots_reserved && plan.int8_steps != Int8Steps::kSteps32 &&
+                                k.head_dim == 128 && k.element == ElementType::kBFloat16 &&
+                                p.num_heads / k.kv_heads <= 4;
+    if (plan.exact_in_int8_blocks && p.exact_chunk_tokens == 0) {
+      plan.exact_chunk = device::kExactPass;
+      plan.exact_splits = exact_splits_of(plan.exact_chunk);
+    }
     const bool key_matrix = p.key_rotation.kind == RotationKind::kMatrix;
     plan.exact_first = plan.exact_slots_reserved && !(key_matrix && p.rotate_before_exact_blocks);
     plan.rotate_queries_first = plan.tensor_cores && key_matrix && !plan.exact_first;

@@ -36,20 +36,21 @@ struct DecodePlan {
   // Tokens each of them takes (DecodeParams::exact_chunk_tokens, else 128
   // for the exact kernel: the sink and a 256-token window in 3 blocks; 64
   // for the general kernel's and in the int8 kernel's blocks,
-  // exact_in_int8_blocks).
+  // exact_in_int8_blocks, below).
   int32_t exact_chunk = 64;
   // They are decode_exact_kernel's (every token of the ranges exact in both
   // tensors: same_quantized_ranges, one element type, aligned stores), else
   // the general kernel's.
   bool exact_kernel = false;
-  // int8, its wide steps at head_dim 128, exact_kernel's ranges in bf16 rows and
-  // DecodeParams::exact_ranges_in_int8_blocks (the default): no exact
-  // blocks of their own; the int8 kernel's blocks take the exact_splits
-  // chunks after their walk, the last splits first
+  // int8, its wide steps at head_dim 128, exact_kernel's ranges in bf16
+  // rows, their blocks not few (not exact_slots_reserved: they would run
+  // mostly after the int8 kernel's wave; batch 8 and up in Llama-3-8B's
+  // shapes) and DecodeParams::exact_ranges_in_int8_blocks (the default): no
+  // exact blocks of their own; the int8 kernel's blocks take the
+  // exact_splits chunks after their walk, the last splits first
   // (TensorCoreSplits::exact_splits), each chunk exact_chunk tokens (64
-  // unless DecodeParams::exact_chunk_tokens: a pass of the exact passes, so
-  // that they spread over the most blocks). exact_first and
-  // exact_slots_reserved are then false.
+  // unless DecodeParams::exact_chunk_tokens: one of the exact kernel's
+  // passes, so that they spread over the most blocks).
   bool exact_in_int8_blocks = false;
   // int8: the exact ranges' blocks are few (at most an eighth of the int8
   // kernel's resident blocks: batch 1, 2 at some layouts;

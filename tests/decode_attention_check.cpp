@@ -499,14 +499,15 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
     if (c.exact_blocks_first) EXPECT_TRUE(plan.exact_first) << c.name << ": the exact blocks do not launch first";
     // The int8 kernel's blocks take the exact chunks where its wide steps
-    // read the layout and the exact kernel would read bf16 rows at GQA <= 4
-    // (unless the case asks for the separate kernel); then no exact block
-    // of its own launches first or keeps a slot.
+    // read the layout at head_dim 128, the exact kernel would read bf16
+    // rows at GQA <= 4 and its blocks are not few (no slots kept for them),
+    // unless the case asks for the separate kernel; then no exact block of
+    // its own launches first or keeps a slot.
     const kernels::TensorLayoutSpec& key_spec = on_device.key_cache.layout.spec;
     const bool folds = plan.int8 && plan.exact_kernel && plan.int8_steps != kernels::Int8Steps::kSteps32 &&
                        key_spec.head_dim == 128 && key_spec.element == kernels::ElementType::kBFloat16 &&
                        on_device.num_heads / key_spec.kv_heads <= 4;
-    EXPECT_EQ(plan.exact_in_int8_blocks, folds && !c.exact_kernel_separate) << c.name;
+    EXPECT_EQ(plan.exact_in_int8_blocks, folds && !plan.exact_slots_reserved && !c.exact_kernel_separate) << c.name;
     if (plan.exact_in_int8_blocks) EXPECT_FALSE(plan.exact_first || plan.exact_slots_reserved) << c.name;
     // The planner's chunk where there are exact ranges: the exact kernel's
     // two passes, the general kernel's one, one in the int8 blocks.

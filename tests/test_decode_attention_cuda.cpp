@@ -220,18 +220,24 @@ std::vector<Case> cases() {
     chunk256.exact_chunk_tokens = 256;
     all.push_back(chunk256);
     // The int8 blocks' exact chunks in the planner's chunks of 64
-    // (DecodePlan::exact_in_int8_blocks: wide steps, bf16 rows, GQA 4):
-    // int2-rot's sink of 64 and window of 256 in 5 chunks over the last
-    // splits of each (KV head, sequence), a block taking several where its
-    // sequence has fewer splits than chunks (splits of 256 tokens: 700
-    // tokens have 2 beside their 5 chunks) and the empty splits of the
-    // short sequences taking theirs; and the same through decode_exact_kernel
+    // (DecodePlan::exact_in_int8_blocks: wide steps, head_dim 128, bf16
+    // rows, GQA 4, and 40 sequences: the exact kernel's blocks would not be
+    // few): int2-rot's sink of 64 and window of 256 in 5 chunks over the
+    // last splits of each (KV head, sequence), a block taking several where
+    // its sequence has fewer splits than chunks (splits of 256 tokens: 700
+    // tokens have 2 beside their 5 chunks) and the empty splits of the short
+    // sequences taking theirs; and the same through decode_exact_kernel
     // (DecodeParams::exact_ranges_in_int8_blocks off).
+    std::vector<int64_t> forty;
+    for (int i = 0; i < 40; ++i) {
+      constexpr int64_t kBase[] = {1, 63, 64, 65, 320, 321, 700, 4099, 9001, 129};
+      forty.push_back(kBase[i % 10] + 17 * (i / 10));
+    }
     Case in_int8 = exact_rows(
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_exact_in_int8_bf16_rows_2bit_d128_gqa4",
                                                           2, 128, 8)),
               k4),
-        ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 320, 321, 700, 4099, 9001});
+        ElementType::kBFloat16, 64, 256, forty);
     all.push_back(in_int8);
     Case separate = in_int8;
     separate.name = "int8_steps64x4_int2rot_exact_kernel_separate_bf16_rows_2bit_d128_gqa4";
@@ -588,14 +594,15 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
 // On the GPU (the plan asks the device for its residency): the exact
 // chunks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
 // of 64 and window of 256 take 5 chunks of 64, 3 of 128, 2 of 256 or of
-// 320; by default 5 of 64 in the int8 blocks (bf16 rows, the wide steps)
-// and 3 of 128 in decode_exact_kernel's (exact_ranges_in_int8_blocks off).
+// 320; by default, at 32 sequences (not few), 5 of 64 in the int8 blocks
+// (bf16 rows, the wide steps) and 3 of 128 in decode_exact_kernel's
+// (exact_ranges_in_int8_blocks off).
 TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const Case& c : cases()) {
     if (c.name != "int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4") continue;
     with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = 8;
+      params.batch.count = 32;
       params.batch.max_length = 32768;
       ASSERT_EQ(params.key_cache.layout.spec.sink_tokens, 64);
       ASSERT_EQ(params.key_cache.layout.ring_capacity, 256);
@@ -618,12 +625,13 @@ TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
 }
 
 // On the GPU: the int8 kernel's blocks take the exact chunks exactly where
-// its wide steps read the layout at head_dim 128 and decode_exact_kernel
-// would read bf16 rows at GQA <= 4, at every batch size; then nothing else launches for
-// them (no exact block first, no slot kept for one), the splits are planned
-// for every resident slot, and the queries of a matrix key rotation are
-// rotated first. Turned off (exact_ranges_in_int8_blocks), the same
-// layouts plan decode_exact_kernel's blocks.
+// its wide steps read the layout at head_dim 128, decode_exact_kernel
+// would read bf16 rows at GQA <= 4 and its blocks are not few (the plan
+// keeps no slots for them); then nothing else launches for them (no exact
+// block first), the splits are planned for every resident slot, and the
+// queries of a matrix key rotation are rotated first. Turned off
+// (exact_ranges_in_int8_blocks), the same layouts plan decode_exact_kernel's
+// blocks, as many as before they were folded, none in kept slots.
 TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   int folded = 0, separate = 0;
@@ -631,8 +639,9 @@ TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
     with_case_batch_params(c, [&](kernels::DecodeParams params) {
       const kernels::DecodePlan plan = case_plan(c, params);
       const kernels::TensorLayoutSpec& k = params.key_cache.layout.spec;
-      const bool folds = plan.int8 && plan.exact_kernel && plan.int8_steps != kernels::Int8Steps::kSteps32 &&
-                         k.head_dim == 128 && k.element == ElementType::kBFloat16 && params.num_heads / k.kv_heads <= 4;
+      const bool folds = plan.int8 && plan.exact_kernel && !plan.exact_slots_reserved &&
+                         plan.int8_steps != kernels::Int8Steps::kSteps32 && k.head_dim == 128 &&
+                         k.element == ElementType::kBFloat16 && params.num_heads / k.kv_heads <= 4;
       EXPECT_EQ(plan.exact_in_int8_blocks, folds && !c.exact_kernel_separate) << c.name;
       if (!plan.exact_in_int8_blocks) {
         ++separate;
@@ -645,11 +654,13 @@ TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
       const kernels::DecodePlan own = case_plan(c, params);
       EXPECT_FALSE(own.exact_in_int8_blocks) << c.name;
       EXPECT_TRUE(own.exact_kernel) << c.name;
+      EXPECT_FALSE(own.exact_slots_reserved) << c.name;
       EXPECT_GT(own.exact_splits, 0) << c.name;
+      EXPECT_EQ(own.splits, plan.splits) << c.name;
       ++folded;
     });
   }
-  EXPECT_GE(folded, 2);
+  EXPECT_GE(folded, 1);
   EXPECT_GE(separate, 10);
 }
 

@@ -124,6 +124,17 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
     fuses = int64_t{2} * kKvHeads * c.sequences <= int64_t{multiprocessors} * per_multiprocessor;
   }
 
+  // The case named for it runs the int8 blocks' exact chunks
+  // (DecodePlan::exact_in_int8_blocks) at every round's batch.
+  if (l.name.find("exact_in_int8") != std::string::npos) {
+    kernels::DecodeParams params = stepped.decode_params(0);
+    params.batch.count = c.sequences;
+    params.batch.max_length = options.max_context;
+    int multiprocessors = 0;
+    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
+    EXPECT_TRUE(kernels::plan_decode_attention(params, multiprocessors).exact_in_int8_blocks) << l.name;
+  }
+
   const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty);
   std::vector<int64_t> totals(static_cast<size_t>(c.sequences), 0);
   for (const auto& r : rounds) {
@@ -274,14 +285,15 @@ std::vector<StepCase> step_cases() {
       256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
       DecodeKernel::kAuto, 20, 256, true, true);
-  // bf16 rows at GQA 4 (the int8 kernel's wide steps): the int8 blocks take
-  // the exact chunks after their walk (DecodePlan::exact_in_int8_blocks),
-  // reading the ring rows the rotation's kernel stored the step's token in;
-  // from empty, so that the sink and the window fill and wrap.
-  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_exact_in_int8_from_empty_2bit_d128_gqa4_bf16", 2,
-                                                   128, 8),
+  // bf16 rows at GQA 4 and 20 sequences (the int8 kernel's wide steps, its
+  // exact blocks not few): the int8 blocks take the exact chunks after
+  // their walk (DecodePlan::exact_in_int8_blocks), reading the ring rows the
+  // rotation's kernel stored the step's token in; from empty, so that the
+  // sink and the window fill and wrap.
+  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_exact_in_int8_from_empty_2bit_d128_gqa4_bf16_20_sequences",
+                                                   2, 128, 8),
                    kernels::ElementType::kBFloat16),
-      DecodeKernel::kAuto, 3, 256, true, true);
+      DecodeKernel::kAuto, 20, 256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_from_empty_2bit_d128_gqa4", 2, 128, 8),
       DecodeKernel::kAuto, 3, 256, false, true, true);
   add(make_kernel_case("rtn_from_empty_2bit_d128_gqa4", QuantMethod::kRtn, 2, 128, 8), DecodeKernel::kAuto, 3, 256,
