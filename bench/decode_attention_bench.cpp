@@ -287,7 +287,8 @@ int run(int argc, char** argv) {
                        "(split_T_time_us, split_T_splits columns)");
   add_multiples_option(app, "--exact-chunks", exact_chunks, 64,
                        "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
-                       "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns)");
+                       "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns; chunks the int8 "
+                       "kernel's blocks take where the plan folds them, DecodePlan::exact_in_int8_blocks)");
   bool warm_l2 = false;
   app.add_flag("--warm-l2", warm_l2,
                "time every repeat after the one before it with whatever L2 holds (the grids before 2026-12-05); by "

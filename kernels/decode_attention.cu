@@ -364,7 +364,18 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
   const dim3 grid = split_grid(p, plan.splits);
   const int cluster_blocks = plan.cluster_merge ? plan.splits : 0;
   device::TensorCoreSplits splits{plan.tokens_per_split, plan.cluster_merge};
-  if (plan.exact_in_int8_blocks) splits.exact_splits = plan.exact_splits, splits.exact_chunk = plan.exact_chunk;
+  if (plan.exact_in_int8_blocks) {
+    // Only the wide steps' instantiations at head_dim 128 without a step's
+    // append compile the chunks in; elsewhere they would be dropped (a plan
+    // made for other parameters).
+    if (!int8_kernel_takes_exact_chunks(D, plan.int8_steps, step != nullptr)) {
+      refuse("a plan with exact_in_int8_blocks for head_dim " + std::to_string(D) +
+             (plan.int8_steps == Int8Steps::kSteps32 ? ", 32-token steps" : "") +
+             (step != nullptr ? ", a step's append in the int8 kernel" : "") +
+             ": expected head_dim 128, 64-token steps and no step's append there");
+    }
+    splits.exact_splits = plan.exact_splits, splits.exact_chunk = plan.exact_chunk;
+  }
   if (step != nullptr) {
     with_int8_step_kernel<D>(p, plan.int8_steps, [&](Int8StepKernel kernel, Int8SharedBytes shared_bytes_of) {
       const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
@@ -634,6 +645,12 @@ bool int8_wide_steps_supported(const DecodeParams& p) {
          p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
 }
 
+bool int8_kernel_takes_exact_chunks(int64_t head_dim, Int8Steps steps, bool step_append) {
+  // decode_int8_kernel's `if constexpr (kStepStages == 2 && !kStepAppend && D == 128)`.
+  return head_dim == 128 && (steps == Int8Steps::kSteps64Stages3 || steps == Int8Steps::kSteps64Stages4) &&
+         !step_append;
+}
+
 Int8Steps default_int8_steps(const DecodeParams& p) {
   return int8_wide_steps_supported(p) ? Int8Steps::kSteps64Stages4 : Int8Steps::kSteps32;
 }
@@ -688,9 +705,9 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     // the instantiations its wide steps compile them into (head_dim 128,
     // bf16 rows, at most 4 heads a group: the wide steps' packed parts).
     plan.exact_in_int8_blocks = p.exact_ranges_in_int8_blocks && plan.int8 && plan.exact_kernel &&
-                                !plan.exact_slots_reserved && plan.int8_steps != Int8Steps::kSteps32 &&
-                                k.head_dim == 128 && k.element == ElementType::kBFloat16 &&
-                                p.num_heads / k.kv_heads <= 4;
+                                !plan.exact_slots_reserved &&
+                                int8_kernel_takes_exact_chunks(k.head_dim, plan.int8_steps, false) &&
+                                k.element == ElementType::kBFloat16 && p.num_heads / k.kv_heads <= 4;
     if (plan.exact_in_int8_blocks && p.exact_chunk_tokens == 0) {
       plan.exact_chunk = device::kExactPass;
       plan.exact_splits = exact_splits_of(plan.exact_chunk);

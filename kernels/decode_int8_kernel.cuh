@@ -341,6 +341,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // after the splits'; the rotated queries are complete (the caller has
   // waited for them).
   auto exact_chunks = [&] {
+    // (kernels::int8_kernel_takes_exact_chunks says the same on the host.)
     if constexpr (kStepStages == 2 && !kStepAppend && D == 128) {
       static_assert(kInt8Warps == kExactWarps, "an int8 block's threads are an exact block's");
       static_assert(sizeof(ExactShared<D, 4>) <= static_cast<size_t>(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>()),
@@ -367,6 +368,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       write_empty_state(workspace, block, split);
     }
     wait_for_prerequisite_grid();
+    // As load_group_queries does once it has the rotated queries: the merge
+    // may launch while the exact chunks run (before the chunks, this block
+    // let it only by exiting).
+    if (workspace.queries != nullptr) allow_dependent_launch();
     exact_chunks();
     return;
   }

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -219,30 +220,39 @@ std::vector<Case> cases() {
         ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 129, 200, 320, 321, 385, 1000});
     chunk256.exact_chunk_tokens = 256;
     all.push_back(chunk256);
-    // The int8 blocks' exact chunks in the planner's chunks of 64
-    // (DecodePlan::exact_in_int8_blocks: wide steps, head_dim 128, bf16
-    // rows, GQA 4, and 40 sequences: the exact kernel's blocks would not be
-    // few): int2-rot's sink of 64 and window of 256 in 5 chunks over the
-    // last splits of each (KV head, sequence), a block taking several where
-    // its sequence has fewer splits than chunks (splits of 256 tokens: 700
-    // tokens have 2 beside their 5 chunks) and the empty splits of the short
-    // sequences taking theirs; and the same through decode_exact_kernel
-    // (DecodeParams::exact_ranges_in_int8_blocks off).
-    std::vector<int64_t> forty;
-    for (int i = 0; i < 40; ++i) {
-      constexpr int64_t kBase[] = {1, 63, 64, 65, 320, 321, 700, 4099, 9001, 129};
-      forty.push_back(kBase[i % 10] + 17 * (i / 10));
-    }
-    Case in_int8 = exact_rows(
-        steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_exact_in_int8_bf16_rows_2bit_d128_gqa4",
-                                                          2, 128, 8)),
-              k4),
-        ElementType::kBFloat16, 64, 256, forty);
+    // The int8 blocks' exact chunks (DecodePlan::exact_in_int8_blocks: wide
+    // steps, head_dim 128, bf16 rows, GQA 4, and 40 sequences: the exact
+    // kernel's blocks would not be few), int2-rot's sink of 64 and window of
+    // 256: in the planner's 5 chunks of 64 over the last splits of each (KV
+    // head, sequence), the empty splits of the short sequences taking
+    // theirs (contexts to 9K: 6 splits on 132 multiprocessors, a chunk a
+    // block); the same through decode_exact_kernel
+    // (DecodeParams::exact_ranges_in_int8_blocks off); contexts to 1K (4
+    // splits: the last block takes two chunks, one after the other over
+    // the same shared memory); and chunks of 128 (two passes each) at
+    // contexts to 511 (2 splits: the last block takes chunks 0 and 2).
+    const auto forty = [](std::initializer_list<int64_t> base) {
+      std::vector<int64_t> lengths;
+      for (int i = 0; i < 40; ++i) lengths.push_back(base.begin()[i % base.size()] + 17 * (i / base.size()));
+      return lengths;
+    };
+    const auto in_int8_case = [&](const std::string& name, std::vector<int64_t> lengths) {
+      return exact_rows(steps(decode_case(testing::int2rot_rotated_layout(name, 2, 128, 8)), k4),
+                        ElementType::kBFloat16, 64, 256, std::move(lengths));
+    };
+    const Case in_int8 = in_int8_case("int8_steps64x4_int2rot_exact_in_int8_bf16_rows_2bit_d128_gqa4",
+                                      forty({1, 63, 64, 65, 320, 321, 700, 4099, 9001, 129}));
     all.push_back(in_int8);
     Case separate = in_int8;
     separate.name = "int8_steps64x4_int2rot_exact_kernel_separate_bf16_rows_2bit_d128_gqa4";
     separate.exact_kernel_separate = true;
     all.push_back(separate);
+    all.push_back(in_int8_case("int8_steps64x4_int2rot_exact_in_int8_two_chunks_a_block_bf16_rows_2bit_d128_gqa4",
+                               forty({1, 63, 64, 65, 320, 321, 500, 700, 900, 960})));
+    Case two_passes = in_int8_case("int8_steps64x4_int2rot_exact_in_int8_chunk128_bf16_rows_2bit_d128_gqa4",
+                                   forty({1, 63, 64, 65, 130, 320, 321, 400, 450, 460}));
+    two_passes.exact_chunk_tokens = 128;
+    all.push_back(two_passes);
     Case chunk128 = exact_rows(
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_chunk128_2bit_d64_gqa1", 2, 64,
                                                           2)),
@@ -369,7 +379,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 23);
+  EXPECT_EQ(int8_cases, 25);
 }
 
 // On any machine: the lookup kernel reads kvquant's layouts (keys per
@@ -423,7 +433,7 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 12);
+  EXPECT_EQ(wide_cases, 14);
 }
 
 // The default's plan of the case's layout (params from with_layout_params)
@@ -624,6 +634,20 @@ TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
   ADD_FAILURE() << "the chunk256 case is gone";
 }
 
+// On any machine: the int8 kernel's instantiations that compile the exact
+// chunks in are the 64-token steps' at head_dim 128 without a step's
+// append, and only those (a plan folding elsewhere is refused at launch).
+TEST(DecodeAttentionCudaInt8Layouts, OnlyTheWideStepsAtHeadDim128TakeExactChunks) {
+  using kernels::Int8Steps;
+  for (const Int8Steps steps : {Int8Steps::kSteps64Stages3, Int8Steps::kSteps64Stages4}) {
+    EXPECT_TRUE(kernels::int8_kernel_takes_exact_chunks(128, steps, false));
+    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, steps, true));
+    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(64, steps, false));
+  }
+  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, Int8Steps::kSteps32, false));
+  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, Int8Steps::kAuto, false));
+}
+
 // On the GPU: the int8 kernel's blocks take the exact chunks exactly where
 // its wide steps read the layout at head_dim 128, decode_exact_kernel
 // would read bf16 rows at GQA <= 4 and its blocks are not few (the plan
@@ -650,17 +674,21 @@ TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
       EXPECT_FALSE(plan.exact_first) << c.name;
       EXPECT_FALSE(plan.exact_slots_reserved) << c.name;
       EXPECT_EQ(plan.rotate_queries_first, params.key_rotation.kind == kernels::RotationKind::kMatrix) << c.name;
-      params.exact_ranges_in_int8_blocks = false;
-      const kernels::DecodePlan own = case_plan(c, params);
+      params.exact_ranges_in_int8_blocks = false;  // (case_plan would set the case's again)
+      const kernels::DecodePlan own = kernels::plan_decode_attention(params, 132);
       EXPECT_FALSE(own.exact_in_int8_blocks) << c.name;
       EXPECT_TRUE(own.exact_kernel) << c.name;
       EXPECT_FALSE(own.exact_slots_reserved) << c.name;
       EXPECT_GT(own.exact_splits, 0) << c.name;
       EXPECT_EQ(own.splits, plan.splits) << c.name;
+      // The cases named for it have a block take more than one chunk.
+      if (c.name.find("two_chunks_a_block") != std::string::npos || c.name.find("chunk128") != std::string::npos) {
+        EXPECT_LT(plan.splits, plan.exact_splits) << c.name;
+      }
       ++folded;
     });
   }
-  EXPECT_GE(folded, 1);
+  EXPECT_GE(folded, 3);
   EXPECT_GE(separate, 10);
 }
 
