@@ -263,11 +263,11 @@ int run(int argc, char** argv) {
                "(DecodeParams::rotate_before_exact_blocks off): exact_blocks_first_time_us, and with the appends "
                "exact_blocks_first_step_device_us, _step_fused, _step_two_launches_device_us, "
                "_step_decode_device_us");
-  bool exact_kernel_separate = false;
-  app.add_flag("--exact-kernel-separate", exact_kernel_separate,
-               "where the int8 kernel's blocks take the exact chunks after their walk (DecodePlan::exact_in_int8_blocks), "
-               "also time decode_exact_kernel's own blocks taking them (DecodeParams::exact_ranges_in_int8_blocks off): "
-               "exact_kernel_separate_time_us, _splits, _speedup_vs_sdpa, _exact_splits");
+  bool exact_in_int8_blocks = false;
+  app.add_flag("--exact-in-int8-blocks", exact_in_int8_blocks,
+               "where DecodeParams::exact_ranges_in_int8_blocks (off by default) would have the int8 kernel's blocks "
+               "take the exact chunks after their walk (DecodePlan::exact_in_int8_blocks), also time that: "
+               "exact_in_int8_time_us, _splits, _speedup_vs_sdpa, _exact_splits");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -743,10 +743,12 @@ int run(int argc, char** argv) {
             other.rotate_before_exact_blocks = false;
             time_choice(other, "exact_blocks_first");
           }
-          if (exact_kernel_separate && plan.exact_in_int8_blocks) {
+          if (exact_in_int8_blocks && !plan.exact_in_int8_blocks) {
             kernels::DecodeParams other = launched;
-            other.exact_ranges_in_int8_blocks = false;
-            row["exact_kernel_separate_exact_splits"] = time_choice(other, "exact_kernel_separate").exact_splits;
+            other.exact_ranges_in_int8_blocks = true;
+            if (kernels::plan_decode_attention(other, multiprocessors).exact_in_int8_blocks) {
+              row["exact_in_int8_exact_splits"] = time_choice(other, "exact_in_int8").exact_splits;
+            }
           }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;

@@ -45,7 +45,7 @@ struct DecodePlan {
   // int8, its wide steps at head_dim 128, exact_kernel's ranges in bf16
   // rows, their blocks not few (not exact_slots_reserved: they would run
   // mostly after the int8 kernel's wave; batch 8 and up in Llama-3-8B's
-  // shapes) and DecodeParams::exact_ranges_in_int8_blocks (the default): no
+  // shapes) and DecodeParams::exact_ranges_in_int8_blocks (off by default): no
   // exact blocks of their own; the int8 kernel's blocks take the
   // exact_splits chunks after their walk, the last splits first
   // (TensorCoreSplits::exact_splits), each chunk exact_chunk tokens (64

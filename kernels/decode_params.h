@@ -255,8 +255,10 @@ struct DecodeParams {
   // 8 and up in Llama-3-8B's shapes), the int8 kernel's own blocks take the
   // exact chunks after their walk (DecodePlan::exact_in_int8_blocks), in
   // place of a second kernel whose blocks mostly ran after the int8
-  // kernel's last wave. Off: that second kernel, as before.
-  bool exact_ranges_in_int8_blocks = true;
+  // kernel's last wave. Off by default until it has run on a GPU (written
+  // in the thirty-sixth session, when none came; bench/README.md): the
+  // second kernel, as before.
+  bool exact_ranges_in_int8_blocks = false;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

@@ -84,10 +84,11 @@ struct DecodeCase : KernelCase {
   // the query rotation and the int8 kernel in their kept slots (the
   // default). Where the plan keeps their slots, its order is checked.
   bool exact_blocks_first = false;
-  // DecodeParams::exact_ranges_in_int8_blocks off: where the int8 kernel's
-  // blocks would take the exact chunks after their walk
-  // (DecodePlan::exact_in_int8_blocks), decode_exact_kernel's own blocks
-  // take them. The plan's choice is checked either way.
+  // DecodeParams::exact_ranges_in_int8_blocks off (the library's default;
+  // the cases turn it on otherwise): where the int8 kernel's blocks would
+  // take the exact chunks after their walk (DecodePlan::exact_in_int8_blocks),
+  // decode_exact_kernel's own blocks take them. The plan's choice is
+  // checked either way.
   bool exact_kernel_separate = false;
   // From this token on (>= 0), every token of a sequence repeats that
   // token's keys and values: each step's tokens then share their outlier

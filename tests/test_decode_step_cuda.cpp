@@ -106,6 +106,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   options.tokens_per_split = c.tokens_per_split;
   options.decode_kernel = c.kernel;
   options.rotate_before_exact_blocks = !c.exact_blocks_first;
+  options.exact_ranges_in_int8_blocks = true;  // (off by default until run on a GPU; the case named for it folds)
   const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
   auto stepped_backend = std::make_unique<kernels::CudaBackend>();
   const kernels::CudaBackend& stepped_cuda = *stepped_backend;
