@@ -368,11 +368,13 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
     // Only the wide steps' instantiations at head_dim 128 without a step's
     // append compile the chunks in; elsewhere they would be dropped (a plan
     // made for other parameters).
-    if (!int8_kernel_takes_exact_chunks(D, plan.int8_steps, step != nullptr)) {
-      refuse("a plan with exact_in_int8_blocks for head_dim " + std::to_string(D) +
+    const int bits = p.key_cache.layout.spec.bits;
+    if (!int8_kernel_takes_exact_chunks(D, bits, plan.int8_steps, step != nullptr)) {
+      refuse("a plan with exact_in_int8_blocks for head_dim " + std::to_string(D) + ", " + std::to_string(bits) +
+             " bits" +
              (plan.int8_steps == Int8Steps::kSteps32 ? ", 32-token steps" : "") +
              (step != nullptr ? ", a step's append in the int8 kernel" : "") +
-             ": expected head_dim 128, 64-token steps and no step's append there");
+             ": expected head_dim 128, 2 bits, 64-token steps and no step's append there");
     }
     splits.exact_splits = plan.exact_splits, splits.exact_chunk = plan.exact_chunk;
   }
@@ -645,9 +647,9 @@ bool int8_wide_steps_supported(const DecodeParams& p) {
          p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
 }
 
-bool int8_kernel_takes_exact_chunks(int64_t head_dim, Int8Steps steps, bool step_append) {
-  // decode_int8_kernel's `if constexpr (kStepStages == 2 && !kStepAppend && D == 128)`.
-  return head_dim == 128 && (steps == Int8Steps::kSteps64Stages3 || steps == Int8Steps::kSteps64Stages4) &&
+bool int8_kernel_takes_exact_chunks(int64_t head_dim, int bits, Int8Steps steps, bool step_append) {
+  // decode_int8_kernel's `if constexpr (kStepStages == 2 && !kStepAppend && D == 128 && kBits == 2)`.
+  return head_dim == 128 && bits == 2 && (steps == Int8Steps::kSteps64Stages3 || steps == Int8Steps::kSteps64Stages4) &&
          !step_append;
 }
 
@@ -702,11 +704,12 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     // Where they are not few, so that they would run mostly after the int8
     // kernel's wave, the int8 kernel's blocks take the exact chunks
     // (exact_in_int8_blocks), in chunks of one pass unless asked otherwise:
-    // the instantiations its wide steps compile them into (head_dim 128,
-    // bf16 rows, at most 4 heads a group: the wide steps' packed parts).
+    // the instantiations its wide steps compile them into (head_dim 128, 2
+    // bits; bf16 rows, at most 4 heads a group: the wide steps' packed
+    // parts).
     plan.exact_in_int8_blocks = p.exact_ranges_in_int8_blocks && plan.int8 && plan.exact_kernel &&
                                 !plan.exact_slots_reserved &&
-                                int8_kernel_takes_exact_chunks(k.head_dim, plan.int8_steps, false) &&
+                                int8_kernel_takes_exact_chunks(k.head_dim, k.bits, plan.int8_steps, false) &&
                                 k.element == ElementType::kBFloat16 && p.num_heads / k.kv_heads <= 4;
     if (plan.exact_in_int8_blocks && p.exact_chunk_tokens == 0) {
       plan.exact_chunk = device::kExactPass;

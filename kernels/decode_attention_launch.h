@@ -130,12 +130,13 @@ bool int8_decode_supported(const DecodeParams& params);
 // outliers), one page size.
 bool lookup_decode_supported(const DecodeParams& params);
 
-// Whether the int8 kernel's instantiation for head_dim, its steps (resolved)
-// and a decoding step's append in its launch (StepAppendHost::kInt8Kernel)
-// compiles the exact chunks in (DecodePlan::exact_in_int8_blocks): head_dim
-// 128, 64-token steps, no step's append. The planner folds only there, and
-// a launch refuses a plan that folds elsewhere (its chunks would be dropped).
-bool int8_kernel_takes_exact_chunks(int64_t head_dim, Int8Steps steps, bool step_append);
+// Whether the int8 kernel's instantiation for head_dim, bits, its steps
+// (resolved) and a decoding step's append in its launch
+// (StepAppendHost::kInt8Kernel) compiles the exact chunks in
+// (DecodePlan::exact_in_int8_blocks): head_dim 128, 2 bits, 64-token steps,
+// no step's append. The planner folds only there, and a launch refuses a
+// plan that folds elsewhere (its chunks would be dropped).
+bool int8_kernel_takes_exact_chunks(int64_t head_dim, int bits, Int8Steps steps, bool step_append);
 
 // Whether its 64-token steps (Int8Steps) read it: the int8 kernel reads it
 // with one scale group per key and value row (all-heads, or per_token groups

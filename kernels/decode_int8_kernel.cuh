@@ -331,10 +331,12 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   auto cluster_shared = [&] { return reinterpret_cast<ClusterMergeShared<kInt8Warps>*>(&shared.query[0][0]); };
   auto merged_rows = [&] { return reinterpret_cast<float (*)[D]>(dynamic_shared); };
   // The exact ranges' chunks this block takes (TensorCoreSplits::exact_splits;
-  // the wide steps' layouts only, at head_dim 128, with bf16 rows and at
-  // most 4 heads a group: DecodePlan::exact_in_int8_blocks; at head_dim 64
-  // ptxas spilled 48-72 bytes in the walk with them compiled in, none
-  // without), after its walk, over the
+  // the wide steps' layouts only, at head_dim 128 and 2 bits, with bf16
+  // rows and at most 4 heads a group: DecodePlan::exact_in_int8_blocks; at
+  // head_dim 64 ptxas spilled 48-72 bytes in the walk with them compiled
+  // in, none without; at 4 bits it allocated the variants' registers
+  // differently, 252 -> 196 and 157 -> 168, not yet measured), after its
+  // walk, over the
   // stages (free by then): chunk e by split splits - 1 - e % splits, so that
   // the last splits, the shortest and the empty ones, take them first. Each
   // is decode_exact_kernel's block's work (exact_chunk_state), its state
@@ -342,7 +344,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // waited for them).
   auto exact_chunks = [&] {
     // (kernels::int8_kernel_takes_exact_chunks says the same on the host.)
-    if constexpr (kStepStages == 2 && !kStepAppend && D == 128) {
+    if constexpr (kStepStages == 2 && !kStepAppend && D == 128 && kBits == 2) {
       static_assert(kInt8Warps == kExactWarps, "an int8 block's threads are an exact block's");
       static_assert(sizeof(ExactShared<D, 4>) <= static_cast<size_t>(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>()),
                     "the stages hold an exact chunk's shared memory");

@@ -250,7 +250,7 @@ struct DecodeParams {
   // (bench/results/decode-rotation-first-h100-2026-12-05.json).
   bool rotate_before_exact_blocks = true;
   // CUDA only: where the int8 kernel's wide steps read the layout at
-  // head_dim 128, decode_exact_kernel would read its exact ranges in bf16
+  // head_dim 128 and 2 bits, decode_exact_kernel would read its exact ranges in bf16
   // rows (int2-rot's with a bf16 model) and their blocks are not few (batch
   // 8 and up in Llama-3-8B's shapes), the int8 kernel's own blocks take the
   // exact chunks after their walk (DecodePlan::exact_in_int8_blocks), in

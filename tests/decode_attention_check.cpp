@@ -505,7 +505,8 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     // its own launches first or keeps a slot.
     const kernels::TensorLayoutSpec& key_spec = on_device.key_cache.layout.spec;
     const bool folds = plan.int8 && plan.exact_kernel && plan.int8_steps != kernels::Int8Steps::kSteps32 &&
-                       key_spec.head_dim == 128 && key_spec.element == kernels::ElementType::kBFloat16 &&
+                       key_spec.head_dim == 128 && key_spec.bits == 2 &&
+                       key_spec.element == kernels::ElementType::kBFloat16 &&
                        on_device.num_heads / key_spec.kv_heads <= 4;
     EXPECT_EQ(plan.exact_in_int8_blocks, folds && !plan.exact_slots_reserved && !c.exact_kernel_separate) << c.name;
     if (plan.exact_in_int8_blocks) EXPECT_FALSE(plan.exact_first || plan.exact_slots_reserved) << c.name;

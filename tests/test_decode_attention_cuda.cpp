@@ -635,17 +635,19 @@ TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
 }
 
 // On any machine: the int8 kernel's instantiations that compile the exact
-// chunks in are the 64-token steps' at head_dim 128 without a step's
-// append, and only those (a plan folding elsewhere is refused at launch).
-TEST(DecodeAttentionCudaInt8Layouts, OnlyTheWideStepsAtHeadDim128TakeExactChunks) {
+// chunks in are the 64-token steps' at head_dim 128 and 2 bits without a
+// step's append, and only those (a plan folding elsewhere is refused at
+// launch).
+TEST(DecodeAttentionCudaInt8Layouts, OnlyTheWideStepsAtHeadDim128And2BitsTakeExactChunks) {
   using kernels::Int8Steps;
   for (const Int8Steps steps : {Int8Steps::kSteps64Stages3, Int8Steps::kSteps64Stages4}) {
-    EXPECT_TRUE(kernels::int8_kernel_takes_exact_chunks(128, steps, false));
-    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, steps, true));
-    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(64, steps, false));
+    EXPECT_TRUE(kernels::int8_kernel_takes_exact_chunks(128, 2, steps, false));
+    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, steps, true));
+    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 4, steps, false));
+    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(64, 2, steps, false));
   }
-  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, Int8Steps::kSteps32, false));
-  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, Int8Steps::kAuto, false));
+  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, Int8Steps::kSteps32, false));
+  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, Int8Steps::kAuto, false));
 }
 
 // On the GPU: the int8 kernel's blocks take the exact chunks exactly where
@@ -664,7 +666,7 @@ TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
       const kernels::DecodePlan plan = case_plan(c, params);
       const kernels::TensorLayoutSpec& k = params.key_cache.layout.spec;
       const bool folds = plan.int8 && plan.exact_kernel && !plan.exact_slots_reserved &&
-                         plan.int8_steps != kernels::Int8Steps::kSteps32 && k.head_dim == 128 &&
+                         plan.int8_steps != kernels::Int8Steps::kSteps32 && k.head_dim == 128 && k.bits == 2 &&
                          k.element == ElementType::kBFloat16 && params.num_heads / k.kv_heads <= 4;
       EXPECT_EQ(plan.exact_in_int8_blocks, folds && !c.exact_kernel_separate) << c.name;
       if (!plan.exact_in_int8_blocks) {
