@@ -365,9 +365,9 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
   const int cluster_blocks = plan.cluster_merge ? plan.splits : 0;
   device::TensorCoreSplits splits{plan.tokens_per_split, plan.cluster_merge};
   if (plan.exact_in_int8_blocks) {
-    // Only the wide steps' instantiations at head_dim 128 without a step's
-    // append compile the chunks in; elsewhere they would be dropped (a plan
-    // made for other parameters).
+    // Only the wide steps' instantiations at head_dim 128 and 2 bits
+    // without a step's append compile the chunks in; elsewhere they would
+    // be dropped (a plan made for other parameters).
     const int bits = p.key_cache.layout.spec.bits;
     if (!int8_kernel_takes_exact_chunks(D, bits, plan.int8_steps, step != nullptr)) {
       refuse("a plan with exact_in_int8_blocks for head_dim " + std::to_string(D) + ", " + std::to_string(bits) +

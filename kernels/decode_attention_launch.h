@@ -42,7 +42,7 @@ struct DecodePlan {
   // tensors: same_quantized_ranges, one element type, aligned stores), else
   // the general kernel's.
   bool exact_kernel = false;
-  // int8, its wide steps at head_dim 128, exact_kernel's ranges in bf16
+  // int8, its wide steps at head_dim 128 and 2 bits, exact_kernel's ranges in bf16
   // rows, their blocks not few (not exact_slots_reserved: they would run
   // mostly after the int8 kernel's wave; batch 8 and up in Llama-3-8B's
   // shapes) and DecodeParams::exact_ranges_in_int8_blocks (off by default): no

@@ -336,12 +336,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // head_dim 64 ptxas spilled 48-72 bytes in the walk with them compiled
   // in, none without; at 4 bits it allocated the variants' registers
   // differently, 252 -> 196 and 157 -> 168, not yet measured), after its
-  // walk, over the
-  // stages (free by then): chunk e by split splits - 1 - e % splits, so that
-  // the last splits, the shortest and the empty ones, take them first. Each
-  // is decode_exact_kernel's block's work (exact_chunk_state), its state
-  // after the splits'; the rotated queries are complete (the caller has
-  // waited for them).
+  // walk, over the stages (free by then): chunk e by split
+  // splits - 1 - e % splits, so that the last splits, the shortest and the
+  // empty ones, take them first. Each is decode_exact_kernel's block's work
+  // (exact_chunk_state), its state after the splits'; the rotated queries
+  // are complete (the caller has waited for them).
   auto exact_chunks = [&] {
     // (kernels::int8_kernel_takes_exact_chunks says the same on the host.)
     if constexpr (kStepStages == 2 && !kStepAppend && D == 128 && kBits == 2) {
@@ -349,9 +348,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       static_assert(sizeof(ExactShared<D, 4>) <= static_cast<size_t>(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>()),
                     "the stages hold an exact chunk's shared memory");
       if (splits.exact_splits == 0) return;
-      // The block's indices read again here, not kept from the preamble:
-      // held through the walk they cost it registers (ptxas spilled 8 bytes
-      // at head_dim 128).
       const int block_splits = static_cast<int>(gridDim.x);
       const SplitAssignment assignment{0, true, block_splits, splits.exact_chunk};
       auto& exact_shared = *reinterpret_cast<ExactShared<D, 4>*>(dynamic_shared);

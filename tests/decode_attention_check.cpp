@@ -499,7 +499,7 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
     if (c.exact_blocks_first) EXPECT_TRUE(plan.exact_first) << c.name << ": the exact blocks do not launch first";
     // The int8 kernel's blocks take the exact chunks where its wide steps
-    // read the layout at head_dim 128, the exact kernel would read bf16
+    // read the layout at head_dim 128 and 2 bits, the exact kernel would read bf16
     // rows at GQA <= 4 and its blocks are not few (no slots kept for them),
     // unless the case asks for the separate kernel; then no exact block of
     // its own launches first or keeps a slot.
