@@ -173,7 +173,7 @@ void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& wor
 template <int D, int kBits>
 void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                          cudaStream_t stream, bool dependent) {
-  const device::SplitAssignment assignment{0, true, plan.splits, plan.exact_chunk};
+  const device::SplitAssignment assignment = device::exact_range_assignment(plan.splits, plan.exact_chunk);
   if (!plan.exact_kernel) {
     launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {

@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
                     "the stages hold an exact chunk's shared memory");
       if (splits.exact_splits == 0) return;
       const int block_splits = static_cast<int>(gridDim.x);
-      const SplitAssignment assignment{0, true, block_splits, splits.exact_chunk};
+      const SplitAssignment assignment = exact_range_assignment(block_splits, splits.exact_chunk);
       auto& exact_shared = *reinterpret_cast<ExactShared<D, 4>*>(dynamic_shared);
       for (int e = block_splits - 1 - static_cast<int>(blockIdx.x); e < splits.exact_splits; e += block_splits) {
         __syncthreads();  // the stages (or the previous chunk's shared memory) are read
