@@ -40,7 +40,7 @@
 // graph_error where the runtime refused the capture);
 // `kernel` names the default kernel that ran (int8_tensor_cores,
 // tensor_cores, lookup, general) and `splits`, `exact_splits`, `exact_first`, `exact_slots_reserved`,
-// `exact_kernel`, `exact_in_int8_blocks`, `rotate_queries_first`, `rotation_step_in_one_wave`, `wide_merge`, `merge_heads`
+// `exact_kernel`, `rotate_queries_first`, `rotation_step_in_one_wave`, `wide_merge`, `merge_heads`
 // and `cluster_merge` its plan (kernels::DecodePlan), `int8_steps` the int8
 // kernel's steps (32 or 64 tokens); with --exact-blocks-first, where the
 // queries are rotated first and the few exact blocks run behind the int8
@@ -263,11 +263,6 @@ int run(int argc, char** argv) {
                "(DecodeParams::rotate_before_exact_blocks off): exact_blocks_first_time_us, and with the appends "
                "exact_blocks_first_step_device_us, _step_fused, _step_two_launches_device_us, "
                "_step_decode_device_us");
-  bool exact_in_int8_blocks = false;
-  app.add_flag("--exact-in-int8-blocks", exact_in_int8_blocks,
-               "where DecodeParams::exact_ranges_in_int8_blocks (off by default) would have the int8 kernel's blocks "
-               "take the exact chunks after their walk (DecodePlan::exact_in_int8_blocks), also time that: "
-               "exact_in_int8_time_us, _splits, _speedup_vs_sdpa, _exact_splits");
   bool int8_other_steps = false;
   app.add_flag("--int8-other-steps", int8_other_steps,
                "where the int8 kernel's 64-token steps read the layout, also time its step choices other than the "
@@ -287,8 +282,7 @@ int run(int argc, char** argv) {
                        "(split_T_time_us, split_T_splits columns)");
   add_multiples_option(app, "--exact-chunks", exact_chunks, 64,
                        "where exact blocks run beside a tensor-core kernel, also time the default with each of these "
-                       "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns; chunks the int8 "
-                       "kernel's blocks take where the plan folds them, DecodePlan::exact_in_int8_blocks)");
+                       "tokens an exact block (exact_chunk_T_time_us, exact_chunk_T_splits columns)");
   bool warm_l2 = false;
   app.add_flag("--warm-l2", warm_l2,
                "time every repeat after the one before it with whatever L2 holds (the grids before 2026-12-05); by "
@@ -629,7 +623,6 @@ int run(int argc, char** argv) {
                                 {"exact_first", plan.exact_first},
                                 {"exact_slots_reserved", plan.exact_slots_reserved},
                                 {"exact_kernel", plan.exact_kernel},
-                                {"exact_in_int8_blocks", plan.exact_in_int8_blocks},
                                 {"rotate_queries_first", plan.rotate_queries_first},
                                 {"rotation_step_in_one_wave", plan.rotation_step_in_one_wave},
                                 {"wide_merge", plan.wide_merge},
@@ -742,13 +735,6 @@ int run(int argc, char** argv) {
             kernels::DecodeParams other = launched;
             other.rotate_before_exact_blocks = false;
             time_choice(other, "exact_blocks_first");
-          }
-          if (exact_in_int8_blocks && !plan.exact_in_int8_blocks) {
-            kernels::DecodeParams other = launched;
-            other.exact_ranges_in_int8_blocks = true;
-            if (kernels::plan_decode_attention(other, multiprocessors).exact_in_int8_blocks) {
-              row["exact_in_int8_exact_splits"] = time_choice(other, "exact_in_int8").exact_splits;
-            }
           }
           for (const int64_t chunk : exact_chunks) {
             if (!plan.tensor_cores || plan.exact_splits == 0) break;

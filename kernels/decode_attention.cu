@@ -173,7 +173,7 @@ void launch_exact_heads(const DecodeParams& p, const device::SplitWorkspace& wor
 template <int D, int kBits>
 void launch_exact_ranges(const DecodeParams& p, const device::SplitWorkspace& workspace, const DecodePlan& plan,
                          cudaStream_t stream, bool dependent) {
-  const device::SplitAssignment assignment = device::exact_range_assignment(plan.splits, plan.exact_chunk);
+  const device::SplitAssignment assignment{0, true, plan.splits, plan.exact_chunk};
   if (!plan.exact_kernel) {
     launch_general<D, kBits>(p, workspace, assignment, plan.exact_splits, stream, dependent);
   } else if (p.num_heads / p.key_cache.layout.spec.kv_heads <= 4) {
@@ -363,21 +363,7 @@ void launch_int8(const DecodeParams& p, const device::SplitWorkspace& workspace,
                  cudaStream_t stream, bool dependent, const StepAppendArgs* step) {
   const dim3 grid = split_grid(p, plan.splits);
   const int cluster_blocks = plan.cluster_merge ? plan.splits : 0;
-  device::TensorCoreSplits splits{plan.tokens_per_split, plan.cluster_merge};
-  if (plan.exact_in_int8_blocks) {
-    // Only the wide steps' instantiations at head_dim 128 and 2 bits
-    // without a step's append compile the chunks in; elsewhere they would
-    // be dropped (a plan made for other parameters).
-    const int bits = p.key_cache.layout.spec.bits;
-    if (!int8_kernel_takes_exact_chunks(D, bits, plan.int8_steps, step != nullptr)) {
-      refuse("a plan with exact_in_int8_blocks for head_dim " + std::to_string(D) + ", " + std::to_string(bits) +
-             " bits" +
-             (plan.int8_steps == Int8Steps::kSteps32 ? ", 32-token steps" : "") +
-             (step != nullptr ? ", a step's append in the int8 kernel" : "") +
-             ": expected head_dim 128, 2 bits, 64-token steps and no step's append there");
-    }
-    splits.exact_splits = plan.exact_splits, splits.exact_chunk = plan.exact_chunk;
-  }
+  const device::TensorCoreSplits splits{plan.tokens_per_split, plan.cluster_merge};
   if (step != nullptr) {
     with_int8_step_kernel<D>(p, plan.int8_steps, [&](Int8StepKernel kernel, Int8SharedBytes shared_bytes_of) {
       const int shared_bytes = prepare_int8_kernel(kernel, shared_bytes_of, p);
@@ -501,15 +487,12 @@ void launch_for_bits(const DecodeParams& p, const device::SplitWorkspace& worksp
       // filling its last wave instead of starting after it, and, with the
       // queries rotated first, the rotation's dependent (it waits for the
       // queries, then lets the exact blocks launch: load_group_queries).
-      // With exact_in_int8_blocks the int8 kernel's blocks take them.
       if (plan.exact_first) {
         launch_exact_ranges<D, kBits>(p, workspace, plan, stream, false);
         launch_int8<D>(p, workspace, plan, stream, true, step.int8);
       } else {
         launch_int8<D>(p, workspace, plan, stream, plan.rotate_queries_first, step.int8);
-        if (plan.exact_splits > 0 && !plan.exact_in_int8_blocks) {
-          launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
-        }
+        if (plan.exact_splits > 0) launch_exact_ranges<D, kBits>(p, workspace, plan, stream, true);
       }
       return;
     }
@@ -647,12 +630,6 @@ bool int8_wide_steps_supported(const DecodeParams& p) {
          p.key_cache.layout.outlier_spans == 0 && p.value_cache.layout.outlier_spans == 0 && int8_packed_parts(p);
 }
 
-bool int8_kernel_takes_exact_chunks(int64_t head_dim, int bits, Int8Steps steps, bool step_append) {
-  // decode_int8_kernel's `if constexpr (kStepStages == 2 && !kStepAppend && D == 128 && kBits == 2)`.
-  return head_dim == 128 && bits == 2 && (steps == Int8Steps::kSteps64Stages3 || steps == Int8Steps::kSteps64Stages4) &&
-         !step_append;
-}
-
 Int8Steps default_int8_steps(const DecodeParams& p) {
   return int8_wide_steps_supported(p) ? Int8Steps::kSteps64Stages4 : Int8Steps::kSteps32;
 }
@@ -686,10 +663,8 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     plan.exact_chunk = p.exact_chunk_tokens > 0 ? p.exact_chunk_tokens
                        : exact_kernel          ? device::kExactChunk
                                                : device::kExactPass;
-    const auto exact_splits_of = [&](int64_t chunk) {
-      return static_cast<int32_t>(ceil_div64(k.sink_tokens, chunk) + ceil_div64(ring, chunk));
-    };
-    plan.exact_splits = exact_splits_of(plan.exact_chunk);
+    plan.exact_splits = static_cast<int32_t>(ceil_div64(k.sink_tokens, plan.exact_chunk) +
+                                             ceil_div64(ring, plan.exact_chunk));
     plan.exact_kernel = plan.exact_splits > 0 && exact_kernel;
     // The splits whose blocks finish first in whole waves of resident blocks
     // (kernels/split_plan.h), at least 256 tokens each, a whole number of
@@ -701,20 +676,6 @@ DecodePlan plan_with(const DecodeParams& p, int multiprocessors, Resident reside
     const int64_t all_resident =
         static_cast<int64_t>(multiprocessors) * resident_blocks(plan.int8, plan.lookup, plan.int8_steps);
     plan.exact_slots_reserved = plan.int8 && exact_blocks > 0 && 8 * exact_blocks <= all_resident;
-    // Where they are not few, so that they would run mostly after the int8
-    // kernel's wave, the int8 kernel's blocks take the exact chunks
-    // (exact_in_int8_blocks), in chunks of one pass unless asked otherwise:
-    // the instantiations its wide steps compile them into (head_dim 128, 2
-    // bits; bf16 rows, at most 4 heads a group: the wide steps' packed
-    // parts).
-    plan.exact_in_int8_blocks = p.exact_ranges_in_int8_blocks && plan.int8 && plan.exact_kernel &&
-                                !plan.exact_slots_reserved &&
-                                int8_kernel_takes_exact_chunks(k.head_dim, k.bits, plan.int8_steps, false) &&
-                                k.element == ElementType::kBFloat16 && p.num_heads / k.kv_heads <= 4;
-    if (plan.exact_in_int8_blocks && p.exact_chunk_tokens == 0) {
-      plan.exact_chunk = device::kExactPass;
-      plan.exact_splits = exact_splits_of(plan.exact_chunk);
-    }
     const bool key_matrix = p.key_rotation.kind == RotationKind::kMatrix;
     plan.exact_first = plan.exact_slots_reserved && !(key_matrix && p.rotate_before_exact_blocks);
     plan.rotate_queries_first = plan.tensor_cores && key_matrix && !plan.exact_first;

@@ -660,14 +660,6 @@ struct SplitAssignment {
   int32_t exact_chunk = kExactChunk;
 };
 
-// The exact ranges in chunks of `chunk` tokens, their states after the
-// `splits` states of the kernel that takes the quantized tokens: what the
-// exact blocks of their own launch take, and the int8 kernel's blocks where
-// they take the chunks themselves.
-__host__ __device__ inline SplitAssignment exact_range_assignment(int32_t splits, int32_t chunk) {
-  return SplitAssignment{0, true, splits, chunk};
-}
-
 // The token range the tensor cores take: quantized for keys and values.
 __device__ inline void tensor_core_range(const DecodeParams& p, int64_t tokens, int64_t& begin, int64_t& end) {
   const TensorLayoutSpec& k = p.key_cache.layout.spec;

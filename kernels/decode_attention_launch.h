@@ -35,23 +35,12 @@ struct DecodePlan {
   int32_t exact_splits = 0;      // tensor cores: blocks over the exact ranges per (KV head, sequence)
   // Tokens each of them takes (DecodeParams::exact_chunk_tokens, else 128
   // for the exact kernel: the sink and a 256-token window in 3 blocks; 64
-  // for the general kernel's and in the int8 kernel's blocks,
-  // exact_in_int8_blocks, below).
+  // for the general kernel's).
   int32_t exact_chunk = 64;
   // They are decode_exact_kernel's (every token of the ranges exact in both
   // tensors: same_quantized_ranges, one element type, aligned stores), else
   // the general kernel's.
   bool exact_kernel = false;
-  // int8, its wide steps at head_dim 128 and 2 bits, exact_kernel's ranges in bf16
-  // rows, their blocks not few (not exact_slots_reserved: they would run
-  // mostly after the int8 kernel's wave; batch 8 and up in Llama-3-8B's
-  // shapes) and DecodeParams::exact_ranges_in_int8_blocks (off by default): no
-  // exact blocks of their own; the int8 kernel's blocks take the
-  // exact_splits chunks after their walk, the last splits first
-  // (TensorCoreSplits::exact_splits), each chunk exact_chunk tokens (64
-  // unless DecodeParams::exact_chunk_tokens: one of the exact kernel's
-  // passes, so that they spread over the most blocks).
-  bool exact_in_int8_blocks = false;
   // int8: the exact ranges' blocks are few (at most an eighth of the int8
   // kernel's resident blocks: batch 1, 2 at some layouts;
   // exact_slots_reserved, below), so they
@@ -129,14 +118,6 @@ bool int8_decode_supported(const DecodeParams& params);
 // token row (all heads, or per_token groups of head_dim; any levels and
 // outliers), one page size.
 bool lookup_decode_supported(const DecodeParams& params);
-
-// Whether the int8 kernel's instantiation for head_dim, bits, its steps
-// (resolved) and a decoding step's append in its launch
-// (StepAppendHost::kInt8Kernel) compiles the exact chunks in
-// (DecodePlan::exact_in_int8_blocks): head_dim 128, 2 bits, 64-token steps,
-// no step's append. The planner folds only there, and a launch refuses a
-// plan that folds elsewhere (its chunks would be dropped).
-bool int8_kernel_takes_exact_chunks(int64_t head_dim, int bits, Int8Steps steps, bool step_append);
 
 // Whether its 64-token steps (Int8Steps) read it: the int8 kernel reads it
 // with one scale group per key and value row (all-heads, or per_token groups

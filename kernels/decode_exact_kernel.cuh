@@ -278,28 +278,23 @@ constexpr int exact_min_blocks() {
   return E == ElementType::kFloat32 ? 2 : 4;
 }
 
-// Exact chunk `split` of KV head `kv_head` of batch entry `entry` (its
-// tokens: split_tokens with `assignment`) into its split state
-// (assignment.first_state + split; an empty chunk's: a state the merge
-// skips): the work of one block of kExactWarps warps, all of which call it,
-// with `s` free for it (no thread reads it on entry; on return the state's
-// writes have read it: a barrier before reusing it). The group's queries,
-// rotated by the keys' rotation, come from SplitWorkspace::queries where the
-// call rotated them first (the caller has waited for the rotation), else
-// are rotated here. decode_exact_kernel's blocks, and the int8 kernel's
-// blocks after their walk where they take the exact ranges
-// (TensorCoreSplits::exact_splits).
 // kHeads: 4 or 8, at least the GQA group (the heads past it score zero
 // queries and are not written).
 template <int D, int kHeads, ElementType E>
-__device__ inline void exact_chunk_state(const DecodeParams& p, const SplitWorkspace& workspace,
-                                         const SplitAssignment& assignment, ExactShared<D, kHeads>& s, int split,
-                                         int kv_head, int entry) {
+__global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>())
+    decode_exact_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
+  // As decode_split_kernel's exact blocks: launched as the int8 kernel's
+  // dependent it reads nothing that kernel writes and waits for it before it
+  // exits; launched first, the int8 kernel may start once every block runs.
+  allow_dependent_launch();
   constexpr int kBytes = exact_element_bytes<E>();
   constexpr int kPerLane = D / kWarpSize;             // a lane's value channels
   constexpr int kKeyWords = D / 2 * kBytes / 4;       // a lane's half key row
   constexpr int kValueWords = kPerLane * kBytes / 4;  // a lane's channels of a value row
   static_assert(kHeads % 4 == 0, "whole float4s of heads");
+  __shared__ __align__(16) ExactShared<D, kHeads> s;
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, entry = blockIdx.z;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t tokens = entry_length(p, entry);
   int64_t first, last;
@@ -309,6 +304,7 @@ __device__ inline void exact_chunk_state(const DecodeParams& p, const SplitWorks
   const int state = assignment.first_state + split;
   if (first >= last) {  // an empty chunk: a state the merge skips
     write_empty_state(workspace, BlockTokens{first, last, query_row, group}, state);
+    wait_for_prerequisite_grid();
     return;
   }
   const int32_t slot = entry_slot(p, entry);
@@ -547,17 +543,6 @@ __device__ inline void exact_chunk_state(const DecodeParams& p, const SplitWorks
   }
   __syncthreads();
   write_block_state<D, kExactWarps>(workspace, query_row, state, group, s.max, s.sum, s.acc);
-}
-
-template <int D, int kHeads, ElementType E>
-__global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>())
-    decode_exact_kernel(const DecodeParams p, const SplitWorkspace workspace, const SplitAssignment assignment) {
-  // As decode_split_kernel's exact blocks: launched as the int8 kernel's
-  // dependent it reads nothing that kernel writes and waits for it before it
-  // exits; launched first, the int8 kernel may start once every block runs.
-  allow_dependent_launch();
-  __shared__ __align__(16) ExactShared<D, kHeads> s;
-  exact_chunk_state<D, kHeads, E>(p, workspace, assignment, s, blockIdx.x, blockIdx.y, blockIdx.z);
   wait_for_prerequisite_grid();
 }
 

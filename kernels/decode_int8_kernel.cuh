@@ -48,7 +48,6 @@
 #include <type_traits>
 
 #include "kernels/cluster_merge.cuh"
-#include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
@@ -330,34 +329,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   static_assert(sizeof(ClusterMergeShared<kInt8Warps>) <= sizeof(shared.query), "the cluster merge's scratch");
   auto cluster_shared = [&] { return reinterpret_cast<ClusterMergeShared<kInt8Warps>*>(&shared.query[0][0]); };
   auto merged_rows = [&] { return reinterpret_cast<float (*)[D]>(dynamic_shared); };
-  // The exact ranges' chunks this block takes (TensorCoreSplits::exact_splits;
-  // the wide steps' layouts only, at head_dim 128 and 2 bits, with bf16
-  // rows and at most 4 heads a group: DecodePlan::exact_in_int8_blocks; at
-  // head_dim 64 ptxas spilled 48-72 bytes in the walk with them compiled
-  // in, none without; at 4 bits it allocated the variants' registers
-  // differently, 252 -> 196 and 157 -> 168, not yet measured), after its
-  // walk, over the stages (free by then): chunk e by split
-  // splits - 1 - e % splits, so that the last splits, the shortest and the
-  // empty ones, take them first. Each is decode_exact_kernel's block's work
-  // (exact_chunk_state), its state after the splits'; the rotated queries
-  // are complete (the caller has waited for them).
-  auto exact_chunks = [&] {
-    // (kernels::int8_kernel_takes_exact_chunks says the same on the host.)
-    if constexpr (kStepStages == 2 && !kStepAppend && D == 128 && kBits == 2) {
-      static_assert(kInt8Warps == kExactWarps, "an int8 block's threads are an exact block's");
-      static_assert(sizeof(ExactShared<D, 4>) <= static_cast<size_t>(int8_stage_bytes<D, VG, kBits, kStepStages, kStages>()),
-                    "the stages hold an exact chunk's shared memory");
-      if (splits.exact_splits == 0) return;
-      const int block_splits = static_cast<int>(gridDim.x);
-      const SplitAssignment assignment = exact_range_assignment(block_splits, splits.exact_chunk);
-      auto& exact_shared = *reinterpret_cast<ExactShared<D, 4>*>(dynamic_shared);
-      for (int e = block_splits - 1 - static_cast<int>(blockIdx.x); e < splits.exact_splits; e += block_splits) {
-        __syncthreads();  // the stages (or the previous chunk's shared memory) are read
-        exact_chunk_state<D, 4, ElementType::kBFloat16>(p, workspace, assignment, exact_shared, e,
-                                                        static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
-      }
-    }
-  };
   if (first >= last) {  // an empty split: a state the merge skips
     if (splits.cluster_merge) {
       merge_in_cluster<D, kInt8Warps>(p.io, p.output, state_base, group, false, cluster_shared(), nullptr, nullptr,
@@ -366,11 +337,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       write_empty_state(workspace, block, split);
     }
     wait_for_prerequisite_grid();
-    // As load_group_queries does once it has the rotated queries: the merge
-    // may launch while the exact chunks run (before the chunks, this block
-    // let it only by exiting).
-    if (workspace.queries != nullptr) allow_dependent_launch();
-    exact_chunks();
     return;
   }
   const int32_t slot = entry_slot(p, entry);
@@ -1241,7 +1207,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   } else {
     write_block_state<D, kInt8Warps>(workspace, state_base, split, group, shared.state_max, shared.state_sum, out);
   }
-  exact_chunks();
   wait_for_prerequisite_grid();
 }
 

@@ -249,16 +249,6 @@ struct DecodeParams {
   // long or up to 3.3 us less, a step 2.3-5.3 us less
   // (bench/results/decode-rotation-first-h100-2026-12-05.json).
   bool rotate_before_exact_blocks = true;
-  // CUDA only: where the int8 kernel's wide steps read the layout at
-  // head_dim 128 and 2 bits, decode_exact_kernel would read its exact ranges in bf16
-  // rows (int2-rot's with a bf16 model) and their blocks are not few (batch
-  // 8 and up in Llama-3-8B's shapes), the int8 kernel's own blocks take the
-  // exact chunks after their walk (DecodePlan::exact_in_int8_blocks), in
-  // place of a second kernel whose blocks mostly ran after the int8
-  // kernel's last wave. Off by default until it has run on a GPU (written
-  // in the thirty-sixth session, when none came; bench/README.md): the
-  // second kernel, as before.
-  bool exact_ranges_in_int8_blocks = false;
   // CUDA only: scratch for the split states, planned once by the caller
   // (decode_workspace_bytes in decode_attention_launch.h); null or too small:
   // the launch allocates it on its stream.

@@ -392,12 +392,6 @@ struct TensorCoreSplits {
   // cluster that merges their states and writes the output
   // (DecodePlan::cluster_merge, kernels/cluster_merge.cuh).
   bool cluster_merge = false;
-  // The int8 kernel's wide steps: the exact ranges' chunks of exact_chunk
-  // tokens (exact_splits per (KV head, sequence), their states after the
-  // splits') taken by its own blocks after their walk
-  // (DecodePlan::exact_in_int8_blocks); 0: none.
-  int32_t exact_splits = 0;
-  int32_t exact_chunk = 0;
 };
 
 // The quantized tokens [first, last) of a tensor-core block (context split

@@ -1041,7 +1041,6 @@ DecodeParams QuantizedKVCache::decode_params(int64_t layer) const {
   params.kernel = options_.decode_kernel;
   params.int8_steps = options_.int8_steps;
   params.rotate_before_exact_blocks = options_.rotate_before_exact_blocks;
-  params.exact_ranges_in_int8_blocks = options_.exact_ranges_in_int8_blocks;
   params.batch.page_table = device_page_table_->as<int32_t>();
   params.batch.page_table_stride = page_table_stride_;
   params.io = ElementType::kFloat32;

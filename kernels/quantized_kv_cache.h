@@ -79,12 +79,6 @@ struct CacheOptions {
   // behind the int8 kernel in slots kept for them, so that a decoding
   // step's append joins the rotation's kernel. Off: the exact blocks first.
   bool rotate_before_exact_blocks = true;
-  // DecodeParams::exact_ranges_in_int8_blocks (CUDA; the CPU reference
-  // ignores it): where the exact blocks are not few (batch 8 and up in
-  // Llama-3-8B's shapes), int2-rot's bf16 exact rows at head_dim 128, 2 bits and GQA
-  // <= 4 are read by the int8 kernel's blocks after their walk. Off (the
-  // default until it has run on a GPU): by decode_exact_kernel's own blocks.
-  bool exact_ranges_in_int8_blocks = false;
 };
 
 enum class TensorKind { kKeys, kValues };

@@ -454,7 +454,6 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   host.int8_steps = c.int8_steps;
   host.exact_chunk_tokens = c.exact_chunk_tokens;
   host.rotate_before_exact_blocks = !c.exact_blocks_first;
-  host.exact_ranges_in_int8_blocks = !c.exact_kernel_separate;
   kernels::decode_attention_reference(host);
   double cpu_seconds = seconds_since(cpu_start);
 
@@ -498,25 +497,10 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(plan.rotate_queries_first, !c.exact_blocks_first) << c.name;
     }
     if (c.exact_blocks_first) EXPECT_TRUE(plan.exact_first) << c.name << ": the exact blocks do not launch first";
-    // The int8 kernel's blocks take the exact chunks where its wide steps
-    // read the layout at head_dim 128 and 2 bits, the exact kernel would read bf16
-    // rows at GQA <= 4 and its blocks are not few (no slots kept for them),
-    // unless the case asks for the separate kernel; then no exact block of
-    // its own launches first or keeps a slot.
-    const kernels::TensorLayoutSpec& key_spec = on_device.key_cache.layout.spec;
-    const bool folds = plan.int8 && plan.exact_kernel && plan.int8_steps != kernels::Int8Steps::kSteps32 &&
-                       key_spec.head_dim == 128 && key_spec.bits == 2 &&
-                       key_spec.element == kernels::ElementType::kBFloat16 &&
-                       on_device.num_heads / key_spec.kv_heads <= 4;
-    EXPECT_EQ(plan.exact_in_int8_blocks, folds && !plan.exact_slots_reserved && !c.exact_kernel_separate) << c.name;
-    if (plan.exact_in_int8_blocks) EXPECT_FALSE(plan.exact_first || plan.exact_slots_reserved) << c.name;
     // The planner's chunk where there are exact ranges: the exact kernel's
-    // two passes, the general kernel's one, one in the int8 blocks.
+    // two passes, the general kernel's one.
     if ((plan.tensor_cores || plan.lookup) && plan.exact_splits > 0) {
-      EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0        ? c.exact_chunk_tokens
-                                  : plan.exact_in_int8_blocks ? 64
-                                  : plan.exact_kernel         ? 128
-                                                              : 64)
+      EXPECT_EQ(plan.exact_chunk, c.exact_chunk_tokens > 0 ? c.exact_chunk_tokens : plan.exact_kernel ? 128 : 64)
           << c.name;
     }
     // A DecodePlanner (the CudaBackend's path: the device's facts asked once)
@@ -535,7 +519,6 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
       EXPECT_EQ(planned.merge_heads, plan.merge_heads) << c.name;
       EXPECT_EQ(planned.cluster_merge, plan.cluster_merge) << c.name;
       EXPECT_EQ(planned.exact_kernel, plan.exact_kernel) << c.name;
-      EXPECT_EQ(planned.exact_in_int8_blocks, plan.exact_in_int8_blocks) << c.name;
       EXPECT_EQ(planned.rotate_queries_first, plan.rotate_queries_first) << c.name;
       EXPECT_EQ(planned.rotation_step_in_one_wave, plan.rotation_step_in_one_wave) << c.name;
       EXPECT_EQ(planned.exact_first, plan.exact_first) << c.name;
@@ -610,10 +593,9 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
     }
   }
   cpu_seconds += seconds_since(float64_start);
-  std::string exact_ranges = plan.exact_splits == 0        ? ""
-                             : plan.exact_in_int8_blocks ? " with the exact ranges in its blocks"
-                             : plan.exact_kernel         ? " and the exact kernel's ranges"
-                                                         : " and the general kernel's exact ranges";
+  std::string exact_ranges = plan.exact_splits == 0 ? ""
+                             : plan.exact_kernel    ? " and the exact kernel's ranges"
+                                                    : " and the general kernel's exact ranges";
   if (plan.exact_splits > 0) exact_ranges += " in chunks of " + std::to_string(plan.exact_chunk);
   const std::string merge = plan.cluster_merge ? "merged in clusters of their blocks"
                             : std::string("merged by ") + (plan.wide_merge ? "four thread groups" : "one thread group") +

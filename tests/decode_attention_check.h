@@ -75,8 +75,8 @@ struct DecodeCase : KernelCase {
   // Not kAuto: the int8 kernel's steps the launch must take (the plan's,
   // checked), and their step length in the bound.
   kernels::Int8Steps int8_steps = kernels::Int8Steps::kAuto;
-  // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one and in the
-  // int8 blocks); the plan's, checked.
+  // DecodeParams::exact_chunk_tokens (0: the planner's: 128 for the exact kernel, 64 for the general one); the plan's,
+  // checked.
   int32_t exact_chunk_tokens = 0;
   // DecodeParams::rotate_before_exact_blocks off: where the exact blocks
   // are few and the keys have a matrix rotation, they launch first, each
@@ -84,12 +84,6 @@ struct DecodeCase : KernelCase {
   // the query rotation and the int8 kernel in their kept slots (the
   // default). Where the plan keeps their slots, its order is checked.
   bool exact_blocks_first = false;
-  // DecodeParams::exact_ranges_in_int8_blocks off (the library's default;
-  // the cases turn it on otherwise): where the int8 kernel's blocks would
-  // take the exact chunks after their walk (DecodePlan::exact_in_int8_blocks),
-  // decode_exact_kernel's own blocks take them. The plan's choice is
-  // checked either way.
-  bool exact_kernel_separate = false;
   // From this token on (>= 0), every token of a sequence repeats that
   // token's keys and values: each step's tokens then share their outlier
   // channels (the kernels' colliding corrections); -1: every token drawn.

@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -220,39 +219,6 @@ std::vector<Case> cases() {
         ElementType::kBFloat16, 64, 256, {1, 63, 64, 65, 129, 200, 320, 321, 385, 1000});
     chunk256.exact_chunk_tokens = 256;
     all.push_back(chunk256);
-    // The int8 blocks' exact chunks (DecodePlan::exact_in_int8_blocks: wide
-    // steps, head_dim 128, bf16 rows, GQA 4, and 40 sequences: the exact
-    // kernel's blocks would not be few), int2-rot's sink of 64 and window of
-    // 256: in the planner's 5 chunks of 64 over the last splits of each (KV
-    // head, sequence), the empty splits of the short sequences taking
-    // theirs (contexts to 9K: 6 splits on 132 multiprocessors, a chunk a
-    // block); the same through decode_exact_kernel
-    // (DecodeParams::exact_ranges_in_int8_blocks off); contexts to 1K (4
-    // splits: the last block takes two chunks, one after the other over
-    // the same shared memory); and chunks of 128 (two passes each) at
-    // contexts to 511 (2 splits: the last block takes chunks 0 and 2).
-    const auto forty = [](std::initializer_list<int64_t> base) {
-      std::vector<int64_t> lengths;
-      for (int i = 0; i < 40; ++i) lengths.push_back(base.begin()[i % base.size()] + 17 * (i / base.size()));
-      return lengths;
-    };
-    const auto in_int8_case = [&](const std::string& name, std::vector<int64_t> lengths) {
-      return exact_rows(steps(decode_case(testing::int2rot_rotated_layout(name, 2, 128, 8)), k4),
-                        ElementType::kBFloat16, 64, 256, std::move(lengths));
-    };
-    const Case in_int8 = in_int8_case("int8_steps64x4_int2rot_exact_in_int8_bf16_rows_2bit_d128_gqa4",
-                                      forty({1, 63, 64, 65, 320, 321, 700, 4099, 9001, 129}));
-    all.push_back(in_int8);
-    Case separate = in_int8;
-    separate.name = "int8_steps64x4_int2rot_exact_kernel_separate_bf16_rows_2bit_d128_gqa4";
-    separate.exact_kernel_separate = true;
-    all.push_back(separate);
-    all.push_back(in_int8_case("int8_steps64x4_int2rot_exact_in_int8_two_chunks_a_block_bf16_rows_2bit_d128_gqa4",
-                               forty({1, 63, 64, 65, 320, 321, 500, 700, 900, 960})));
-    Case two_passes = in_int8_case("int8_steps64x4_int2rot_exact_in_int8_chunk128_bf16_rows_2bit_d128_gqa4",
-                                   forty({1, 63, 64, 65, 130, 320, 321, 400, 450, 460}));
-    two_passes.exact_chunk_tokens = 128;
-    all.push_back(two_passes);
     Case chunk128 = exact_rows(
         steps(decode_case(testing::int2rot_rotated_layout("int8_steps64x4_int2rot_rotated_chunk128_2bit_d64_gqa1", 2, 64,
                                                           2)),
@@ -379,7 +345,7 @@ TEST(DecodeAttentionCudaInt8Layouts, TheInt8CasesAndOnlyThoseTheKernelReads) {
       EXPECT_EQ(reads, expected) << c.name;
     });
   }
-  EXPECT_EQ(int8_cases, 25);
+  EXPECT_EQ(int8_cases, 21);
 }
 
 // On any machine: the lookup kernel reads kvquant's layouts (keys per
@@ -433,16 +399,15 @@ TEST(DecodeAttentionCudaInt8Layouts, WideStepsReadOneGroupPerRowWithoutOutliersA
       }
     });
   }
-  EXPECT_EQ(wide_cases, 14);
+  EXPECT_EQ(wide_cases, 10);
 }
 
 // The default's plan of the case's layout (params from with_layout_params)
-// with the case's kernel, int8 steps and exact kernel choice, on the H200's
-// 132 multiprocessors (the residency questions ask the device).
+// with the case's kernel and int8 steps, on the H200's 132 multiprocessors
+// (the residency questions ask the device).
 kernels::DecodePlan case_plan(const Case& c, kernels::DecodeParams& params) {
   params.kernel = c.kernel;
   params.int8_steps = c.int8_steps;
-  params.exact_ranges_in_int8_blocks = !c.exact_kernel_separate;
   return kernels::plan_decode_attention(params, 132);
 }
 
@@ -602,96 +567,30 @@ TEST(DecodeAttentionCudaPlan, TheExactKernelTakesRangesExactInBothTensors) {
 }
 
 // On the GPU (the plan asks the device for its residency): the exact
-// chunks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
-// of 64 and window of 256 take 5 chunks of 64, 3 of 128, 2 of 256 or of
-// 320; by default, at 32 sequences (not few), 5 of 64 in the int8 blocks
-// (bf16 rows, the wide steps) and 3 of 128 in decode_exact_kernel's
-// (exact_ranges_in_int8_blocks off).
+// blocks per (sequence, KV head) follow exact_chunk_tokens: int2-rot's sink
+// of 64 and window of 256 take 5 blocks of 64, 3 of 128 (the default), 2 of
+// 256 or of 320.
 TEST(DecodeAttentionCudaPlan, ExactChunksSetTheExactBlocks) {
   if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const Case& c : cases()) {
     if (c.name != "int8_steps64x4_int2rot_rotated_chunk256_2bit_d128_gqa4") continue;
     with_layout_params(c, [&](kernels::DecodeParams params) {
-      params.batch.count = 32;
+      params.batch.count = 8;
       params.batch.max_length = 32768;
       ASSERT_EQ(params.key_cache.layout.spec.sink_tokens, 64);
       ASSERT_EQ(params.key_cache.layout.ring_capacity, 256);
-      for (const bool in_int8 : {true, false}) {
-        params.exact_ranges_in_int8_blocks = in_int8;
-        for (const auto& [chunk, blocks] : {std::pair{0, in_int8 ? 5 : 3}, std::pair{64, 5}, std::pair{128, 3},
-                                            std::pair{256, 2}, std::pair{320, 2}}) {
-          params.exact_chunk_tokens = chunk;
-          const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
-          EXPECT_EQ(plan.exact_in_int8_blocks, in_int8) << chunk;
-          EXPECT_EQ(plan.exact_chunk, chunk != 0 ? chunk : in_int8 ? 64 : 128);
-          EXPECT_EQ(plan.exact_splits, blocks) << chunk;
-          EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
-        }
+      for (const auto& [chunk, blocks] : {std::pair{0, 3}, std::pair{64, 5}, std::pair{128, 3}, std::pair{256, 2},
+                                          std::pair{320, 2}}) {
+        params.exact_chunk_tokens = chunk;
+        const kernels::DecodePlan plan = kernels::plan_decode_attention(params, 132);
+        EXPECT_EQ(plan.exact_chunk, chunk == 0 ? 128 : chunk);
+        EXPECT_EQ(plan.exact_splits, blocks) << chunk;
+        EXPECT_EQ(plan.states, plan.splits + blocks) << chunk;
       }
     });
     return;
   }
   ADD_FAILURE() << "the chunk256 case is gone";
-}
-
-// On any machine: the int8 kernel's instantiations that compile the exact
-// chunks in are the 64-token steps' at head_dim 128 and 2 bits without a
-// step's append, and only those (a plan folding elsewhere is refused at
-// launch).
-TEST(DecodeAttentionCudaInt8Layouts, OnlyTheWideStepsAtHeadDim128And2BitsTakeExactChunks) {
-  using kernels::Int8Steps;
-  for (const Int8Steps steps : {Int8Steps::kSteps64Stages3, Int8Steps::kSteps64Stages4}) {
-    EXPECT_TRUE(kernels::int8_kernel_takes_exact_chunks(128, 2, steps, false));
-    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, steps, true));
-    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 4, steps, false));
-    EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(64, 2, steps, false));
-  }
-  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, Int8Steps::kSteps32, false));
-  EXPECT_FALSE(kernels::int8_kernel_takes_exact_chunks(128, 2, Int8Steps::kAuto, false));
-}
-
-// On the GPU: the int8 kernel's blocks take the exact chunks exactly where
-// its wide steps read the layout at head_dim 128, decode_exact_kernel
-// would read bf16 rows at GQA <= 4 and its blocks are not few (the plan
-// keeps no slots for them); then nothing else launches for them (no exact
-// block first), the splits are planned for every resident slot, and the
-// queries of a matrix key rotation are rotated first. Turned off
-// (exact_ranges_in_int8_blocks), the same layouts plan decode_exact_kernel's
-// blocks, as many as before they were folded, none in kept slots.
-TEST(DecodeAttentionCudaPlan, TheInt8BlocksTakeTheExactChunksOfBf16Rows) {
-  if (kernels::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  int folded = 0, separate = 0;
-  for (const Case& c : cases()) {
-    with_case_batch_params(c, [&](kernels::DecodeParams params) {
-      const kernels::DecodePlan plan = case_plan(c, params);
-      const kernels::TensorLayoutSpec& k = params.key_cache.layout.spec;
-      const bool folds = plan.int8 && plan.exact_kernel && !plan.exact_slots_reserved &&
-                         plan.int8_steps != kernels::Int8Steps::kSteps32 && k.head_dim == 128 && k.bits == 2 &&
-                         k.element == ElementType::kBFloat16 && params.num_heads / k.kv_heads <= 4;
-      EXPECT_EQ(plan.exact_in_int8_blocks, folds && !c.exact_kernel_separate) << c.name;
-      if (!plan.exact_in_int8_blocks) {
-        ++separate;
-        return;
-      }
-      EXPECT_FALSE(plan.exact_first) << c.name;
-      EXPECT_FALSE(plan.exact_slots_reserved) << c.name;
-      EXPECT_EQ(plan.rotate_queries_first, params.key_rotation.kind == kernels::RotationKind::kMatrix) << c.name;
-      params.exact_ranges_in_int8_blocks = false;  // (case_plan would set the case's again)
-      const kernels::DecodePlan own = kernels::plan_decode_attention(params, 132);
-      EXPECT_FALSE(own.exact_in_int8_blocks) << c.name;
-      EXPECT_TRUE(own.exact_kernel) << c.name;
-      EXPECT_FALSE(own.exact_slots_reserved) << c.name;
-      EXPECT_GT(own.exact_splits, 0) << c.name;
-      EXPECT_EQ(own.splits, plan.splits) << c.name;
-      // The cases named for it have a block take more than one chunk.
-      if (c.name.find("two_chunks_a_block") != std::string::npos || c.name.find("chunk128") != std::string::npos) {
-        EXPECT_LT(plan.splits, plan.exact_splits) << c.name;
-      }
-      ++folded;
-    });
-  }
-  EXPECT_GE(folded, 3);
-  EXPECT_GE(separate, 10);
 }
 
 // exact_chunk_tokens other than 0 or a positive multiple of 64 is refused

@@ -106,7 +106,6 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
   options.tokens_per_split = c.tokens_per_split;
   options.decode_kernel = c.kernel;
   options.rotate_before_exact_blocks = !c.exact_blocks_first;
-  options.exact_ranges_in_int8_blocks = true;  // (off by default until run on a GPU; the case named for it folds)
   const kernels::ModelDimensions dims = testing::kernel_model_dimensions(kLayers, l.heads, kKvHeads, l.head_dim, rope_config);
   auto stepped_backend = std::make_unique<kernels::CudaBackend>();
   const kernels::CudaBackend& stepped_cuda = *stepped_backend;
@@ -123,17 +122,6 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
     KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
     const int per_multiprocessor = kernels::rotate_queries_step_blocks_per_multiprocessor(stepped.decode_params(0));
     fuses = int64_t{2} * kKvHeads * c.sequences <= int64_t{multiprocessors} * per_multiprocessor;
-  }
-
-  // The case named for it runs the int8 blocks' exact chunks
-  // (DecodePlan::exact_in_int8_blocks) at every round's batch.
-  if (l.name.find("exact_in_int8") != std::string::npos) {
-    kernels::DecodeParams params = stepped.decode_params(0);
-    params.batch.count = c.sequences;
-    params.batch.max_length = options.max_context;
-    int multiprocessors = 0;
-    KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
-    EXPECT_TRUE(kernels::plan_decode_attention(params, multiprocessors).exact_in_int8_blocks) << l.name;
   }
 
   const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty);
@@ -285,15 +273,6 @@ std::vector<StepCase> step_cases() {
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3,
       256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_rotated_from_empty_2bit_d128_gqa4_20_sequences", 2, 128, 8),
-      DecodeKernel::kAuto, 20, 256, true, true);
-  // bf16 rows at GQA 4 and 20 sequences (the int8 kernel's wide steps, its
-  // exact blocks not few): the int8 blocks take the exact chunks after
-  // their walk (DecodePlan::exact_in_int8_blocks), reading the ring rows the
-  // rotation's kernel stored the step's token in; from empty, so that the
-  // sink and the window fill and wrap.
-  add(with_element(testing::int2rot_rotated_layout("int2rot_rotated_exact_in_int8_from_empty_2bit_d128_gqa4_bf16_20_sequences",
-                                                   2, 128, 8),
-                   kernels::ElementType::kBFloat16),
       DecodeKernel::kAuto, 20, 256, true, true);
   add(testing::int2rot_rotated_layout("int2rot_exact_blocks_first_from_empty_2bit_d128_gqa4", 2, 128, 8),
       DecodeKernel::kAuto, 3, 256, false, true, true);
