@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # SANITIZER_TOOLS, SANITIZER_TESTS, SANITIZER_APPEND_FILTER, SANITIZER_DECODE_FILTER, SANITIZER_STEP_FILTER, SKIP_BASELINES, DECODE_BASELINES_ARGS,
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
-# PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH,
+# PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH, PROFILE_CONTEXTS,
 # PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
 # BUILD_TARGETS (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
@@ -413,9 +413,12 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     cache_flags="--cache-control ${PROFILE_CACHE:-all}"
     sections="SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats MemoryWorkloadAnalysis SourceCounters"
     section_flags=$(for s in ${PROFILE_SECTIONS:-$sections}; do printf -- '--section %s ' "$s"; done)
-    for method in ${PROFILE_METHODS:-rtn}; do for batch in ${PROFILE_BATCH:-8}; do
+    # PROFILE_CONTEXTS: the contexts profiled (default 32768; e.g. "4096
+    # 8192 32768" to tell a call's fixed cost from its walk).
+    for method in ${PROFILE_METHODS:-rtn}; do for batch in ${PROFILE_BATCH:-8}; do for context in ${PROFILE_CONTEXTS:-32768}; do
       name=$method; [ "${PROFILE_BATCH:-8}" = 8 ] || name=${method}_b$batch
-      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, 32K tokens, batch $batch, 2 bits)"
+      [ "${PROFILE_CONTEXTS:-32768}" = 32768 ] || name=${name}_c$context
+      step "kernels: ncu profile of the decode kernel ${PROFILE_KERNEL:-decode_int8} ($method, $context tokens, batch $batch, 2 bits)"
       # PROFILE_KERNEL (a regex; default the int8 tensor-core kernel, the default) and
       # PROFILE_BENCH_FLAGS (e.g. --bf16-tensor-cores with PROFILE_KERNEL=decode_tensor_core)
       # profile another kernel of the same run; PROFILE_BATCH another batch
@@ -429,7 +432,7 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
         --launch-count "${PROFILE_LAUNCHES:-1}" $section_flags $cache_flags \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         --import-source yes -f -o "$LOGS/ncu_$name" \
-        ./build-gpu/bench/kvforge_bench_decode_attention --contexts 32768 --batches "$batch" --methods "$method" --bits 2 \
+        ./build-gpu/bench/kvforge_bench_decode_attention --contexts "$context" --batches "$batch" --methods "$method" --bits 2 \
         --repeats 2 ${PROFILE_BENCH_FLAGS:-} --out /tmp/profile_bench.json > "$LOGS/ncu_$name.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$name.run.log"; }
       ncu -i "$LOGS/ncu_$name.ncu-rep" --print-summary none > "$LOGS/ncu_$name.log" 2>&1
       # Per SASS instruction (with its CUDA line): executions and stall
@@ -441,7 +444,7 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
       fi
       grep -E "^  void |Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued Ipc|Issue Slots Busy|No Eligible|Active Warps Per|Eligible Warps|Warp Cycles Per Issued|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Instructions |Stall|stall|Dynamic Shared|Static Shared|Waves Per SM|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Bank" "$LOGS/ncu_$name.log" | head -70
       cp "$LOGS/ncu_$name.log" "$OUT/ncu_$name.txt" 2>/dev/null
-    done; done
+    done; done; done
   fi
   # The decode-step append kernel (one token per sequence, batch 1 and 32):
   # its duration and where its time goes. PROFILE_APPEND=1;
