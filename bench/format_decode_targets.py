@@ -26,10 +26,14 @@ def append_rate(row):
     return rate if rate is not None else row.get("append_over_decode_rate")
 
 
+def met(value, target):
+    return value is not None and value >= target
+
+
 def mark(value, target, fmt):
     if value is None:
         return "-"
-    return (fmt.format(value) + (" ✓" if value >= target else ""))
+    return fmt.format(value) + (" ✓" if met(value, target) else "")
 
 
 def span(values, fmt):
@@ -66,13 +70,13 @@ def main():
     print("\n| method | bits | batch | speedup | bandwidth | append rate | all three met at |")
     print("|---|---|---|---|---|---|---|")
     for (method, bits, batch), group in sorted(groups.items()):
-        met = [r["context"] // 1024 for r in sorted(group, key=key)
-               if r["speedup_vs_sdpa"] >= SPEEDUP and r["bandwidth_fraction"] >= BANDWIDTH
-               and (append_rate(r) or 0) >= APPEND]
+        met_at = [r["context"] // 1024 for r in sorted(group, key=key)
+               if met(r["speedup_vs_sdpa"], SPEEDUP) and met(r["bandwidth_fraction"], BANDWIDTH)
+               and met(append_rate(r), APPEND)]
         print(f"| {method} | {bits} | {batch} | {span([r['speedup_vs_sdpa'] for r in group], '{:.2f}x')} | "
               f"{span([r['bandwidth_fraction'] for r in group], '{:.0%}')} | "
               f"{span([append_rate(r) for r in group], '{:.1f}x')} | "
-              f"{', '.join(f'{c}K' for c in met) if met else 'none'} |")
+              f"{', '.join(f'{c}K' for c in met_at) if met_at else 'none'} |")
 
 
 if __name__ == "__main__":

@@ -414,7 +414,8 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     sections="SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats MemoryWorkloadAnalysis SourceCounters"
     section_flags=$(for s in ${PROFILE_SECTIONS:-$sections}; do printf -- '--section %s ' "$s"; done)
     # PROFILE_CONTEXTS: the contexts profiled (default 32768; e.g. "4096
-    # 8192 32768" to tell a call's fixed cost from its walk).
+    # 8192 32768" to tell a call's fixed cost from its walk). Each profile
+    # puts two files in $OUT: keep the methods, batches and contexts few.
     for method in ${PROFILE_METHODS:-rtn}; do for batch in ${PROFILE_BATCH:-8}; do for context in ${PROFILE_CONTEXTS:-32768}; do
       name=$method; [ "${PROFILE_BATCH:-8}" = 8 ] || name=${method}_b$batch
       [ "${PROFILE_CONTEXTS:-32768}" = 32768 ] || name=${name}_c$context
