@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH, PROFILE_CONTEXTS,
 # PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
-# BUILD_TARGETS (each explained where it is read below).
+# BUILD_TARGETS, SKIP_BUILD, DECODE_BENCH_TIMEOUT (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
 OUT=$(realpath -m "${OUT:-out/gpu}")
@@ -130,7 +130,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ] && [ -n "${BASELINE_TAR:-}" ]; then
    exit $failed) > "$LOGS/baseline_build.log" 2>&1 &
   baseline_build=$!
 fi
-cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
+# SKIP_BUILD=1: the binaries of a call just before on the same warm machine
+# (build-gpu/ stays there between calls; the tree is copied again with new
+# times, so ninja would rebuild it all): a benchmark-only call.
+if [ -n "${SKIP_BUILD:-}" ]; then
+  echo "build skipped (SKIP_BUILD): build-gpu/ from an earlier call"
+  [ -x build-gpu/bench/kvforge_bench_decode_attention ] || { echo "SKIP_BUILD: no build-gpu/ on this machine"; exit 1; }
+else
+  cmake --build build-gpu -j "$(nproc)" $targets > "$LOGS/build.log" 2>&1 || { grep -E 'error|FAILED' -A5 "$LOGS/build.log" | head -60; exit 1; }
+fi
 KV=build-gpu/tools/kvforge
 MODEL=$KVFORGE_SHARED/models/pyllama-16m
 HELDOUT=$KVFORGE_SHARED/data/heldout.txt
@@ -390,11 +398,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # int8 kernel's predecessor, where the int8 one is the default).
   bf16_columns=""
   [ -z "${DECODE_BENCH_BF16:-}" ] || bf16_columns="--bf16-tensor-cores"
-  ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $bf16_columns \
+  # DECODE_BENCH_TIMEOUT (seconds, default none): a grid that may outlast
+  # the call stops there; the rows it finished (one JSON line each on its
+  # log) come back as $OUT/decode_attention_rows.jsonl.
+  timeout "${DECODE_BENCH_TIMEOUT:-0}" ./build-gpu/bench/kvforge_bench_decode_attention --out "$OUT/decode_attention.json" ${DECODE_BENCH_ARGS:-} $bf16_columns \
     $baselines --commit "${KVFORGE_COMMIT:-unknown}" \
     --command "DECODE_BENCH_ARGS='${DECODE_BENCH_ARGS:-}' DECODE_BENCH_BF16='${DECODE_BENCH_BF16:-}' SKIP_BASELINES='${SKIP_BASELINES:-}' DECODE_BASELINES_ARGS='${DECODE_BASELINES_ARGS:-}' GPU_CHECKS_ONLY=kernels bash scripts/gpu_checks.sh" \
     > "$LOGS/decode_attention_bench.log" 2>&1 \
-    || { tail -5 "$LOGS/decode_attention_bench.log"; status=1; }
+    || { tail -5 "$LOGS/decode_attention_bench.log"; status=1
+         grep '^{' "$LOGS/decode_attention_bench.log" > "$OUT/decode_attention_rows.jsonl"; }
   tail -6 "$LOGS/decode_attention_bench.log"; }
   # Where the tensor-core kernel's time goes: Nsight Compute on one launch
   # (32K tokens, batch 8, 2 bits) per method in PROFILE_METHODS: occupancy,
