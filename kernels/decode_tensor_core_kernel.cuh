@@ -296,6 +296,32 @@ __device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot
 
 // ---------------------------------------------------------------- block parts
 
+// The kMaxTensorCoreGroup x D query elements of a block, rows past `group`
+// zero: element (h, d) = load(h, d), handed to store(h, d, x). The
+// block's threads together, each taking every blockDim.x-th element, with
+// kInFlight loads issued before the first store: one round trip to memory
+// for a block of 128 threads, not one per element (a loop of dependent
+// load-store pairs took four at GQA 4: ~1.7 us of the int8 kernel's ~11 us
+// that do not scale with the context, bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md).
+template <int D, int kInFlight = 4, typename Load, typename Store>
+__device__ inline void for_group_elements(int group, Load load, Store store) {
+  constexpr int kElements = kMaxTensorCoreGroup * D;
+  const int threads = static_cast<int>(blockDim.x);
+  for (int first = static_cast<int>(threadIdx.x); first < kElements; first += kInFlight * threads) {
+    float x[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const int i = first + k * threads, h = i / D, d = i % D;
+      x[k] = i < kElements && h < group ? load(h, d) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      const int i = first + k * threads;
+      if (i < kElements) store(i / D, i % D, x[k]);
+    }
+  }
+}
+
 // The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
 // the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
 // are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
@@ -314,17 +340,13 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
   if (rotated != nullptr) {
     wait_for_prerequisite_grid();
     allow_dependent_launch();
-    for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-      const int h = i / D, d = i % D;
-      query[h][d] = h < group ? rotated[(state_base + h) * D + d] : 0.0f;
-    }
+    for_group_elements<D>(group, [&](int h, int d) { return rotated[(state_base + h) * D + d]; },
+                          [&](int h, int d, float x) { query[h][d] = x; });
     __syncthreads();
     return;
   }
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
-  }
+  for_group_elements<D>(group, [&](int h, int d) { return load_io(p.io, p.queries, (state_base + h) * D + d); },
+                        [&](int h, int d, float x) { raw[h][d] = x; });
   __syncthreads();
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
                                          &query[0][0]);
