@@ -120,7 +120,7 @@ def main():
     if all(c in durations for c in contexts):
         us_per_sample = sum(durations[c] for c in contexts) / sum(total[c][0] for c in contexts)
         a_us, b_us = fit(contexts, [durations[c] for c in contexts])
-        print(f"duration: {a_us:.2f} us + {1000 * b_us:.3f} us per 1K tokens; the samples' intercept at "
+        print(f"duration: {a_us:.2f} us + {1024 * b_us:.3f} us per 1K (1,024) tokens; the samples' intercept at "
               f"{us_per_sample:.4f} us a sample: {fixed_samples * us_per_sample:.2f} us")
     print("\n| intercept samples | us | warp instructions | line |")
     print("|---|---|---|---|")
