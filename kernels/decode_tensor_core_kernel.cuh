@@ -345,8 +345,10 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
     __syncthreads();
     return;
   }
-  for_group_elements<D>(group, [&](int h, int d) { return load_io(p.io, p.queries, (state_base + h) * D + d); },
-                        [&](int h, int d, float x) { raw[h][d] = x; });
+  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+  }
   __syncthreads();
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
                                          &query[0][0]);
