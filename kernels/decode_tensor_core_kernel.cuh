@@ -299,10 +299,15 @@ __device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot
 // The kMaxTensorCoreGroup x D query elements of a block, rows past `group`
 // zero: element (h, d) = load(h, d), handed to store(h, d, x). The
 // block's threads together, each taking every blockDim.x-th element, with
-// kInFlight loads issued before the first store: one round trip to memory
-// for a block of 128 threads, not one per element (a loop of dependent
-// load-store pairs took four at GQA 4: ~1.7 us of the int8 kernel's ~11 us
-// that do not scale with the context, bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md).
+// kInFlight loads issued before the first store: one round trip for a
+// block of 128 threads at GQA <= 4, where a loop of dependent load-store
+// pairs takes four (the raw queries' loop was ~1.7 us of the int8 kernel's
+// ~11 us that do not scale with the context,
+// bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md). Used for the
+// rotated queries (int2-rot at 4K batch 8: -1.0 to -1.5 us on an H100);
+// the raw ones keep their loop: batched through load_io's three element
+// types, rtn measured 0.2-1 us slower (a longer prologue;
+// bench/results/decode-query-loads-h100-2026-12-05.json).
 template <int D, int kInFlight = 4, typename Load, typename Store>
 __device__ inline void for_group_elements(int group, Load load, Store store) {
   constexpr int kElements = kMaxTensorCoreGroup * D;
