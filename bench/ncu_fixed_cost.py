@@ -28,22 +28,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ncu_source_breakdown  # noqa: E402  (the CSV reader)
+import ncu_source_breakdown  # noqa: E402  (the CSV's rows)
 
 
 def instructions(path, prefer_file):
     """{offset: [samples, executed, sass, (file, line, source)]} of the profile's one function."""
-    rows = ncu_source_breakdown.read_rows(path)
-    by_address, where, line = {}, collections.defaultdict(list), None
-    for file, _, r in ncu_source_breakdown.source_rows(rows):
-        if r[0] != "" and r[2] == "-":
-            line = (file, r[0], r[1].strip())
-        elif r[0] == "" and r[2].startswith("0x"):
-            address = int(r[2], 16)
-            samples = int(r[4]) if r[4].isdigit() else 0
-            executed = int(r[7]) if r[7].isdigit() else 0
-            by_address[address] = [samples, executed, r[3].strip()]
-            where[address].append(line)
+    by_address, where = {}, collections.defaultdict(list)
+    for file, line, r in ncu_source_breakdown.sass_rows(ncu_source_breakdown.read_rows(path)):
+        address = int(r[2], 16)
+        by_address[address] = [ncu_source_breakdown.count(r[4]), ncu_source_breakdown.count(r[7]), r[3].strip()]
+        where[address].append(None if line is None else (file, line[0], line[1].strip()))
     if not by_address:
         raise SystemExit(f"{path}: no SASS rows (expected ncu's source page with --print-source cuda,sass)")
     base = min(by_address)

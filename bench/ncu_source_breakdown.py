@@ -48,21 +48,36 @@ def source_rows(rows):
             yield file, column, r
 
 
+def sass_rows(rows):
+    """(file, CUDA line row, SASS row) for each SASS instruction row, under the CUDA line listed
+    before it and that line's file (an instruction inlined from a helper comes once per source
+    file of its call chain). A row's columns: r[0] line number, r[1] source, r[2] address, r[3]
+    SASS, r[4] stall samples, r[7] warp instructions executed."""
+    file, line = None, None
+    for row_file, _, r in source_rows(rows):
+        if r[0] != "" and r[2] == "-":
+            file, line = row_file, r
+        elif r[0] == "" and r[2].startswith("0x"):
+            yield file, line, r
+
+
+def count(cell):
+    """A numeric cell as an int (ncu writes '-' or '' where it has none)."""
+    return int(cell) if cell.isdigit() else 0
+
+
 def breakdown(rows):
     """(per CUDA line: [instructions, samples, file, line, source]), (per opcode: instructions)."""
     lines, by_address = [], {}
     for file, _, r in source_rows(rows):
-        try:
-            executed = int(r[7])
-        except ValueError:
-            continue
-        if r[0] != "" and r[2] == "-":  # a CUDA line (its SASS rows follow)
-            lines.append([executed, int(r[4]) if r[4].isdigit() else 0, file, r[0], r[1].strip()])
-        elif r[0] == "" and r[2].startswith("0x"):  # one SASS instruction
+        if r[0] != "" and r[2] == "-" and r[7].isdigit():  # a CUDA line (its SASS rows follow)
+            lines.append([int(r[7]), count(r[4]), file, r[0], r[1].strip()])
+    for _, _, r in sass_rows(rows):
+        if r[7].isdigit():
             text = r[3].strip()
             if text.startswith("@"):  # a predicate
                 text = text.split(None, 1)[1]
-            by_address[r[2]] = (text.split()[0].split(".")[0], executed)
+            by_address[r[2]] = (text.split()[0].split(".")[0], int(r[7]))
     opcodes = collections.Counter()
     for opcode, executed in by_address.values():
         opcodes[opcode] += executed
