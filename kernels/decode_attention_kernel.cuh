@@ -116,6 +116,28 @@ __device__ inline float load_io(ElementType io, const void* base, int64_t index)
   return load_element(io, static_cast<const uint8_t*>(base) + index * element_bytes(io));
 }
 
+// Rows first_row .. first_row + rows of a [.][D] tensor of `io` elements
+// (queries) into out[padded_rows][D] as float32 (16-byte aligned), the rows
+// past `rows` zero: the block's threads together, 8 elements a thread and
+// round, each round's loads (load_elements: one or two 16-byte loads where
+// the rows are 16-byte aligned) issued before its stores. A block of 128
+// threads at head_dim 128 so takes one round trip to memory for up to 8
+// rows, where one element a thread and iteration took one per element
+// (GQA 4: four, ~1.7 us of the int8 kernel's ~11 us that do not scale with
+// the context, bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md).
+template <int D>
+__device__ inline void load_rows(ElementType io, const void* base, int64_t first_row, int rows, int padded_rows,
+                                 float* out) {
+  static_assert(D % 8 == 0, "rows of whole 8-element chunks");
+  const int64_t bytes = element_bytes(io);
+  const auto* first = static_cast<const uint8_t*>(base) + first_row * D * bytes;
+  for (int i = 8 * static_cast<int>(threadIdx.x); i < padded_rows * D; i += 8 * static_cast<int>(blockDim.x)) {
+    float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (i < rows * D) load_elements<8>(io, first + i * bytes, x);
+    store_floats<8>(out + i, x);
+  }
+}
+
 // Rounds to nearest, ties to even, once (as the reference's store_element of
 // a float widened to double).
 __device__ inline void store_io(ElementType io, void* base, int64_t index, float value) {

@@ -96,11 +96,11 @@ struct ExactValueTiles {
 template <int D, int kHeads>
 struct ExactShared {
   union {
-    float raw_query[kHeads * D];                     // the group's queries as read (heads past the group: 0)
+    alignas(16) float raw_query[kHeads * D];         // the group's queries as read (heads past the group: 0; load_rows)
     ExactValueTiles<D> values;                       // bf16 rows: the passes' value rows, after the rotation
     float acc[kExactWarps][kMaxTensorCoreGroup][D];  // the warps' value sums, after the passes
   };
-  float query[kHeads * D];  // rotated by the keys' rotation
+  alignas(16) float query[kHeads * D];  // rotated by the keys' rotation (16-byte stores: load_rows)
   // bf16 rows: the scores' B operands of k step s for lane l, (b0, b1) hi
   // then lo (exact_tensor_cores).
   uint4 query_fragments[D / 16][kWarpSize];
@@ -390,13 +390,9 @@ __global__ void __launch_bounds__(kExactWarps * kWarpSize, exact_min_blocks<E>()
   // they had waited for them, or behind the bf16 kernel in stream order),
   // else here.
   if (workspace.queries != nullptr) {
-    for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {
-      s.query[i] = i < group * D ? workspace.queries[query_row * D + i] : 0.0f;
-    }
+    load_rows<D>(ElementType::kFloat32, workspace.queries, query_row, group, kHeads, s.query);
   } else {
-    for (int i = threadIdx.x; i < kHeads * D; i += blockDim.x) {
-      s.raw_query[i] = i < group * D ? load_io(p.io, p.queries, query_row * D + i) : 0.0f;
-    }
+    load_rows<D>(p.io, p.queries, query_row, group, kHeads, s.raw_query);
     __syncthreads();
     rotate_group_queries<D, 32>(p.key_rotation, kv_head, group, kHeads, s.raw_query, s.query);
   }

@@ -412,11 +412,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // within noise of loading it after the key operands: bench/README.md).
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
-    load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
+    load_group_queries<D, kQueryRowsInFlight, true>(p, workspace.queries, state_base, group, kv_head, shared.query,
                                               shared.raw_query, &out[0][0][0],
                           value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
   } else {  // the raw queries over the stages: no copy has started
-    load_group_queries<D, kQueryRowsInFlight>(p, workspace.queries, state_base, group, kv_head, shared.query,
+    load_group_queries<D, kQueryRowsInFlight, true>(p, workspace.queries, state_base, group, kv_head, shared.query,
                           *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
   }
 

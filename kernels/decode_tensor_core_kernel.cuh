@@ -305,9 +305,10 @@ __device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot
 // ~11 us that do not scale with the context,
 // bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md). Used for the
 // rotated queries (int2-rot at 4K batch 8: -1.0 to -1.5 us on an H100);
-// the raw ones keep their loop: batched through load_io's three element
-// types, rtn measured 0.2-1 us slower (a longer prologue;
-// bench/results/decode-query-loads-h100-2026-12-05.json).
+// the raw ones, batched through load_io's three element types, measured
+// 0.2-1 us slower (rtn: a longer prologue;
+// bench/results/decode-query-loads-h100-2026-12-05.json); the int8
+// kernel reads them in 16-byte chunks instead (load_rows).
 template <int D, int kInFlight = 4, typename Load, typename Store>
 __device__ inline void for_group_elements(int group, Load load, Store store) {
   constexpr int kElements = kMaxTensorCoreGroup * D;
@@ -336,8 +337,12 @@ __device__ inline void for_group_elements(int group, Load load, Store store) {
 // the kernel, launched as its programmatic dependent, waits for it here,
 // and lets its own dependent launch only then (that one reads them too,
 // and what that kernel's step append stored, without waiting: its
-// prerequisite is this kernel).
-template <int D, int kRowsInFlight = 16>
+// prerequisite is this kernel). kRowLoads: the raw queries by load_rows
+// (one round trip), and where the keys have no rotation straight into
+// `query` (`raw` untouched); else one element a thread and iteration (the
+// lookup and bf16 kernels: at their register cap, ptxas spilled in their
+// main loops with the row loads in the prologue).
+template <int D, int kRowsInFlight = 16, bool kRowLoads = false>
 __device__ inline void load_group_queries(const DecodeParams& p, const float* rotated, int64_t state_base, int group,
                                           int kv_head, float (&query)[kMaxTensorCoreGroup][D],
                                           float (&raw)[kMaxTensorCoreGroup][D], float* out, int out_count) {
@@ -350,11 +355,19 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
     __syncthreads();
     return;
   }
-  for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
-    const int h = i / D, d = i % D;
-    raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+  if constexpr (kRowLoads) {
+    // Keys without a rotation: the raw queries are the queries.
+    const bool rotate = p.key_rotation.kind != RotationKind::kNone;
+    load_rows<D>(p.io, p.queries, state_base, group, kMaxTensorCoreGroup, rotate ? &raw[0][0] : &query[0][0]);
+    __syncthreads();
+    if (!rotate) return;
+  } else {
+    for (int i = threadIdx.x; i < kMaxTensorCoreGroup * D; i += blockDim.x) {
+      const int h = i / D, d = i % D;
+      raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],
                                          &query[0][0]);
   __syncthreads();

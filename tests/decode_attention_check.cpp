@@ -462,7 +462,13 @@ DecodeCaseSummary check_decode_case(const DecodeCase& c, const DecodeCheckOption
   kernels::DecodePlan plan;
   {
     DeviceArrays device;
-    const kernels::DecodeParams on_device = device_params(device, host, sizes);
+    kernels::DecodeParams on_device = device_params(device, host, sizes);
+    if (c.misaligned_queries) {
+      const int64_t element = kernels::element_bytes(c.io);
+      std::vector<uint8_t> shifted(element);
+      shifted.insert(shifted.end(), queries.begin(), queries.end());
+      on_device.queries = device.copy(shifted.data(), static_cast<int64_t>(shifted.size())) + element;
+    }
     int multiprocessors = 0;
     KVFORGE_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
     plan = kernels::plan_decode_attention(on_device, multiprocessors);

@@ -88,6 +88,10 @@ struct DecodeCase : KernelCase {
   // token's keys and values: each step's tokens then share their outlier
   // channels (the kernels' colliding corrections); -1: every token drawn.
   int64_t repeat_from = -1;
+  // The queries one element past a 16-byte boundary on the device (a
+  // view's offset): the kernels' element-wise loads instead of their
+  // 16-byte ones (load_rows).
+  bool misaligned_queries = false;
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os);

@@ -140,6 +140,21 @@ std::vector<Case> cases() {
     split512.tokens_per_split = 512;
     split512.lengths = {65, 700, 2049, 3001};
     all.push_back(split512);
+    // Queries off a 16-byte boundary: the element-wise loads (load_rows),
+    // into the queries where the keys have no rotation, else into the raw
+    // rows rotated after.
+    Case shifted = make_case("int8_steps64_rtn_2bit_d128_gqa4_bf16io_misaligned_queries", QuantMethod::kRtn, 2, 128, 8);
+    shifted.io = ElementType::kBFloat16;
+    shifted.misaligned_queries = true;
+    all.push_back(shifted);
+    Case shifted_f32 = make_case("int8_rtn_4bit_d64_gqa8_misaligned_queries", QuantMethod::kRtn, 4, 64, 16);
+    shifted_f32.misaligned_queries = true;
+    all.push_back(shifted_f32);
+    Case shifted_rotated =
+        decode_case(testing::kvquant_rotated_layout("kvquant_rotated_2bit_d128_gqa4_fp16io_misaligned_queries", 2, 128, 8));
+    shifted_rotated.io = ElementType::kFloat16;
+    shifted_rotated.misaligned_queries = true;
+    all.push_back(shifted_rotated);
     // Few states (at most a round of 8; 5 on the H200: the splits and the
     // exact ranges'), so that the merge takes one thread group a head and,
     // the output rotated back, four query heads a block
