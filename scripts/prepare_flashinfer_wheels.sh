@@ -3,7 +3,8 @@
 # machine, which has no network: downloads flashinfer-python and the few
 # packages its import needs (for the GPU image's python 3.12), and splits the
 # 101 MB wheel in two, because one device call carries at most 64 MiB with
-# the tree (~13 MiB; part a is 51 MiB so that each call fits):
+# the tree (~13 MiB; part a is 50 MiB, part b with the small wheels 50.3:
+# each call fits, ~1 MB to spare):
 #   .carry-wheels/a: the wheel's first part and its SHA256;
 #   .carry-wheels/b: the second part and the small wheels.
 # On the GPU machine, three calls back to back (each while the machine is
@@ -26,7 +27,7 @@ python3 -m pip download -q --no-deps -d "$work" einops tabulate nvidia-ml-py pac
 rm -rf .carry-wheels && mkdir -p .carry-wheels/a .carry-wheels/b
 wheel=$(ls "$work"/flashinfer_python-*.whl)
 (cd "$work" && sha256sum "$(basename "$wheel")") > .carry-wheels/a/SHA256
-split -b 51M -a 1 "$wheel" "$work/part-"
+split -b 50M -a 1 "$wheel" "$work/part-"
 mv "$work/part-a" .carry-wheels/a/flashinfer.part-a
 mv "$work/part-b" .carry-wheels/b/flashinfer.part-b
 find "$work" -maxdepth 1 -name '*.whl' ! -name 'flashinfer_python-*' -exec mv {} .carry-wheels/b/ \;
