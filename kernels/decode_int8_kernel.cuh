@@ -452,17 +452,24 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     constexpr int kOwnSteps = kPacked ? kSteps / 2 : kSteps;
     [[maybe_unused]] constexpr int kPartner = int8_mma::kPartPartnerLaneMask;
     const bool upper_steps = kPacked && int8_mma::packed_part(g) == 1;
-    float x[kOwnSteps][2][4];
+    auto channel = [&](int s, int half, int i) {
+      const int step = s + (upper_steps ? kOwnSteps : 0);
+      return kNibbles ? int8_mma::nibble_key_channel(D, step, c, half, i) : int8_mma::key_channel(D, step, c, half, i);
+    };
+    // The wide steps build the operands with their first stages' copies in
+    // flight (below), the issue state live: they read the query twice, for
+    // the maxima and again for the parts, rather than hold its D / 4
+    // elements through the maxima's shuffles (16 more live registers).
+    constexpr bool kTwice = !kGeneral;
+    float x[kTwice ? 1 : kOwnSteps][2][4];
     float largest = 0.0f, a_term = 0.0f;
 #pragma unroll
     for (int s = 0; s < kOwnSteps; ++s) {
-      const int step = s + (upper_steps ? kOwnSteps : 0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int d = kNibbles ? int8_mma::nibble_key_channel(D, step, c, half, i)
-                                 : int8_mma::key_channel(D, step, c, half, i);
+          const int d = channel(s, half, i);
           float q = my_query[d];
           bool channel_affines = false;  // the wide steps' keys are per token
           if constexpr (kGeneral) {
@@ -474,7 +481,7 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
             }
           }
           if (!channel_affines) a_term += q;
-          x[s][half][i] = q;
+          if constexpr (!kTwice) x[s][half][i] = q;
           largest = fmaxf(largest, fabsf(q));
         }
       }
@@ -495,7 +502,13 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
         uint32_t hi = 0, lo = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int8_mma::SignedParts parts = int8_mma::signed_parts(x[s][half][i], inverse);
+          float q;
+          if constexpr (kTwice) {
+            q = my_query[channel(s, half, i)];
+          } else {
+            q = x[s][half][i];
+          }
+          const int8_mma::SignedParts parts = int8_mma::signed_parts(q, inverse);
           hi |= static_cast<uint32_t>(static_cast<uint8_t>(parts.hi)) << (8 * i);
           lo |= static_cast<uint32_t>(static_cast<uint8_t>(parts.lo)) << (8 * i);
         }
@@ -534,7 +547,8 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       __syncwarp();
     }
   }
-  if (!channel_tokens) build_key_operands(per_channel_keys);
+  // The wide steps build them once their first stages' copies are in flight.
+  if (kGeneral && !channel_tokens) build_key_operands(per_channel_keys);
 
   // The lane's heads: the maxima (every lane of the heads alike) and the
   // sums of this lane's own weights (over the heads' lanes at the end).
@@ -690,6 +704,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     if (to_issue > 0) issue();
     copy_async_commit();
   }
+  // Under the first stages' round trip to memory (the wide steps, whose
+  // keys are per token).
+  if constexpr (!kGeneral) build_key_operands(per_channel_keys);
   // The step's append where its token's stage comes later (above); the
   // next stage's page ids read again (the append may have opened its page).
   if constexpr (kStepAppend) {
