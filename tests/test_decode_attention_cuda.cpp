@@ -140,9 +140,10 @@ std::vector<Case> cases() {
     split512.tokens_per_split = 512;
     split512.lengths = {65, 700, 2049, 3001};
     all.push_back(split512);
-    // Queries off a 16-byte boundary: the element-wise loads (load_rows),
-    // into the queries where the keys have no rotation, else into the raw
-    // rows rotated after.
+    // Queries off a 16-byte boundary: load_rows's element-wise loads, in
+    // the int8 kernel straight into the queries (keys without a rotation),
+    // in the exact kernel beside kvquant's lookup kernel into the raw rows
+    // rotated after.
     Case shifted = make_case("int8_steps64_rtn_2bit_d128_gqa4_bf16io_misaligned_queries", QuantMethod::kRtn, 2, 128, 8);
     shifted.io = ElementType::kBFloat16;
     shifted.misaligned_queries = true;
