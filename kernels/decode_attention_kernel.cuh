@@ -117,7 +117,8 @@ __device__ inline float load_io(ElementType io, const void* base, int64_t index)
 }
 
 // Rows first_row .. first_row + rows of a [.][D] tensor of `io` elements
-// (queries) into out[padded_rows][D] as float32 (16-byte aligned), the rows
+// (raw queries, or float32 ones rotated by rotate_group_queries_kernel)
+// into out[padded_rows][D] as float32 (16-byte aligned), the rows
 // past `rows` zero: the block's threads together, 8 elements a thread and
 // round, each round's loads (load_elements: one or two 16-byte loads where
 // the rows are 16-byte aligned) issued before its stores. A block of 128

@@ -296,38 +296,6 @@ __device__ inline void add_value_outliers(const PagedTensor& cache, int32_t slot
 
 // ---------------------------------------------------------------- block parts
 
-// The kMaxTensorCoreGroup x D query elements of a block, rows past `group`
-// zero: element (h, d) = load(h, d), handed to store(h, d, x). The
-// block's threads together, each taking every blockDim.x-th element, with
-// kInFlight loads issued before the first store: one round trip for a
-// block of 128 threads at GQA <= 4, where a loop of dependent load-store
-// pairs takes four (the raw queries' loop was ~1.7 us of the int8 kernel's
-// ~11 us that do not scale with the context,
-// bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md). Used for the
-// rotated queries (int2-rot at 4K batch 8: -1.0 to -1.5 us on an H100);
-// the raw ones, batched through load_io's three element types, measured
-// 0.2-1 us slower (rtn: a longer prologue;
-// bench/results/decode-query-loads-h100-2026-12-05.json); the int8
-// kernel reads them in 16-byte chunks instead (load_rows).
-template <int D, int kInFlight = 4, typename Load, typename Store>
-__device__ inline void for_group_elements(int group, Load load, Store store) {
-  constexpr int kElements = kMaxTensorCoreGroup * D;
-  const int threads = static_cast<int>(blockDim.x);
-  for (int first = static_cast<int>(threadIdx.x); first < kElements; first += kInFlight * threads) {
-    float x[kInFlight];
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const int i = first + k * threads, h = i / D, d = i % D;
-      x[k] = i < kElements && h < group ? load(h, d) : 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      const int i = first + k * threads;
-      if (i < kElements) store(i / D, i % D, x[k]);
-    }
-  }
-}
-
 // The GQA group's queries (state_base + h, h < group) into `raw`, rotated by
 // the keys' rotation into `query` (float32, 6.3 step 1; heads past the group
 // are the mma's padding: zero), and `out_count` floats of `out` zeroed; the
@@ -350,8 +318,7 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
   if (rotated != nullptr) {
     wait_for_prerequisite_grid();
     allow_dependent_launch();
-    for_group_elements<D>(group, [&](int h, int d) { return rotated[(state_base + h) * D + d]; },
-                          [&](int h, int d, float x) { query[h][d] = x; });
+    load_rows<D>(ElementType::kFloat32, rotated, state_base, group, kMaxTensorCoreGroup, &query[0][0]);
     __syncthreads();
     return;
   }
