@@ -65,6 +65,7 @@ bool running_under_ci() {
 }
 
 bool python_has_h5py() { return std::system("python3 -c 'import h5py, numpy' >/dev/null 2>&1") == 0; }
+bool python_has_numpy() { return std::system("python3 -c 'import numpy' >/dev/null 2>&1") == 0; }
 
 std::filesystem::path scratch_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /

@@ -25,6 +25,8 @@ bool running_under_ci();
 
 // python3 can import h5py and numpy (the independent HDF5 readers).
 bool python_has_h5py();
+// python3 can import numpy (the independent reader of the runtime pages).
+bool python_has_numpy();
 
 struct CommandResult {
   int exit_code;
@@ -46,4 +48,13 @@ CommandResult run_kvforge(const std::string& args, const std::string& environmen
       if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks h5py or numpy"; \
       GTEST_SKIP() << "python3 with h5py and numpy is not installed";                           \
     }                                                                                           \
+  } while (false)
+
+// In a test body: skip without python3's numpy, or fail under CI.
+#define KVFORGE_REQUIRE_NUMPY()                                                        \
+  do {                                                                                 \
+    if (!::kvforge::testing::python_has_numpy()) {                                     \
+      if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks numpy"; \
+      GTEST_SKIP() << "python3 with numpy is not installed";                           \
+    }                                                                                  \
   } while (false)

@@ -1,0 +1,304 @@
+// docs/runtime-layout.md says it specifies the runtime cache's bytes
+// "precisely enough that another engine could read the same pages". This
+// test holds it to that: for every layout of tests/kernel_cases.h, a
+// QuantizedKVCache on the CPU reference is fed prefill chunks and decoding
+// steps of three sequences; its pools, page tables and per-layer constants
+// are written out as raw bytes with the configuration in the page's terms,
+// and tests/check_runtime_pages.py, written from the page alone (it shares
+// no code with kernels/), reads every token of every sequence back. Its
+// values, codes, outlier positions and exact/quantized flags must equal
+// read_token's bit for bit. The CUDA kernels store the same bytes as the
+// CPU reference (tests/test_append_cuda.cpp), so the page describes theirs
+// too. A flipped code byte and a wrong page-table entry must make the reader
+// fail: the comparison can.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/quantized_kv_cache.h"
+#include "model/rope.h"
+#include "tests/kernel_activations.h"
+#include "tests/kernel_cases.h"
+#include "tests/test_paths.h"
+
+namespace kvforge {
+namespace {
+
+namespace fs = std::filesystem;
+using kernels::ElementType;
+using kernels::TensorKind;
+using Case = testing::KernelCase;
+
+constexpr int64_t kKvHeads = 2, kLayers = 2, kSequences = 3;
+
+std::string element_name(ElementType element) {
+  switch (element) {
+    case ElementType::kFloat16: return "fp16";
+    case ElementType::kBFloat16: return "bf16";
+    case ElementType::kFloat32: return "fp32";
+  }
+  return "?";
+}
+
+std::string grouping_name(kernels::ScaleGrouping grouping) {
+  switch (grouping) {
+    case kernels::ScaleGrouping::kPerToken: return "per_token";
+    case kernels::ScaleGrouping::kPerChannelTokens: return "per_channel_tokens";
+    case kernels::ScaleGrouping::kPerChannelOffline: return "per_channel_offline";
+    case kernels::ScaleGrouping::kPerTokenAllHeads: return "per_token_all_heads";
+  }
+  return "?";
+}
+
+const char* kind_name(TensorKind kind) { return kind == TensorKind::kKeys ? "keys" : "values"; }
+
+template <class T>
+std::string bytes_of(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+// Prefill chunks and decoding steps over three sequences, interleaved so
+// that their pages interleave in the pool: across groups, flushes, page and
+// outlier-page boundaries (the long schedule reaches 2003 and 704 tokens).
+std::vector<std::vector<std::pair<int, int64_t>>> schedule(bool long_context) {
+  std::vector<std::vector<std::pair<int, int64_t>>> steps;
+  if (long_context) {
+    steps.push_back({{0, 1000}, {1, 700}});
+    steps.push_back({{0, 1000}, {2, 9}});
+    for (int i = 0; i < 3; ++i) steps.push_back({{0, 1}, {1, 1}, {2, 1}});
+    return steps;
+  }
+  steps.push_back({{0, 37}, {1, 5}});
+  for (int i = 0; i < 4; ++i) steps.push_back({{0, 1}, {1, 1}});
+  steps.push_back({{1, 20}, {0, 1}, {2, 33}});
+  for (int i = 0; i < 8; ++i) steps.push_back({{2, 1}, {0, 1}, {1, 1}});
+  steps.push_back({{0, 41}, {2, 1}});
+  for (int i = 0; i < 6; ++i) steps.push_back({{0, 1}, {1, 1}, {2, 1}});
+  return steps;
+}
+
+// What a case wrote and what read_token says of it.
+struct Dump {
+  fs::path dir;
+  int64_t tokens = 0, quantized = 0, outliers = 0;  // summed over layers, kinds and sequences
+  int32_t first_page = -1;                          // sequence 0's first page id
+  int64_t key_page_bytes = 0;
+};
+
+// Feeds the case's cache and writes dir/manifest.json with the raw pools,
+// the page table and read_token's readback of every token.
+Dump write_dump(const Case& c, const fs::path& dir) {
+  at::manual_seed(23);
+  const RopeConfig rope_config;
+  const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
+  const QuantizerConfig config = testing::fitted_kernel_config(c.name, c.fit, kLayers, kKvHeads, c.head_dim, c.element,
+                                                               c.key_rotation, c.value_rotation, c.key_centre, rope);
+  kernels::CacheOptions options;
+  options.page_size = c.page_size;
+  options.element = c.element;
+  options.max_sequences = 4;
+  options.max_context = c.long_context ? 4096 : 256;
+  options.outlier_page_entries = 64;
+  kernels::QuantizedKVCache cache(config, testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope_config),
+                                  options);
+
+  const auto steps = schedule(c.long_context);
+  std::vector<int64_t> totals(kSequences, 1);
+  for (const auto& step : steps) {
+    for (auto [seq, n] : step) totals[seq] += n;
+  }
+  std::vector<std::vector<testing::KernelActivations>> inputs(kSequences);
+  for (int s = 0; s < kSequences; ++s) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      inputs[s].push_back(testing::synthetic_activations(1, kKvHeads, totals[s], c.head_dim, 1.0 + 0.5 * layer,
+                                                         c.element, rope));
+    }
+  }
+  std::vector<int32_t> ids(kSequences, -1);
+  std::vector<int64_t> lengths(kSequences, 0);
+  for (const auto& step : steps) {
+    kernels::AppendBatch batch;
+    for (auto [seq, n] : step) {
+      if (ids[seq] < 0) ids[seq] = cache.add_sequence();
+      batch.sequences.push_back(ids[seq]);
+      batch.positions.push_back(lengths[seq]);
+      batch.tokens.push_back(n);
+    }
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      std::vector<float> keys, values;
+      for (auto [seq, n] : step) {
+        const testing::KernelActivations& a = inputs[seq][layer];
+        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
+        const at::Tensor v = a.values.narrow(2, lengths[seq], n);
+        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
+        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
+        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+      }
+      batch.keys = keys.data();
+      batch.values = values.data();
+      cache.append(layer, batch);
+    }
+    for (auto [seq, n] : step) lengths[seq] += n;
+  }
+
+  Dump dump;
+  dump.dir = dir;
+  fs::create_directories(dir);
+  nlohmann::json manifest;
+  manifest["case"] = c.name;
+  manifest["max_sequences"] = options.max_sequences;
+  const std::vector<int32_t> page_table = cache.copy_page_table();
+  testing::write_file(dir / "page_table.bin", bytes_of(page_table));
+  manifest["page_table"] = "page_table.bin";
+  manifest["sequences"] = nlohmann::json::array();
+  for (int s = 0; s < kSequences; ++s) manifest["sequences"].push_back({{"slot", ids[s]}, {"length", lengths[s]}});
+  const int64_t stride = static_cast<int64_t>(page_table.size()) / options.max_sequences;
+  dump.first_page = page_table[static_cast<size_t>(ids[0] * stride)];
+  dump.key_page_bytes = cache.layout(TensorKind::kKeys).page_bytes;
+
+  manifest["tensors"] = nlohmann::json::array();
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
+      const std::string prefix = "layer" + std::to_string(layer) + "_" + kind_name(kind) + "_";
+      const kernels::TensorLayoutSpec& spec = cache.layout(kind).spec;
+      const TensorQuantizer& q = kind == TensorKind::kKeys ? config.layers[layer].keys : config.layers[layer].values;
+      nlohmann::json t;
+      t["layer"] = layer;
+      t["kind"] = kind_name(kind);
+      // The configuration, as the page names it (sections 1-5).
+      t["kv_heads"] = spec.kv_heads;
+      t["head_dim"] = spec.head_dim;
+      t["bits"] = spec.bits;
+      t["page_size"] = spec.page_size;
+      t["grouping"] = grouping_name(spec.grouping);
+      t["group"] = spec.group;
+      t["element"] = element_name(spec.element);
+      t["sink_tokens"] = spec.sink_tokens;
+      t["residual_tokens"] = spec.residual_tokens;
+      t["window_rule"] = spec.window_rule == kernels::WindowRule::kSliding ? "sliding" : "block_flush";
+      t["outliers"] = spec.outliers;
+      t["outlier_page_entries"] = spec.outlier_page_entries;
+      // The layer's constants as the artifact stores them (section 5
+      // derives the level table from them).
+      t["grid"] = q.grid;
+      t["clip_ratio"] = static_cast<double>(q.clip_ratio);
+      t["channel_scale"] = q.channel_scale.values;
+      t["channel_offset"] = q.channel_offset.values;
+      const kernels::TensorPoolCopy pools = cache.copy_pools(layer, kind);
+      testing::write_file(dir / (prefix + "pages.bin"), bytes_of(pools.pages));
+      testing::write_file(dir / (prefix + "exact.bin"), bytes_of(pools.exact));
+      testing::write_file(dir / (prefix + "outlier_pages.bin"), bytes_of(pools.outlier_pages));
+      testing::write_file(dir / (prefix + "outlier_page_table.bin"), bytes_of(pools.outlier_page_table));
+      t["pages"] = prefix + "pages.bin";
+      t["exact"] = prefix + "exact.bin";
+      t["outlier_pages"] = prefix + "outlier_pages.bin";
+      t["outlier_page_table"] = prefix + "outlier_page_table.bin";
+      // read_token's readback, sequences in manifest order, tokens in order.
+      std::vector<float> values;
+      std::vector<uint8_t> codes, outliers, quantized;
+      for (int s = 0; s < kSequences; ++s) {
+        for (int64_t token = 0; token < lengths[s]; ++token) {
+          const kernels::TokenReadout r = cache.read_token(layer, kind, ids[s], token);
+          values.insert(values.end(), r.values.begin(), r.values.end());
+          codes.insert(codes.end(), r.codes.begin(), r.codes.end());
+          outliers.insert(outliers.end(), r.outliers.begin(), r.outliers.end());
+          quantized.push_back(r.quantized ? 1 : 0);
+          ++dump.tokens;
+          dump.quantized += r.quantized ? 1 : 0;
+          for (uint8_t o : r.outliers) dump.outliers += o;
+        }
+      }
+      testing::write_file(dir / (prefix + "expected_values.bin"), bytes_of(values));
+      testing::write_file(dir / (prefix + "expected_codes.bin"), bytes_of(codes));
+      testing::write_file(dir / (prefix + "expected_outliers.bin"), bytes_of(outliers));
+      testing::write_file(dir / (prefix + "expected_quantized.bin"), bytes_of(quantized));
+      t["expected"] = {{"values", prefix + "expected_values.bin"},
+                       {"codes", prefix + "expected_codes.bin"},
+                       {"outliers", prefix + "expected_outliers.bin"},
+                       {"quantized", prefix + "expected_quantized.bin"}};
+      manifest["tensors"].push_back(t);
+    }
+  }
+  testing::write_file(dir / "manifest.json", manifest.dump(1));
+  return dump;
+}
+
+struct ReaderResult {
+  int exit_code = -1;
+  std::string text;  // stdout, then stderr
+};
+
+ReaderResult run_reader(const fs::path& dir) {
+  const auto script = testing::fixtures_dir().parent_path() / "check_runtime_pages.py";
+  const std::string command = "python3 '" + script.string() + "' '" + dir.string() + "' 2>&1";
+  ReaderResult result;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) result.text.append(buffer, n);
+  const int status = ::pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+class RuntimePagesReader : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RuntimePagesReader, ReadsEveryTokenAsTheReferenceDoes) {
+  KVFORGE_REQUIRE_NUMPY();
+  const Case& c = GetParam();
+  const Dump dump = write_dump(c, testing::scratch_dir("runtime-pages-" + c.name));
+  ASSERT_GT(dump.quantized, 0);
+  const ReaderResult result = run_reader(dump.dir);
+  ASSERT_EQ(result.exit_code, 0) << result.text;
+  // The reader reports what it compared: every token, and as many quantized
+  // tokens and outlier elements as read_token saw (a reader that skipped
+  // them would not be caught by the comparison alone).
+  const nlohmann::json report = nlohmann::json::parse(result.text);
+  EXPECT_EQ(report.at("tokens").get<int64_t>(), dump.tokens);
+  EXPECT_EQ(report.at("quantized").get<int64_t>(), dump.quantized);
+  EXPECT_EQ(report.at("outliers").get<int64_t>(), dump.outliers);
+  if (c.fit.outlier_fraction > 0) EXPECT_GT(dump.outliers, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, RuntimePagesReader, ::testing::ValuesIn(testing::layout_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// The comparison can fail: a flipped code byte of sequence 0's first page,
+// and a page-table entry pointing at another sequence's page.
+TEST(RuntimePagesReaderCatches, AFlippedCodeAndAWrongPageTableEntry) {
+  KVFORGE_REQUIRE_NUMPY();
+  const Case c = testing::make_kernel_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
+  const Dump dump = write_dump(c, testing::scratch_dir("runtime-pages-catches"));
+  ASSERT_EQ(run_reader(dump.dir).exit_code, 0);
+
+  const fs::path pages = dump.dir / "layer0_keys_pages.bin";
+  const std::string original = testing::read_file(pages);
+  std::string flipped = original;
+  flipped[static_cast<size_t>(dump.first_page * dump.key_page_bytes)] ^= 0x01;
+  testing::write_file(pages, flipped);
+  ReaderResult result = run_reader(dump.dir);
+  EXPECT_EQ(result.exit_code, 1) << result.text;
+  EXPECT_NE(result.text.find("layer 0 keys"), std::string::npos) << result.text;
+  testing::write_file(pages, original);
+
+  const fs::path table = dump.dir / "page_table.bin";
+  std::string entries = testing::read_file(table);
+  int32_t first = 0;
+  std::memcpy(&first, entries.data(), 4);  // slot 0's first entry (sequence 0 took slot 0)
+  const int32_t other = first + 1;
+  std::memcpy(entries.data(), &other, 4);
+  testing::write_file(table, entries);
+  result = run_reader(dump.dir);
+  EXPECT_EQ(result.exit_code, 1) << result.text;
+}
+
+}  // namespace
+}  // namespace kvforge
