@@ -22,16 +22,33 @@ readback gave for every token of every sequence, in sequence order
 ([tokens][kv_heads][head_dim] float32 values, uint8 codes and outlier flags,
 [tokens] uint8 quantized flags).
 
-Every token is read back from the bytes as the page says (exact store,
-pages, group parameters, level table, dequantization in float32 with one
-fma, outlier entries put back) and must equal the expected readback bit for
-bit. Prints {"tokens", "quantized", "outliers"} (what it compared) as JSON;
-on the first difference prints "DIR: layer L KIND sequence S token T: ..."
-to stderr and exits 1.
+Each tensor also names what append was fed ("input", [tokens][kv_heads]
+[head_dim] float32 in sequence order, of "input_element") and what section
+6.1 needs besides: "outlier_rule", "outlier_fraction", "outlier_tau",
+"outlier_low", "outlier_high", "encode_grid" and "rotation" ({"form": "none"
+| "matrix" | "pair_angles", "matrix": file of [kv_heads][D][D] float32,
+"centre", "angles"}).
+
+Reading (sections 1-5, 6.2): every token is read back from the bytes as the
+page says (exact store, pages, group parameters, level table, dequantization
+in float32 with one fma, outlier entries put back) and must equal the
+expected readback bit for bit.
+Writing (section 6.1): from the inputs, in float64 as the page says (element
+rounding, rotation, outliers, groups, codes), every token's stored bytes
+are predicted and must be what the pools hold at the page's positions: the
+exact rows of the sink and the window, the codes of every token past the
+sink whose group is complete (window tokens included), the group (min, max)
+pairs and each CSR row's outlier entries (index, value).
+
+Prints {"tokens", "quantized", "outliers", "exact_rows", "codes", "pairs",
+"outlier_entries"} (what it compared) as JSON; on the first difference
+prints "DIR: layer L KIND sequence S token T: ..." to stderr and exits 1.
 """
 import json
+import math
 import os
 import sys
+from fractions import Fraction
 
 import numpy as np
 
@@ -84,6 +101,90 @@ def fma32(b, level, a):
     tie = (s != r64) & (s == mid) & (e != 0)
     up = np.sign(e) == np.sign(n.astype(F64) - r64)
     return np.where(tie & up, n, r).astype(F32)
+
+
+# Section 2: one rounding from float64 to the element type, to nearest,
+# ties to even, overflow to infinity, subnormals kept.
+FORMATS = {"fp16": (11, -14, 65504.0), "bf16": (8, -126, (2 - 2.0 ** -7) * 2.0 ** 127)}
+
+
+def to_element(x, element):
+    x = np.asarray(x, dtype=F64)
+    if element == "fp32":
+        return x.astype(F32).astype(F64)
+    precision, min_exponent, largest = FORMATS[element]
+    magnitude = np.abs(x)
+    _, exponent = np.frexp(magnitude)  # magnitude = m 2^exponent, m in [0.5, 1)
+    binade = np.maximum(exponent - 1, min_exponent)
+    quantum = np.ldexp(1.0, binade - (precision - 1))
+    rounded = np.rint(magnitude / quantum) * quantum  # exact division by a power of two; rint: half to even
+    rounded = np.where(rounded > largest, np.inf, rounded)
+    return np.copysign(np.where(magnitude == 0, 0.0, rounded), x)
+
+
+# float64 fma(a, b, c), rounded once: the exact product (Veltkamp split,
+# Dekker product), its sum with c (TwoSum), the two low parts added with
+# rounding to odd, then one rounding to nearest (Boldo and Melquiond,
+# "Emulation of FMA and correctly rounded sums: proved algorithms using
+# rounding to odd", 2008). Checked against exact rationals in self_check().
+def two_sum(a, b):
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def split(a):
+    c = 134217729.0 * a  # 2^27 + 1
+    high = c - (c - a)
+    return high, a - high
+
+
+def fma64(a, b, c):
+    a, b, c = (np.asarray(x, dtype=F64) for x in (a, b, c))
+    p = a * b
+    ah, al = split(a)
+    bh, bl = split(b)
+    pl = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    th, tl = two_sum(c, p)
+    v, e = two_sum(tl, pl)
+    even = (v.view(np.int64) & 1) == 0
+    v = np.where((e != 0) & even, np.nextafter(v, np.where(e > 0, np.inf, -np.inf)), v)
+    return th + v
+
+
+def self_check():
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(4000) * np.exp2(rng.integers(-20, 20, 4000))
+    b = rng.standard_normal(4000)
+    c = np.where(rng.random(4000) < 0.5, -a * b, rng.standard_normal(4000))  # cancellations too
+    got = fma64(a, b, c)
+    for i in range(a.size):
+        want = float(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])))
+        if got[i] != want:
+            raise Mismatch("fma64 emulation: fma(%r, %r, %r) = %r, exactly rounded %r" % (a[i], b[i], c[i], got[i], want))
+
+
+def top_bottom_mask(y, k):
+    """The k largest (value descending, index ascending) and the k smallest
+    (value ascending, index ascending) of one span; all of it when 2k >= n."""
+    n = y.size
+    mask = np.zeros(n, dtype=bool)
+    if k <= 0:
+        return mask
+    if 2 * k >= n:
+        mask[:] = True
+        return mask
+    index = np.arange(n)
+    mask[np.lexsort((index, -y))[:k]] = True
+    mask[np.lexsort((index, y))[:k]] = True
+    return mask
+
+
+def tau_mask(y, tau):
+    n = y.size
+    mean = np.cumsum(y)[-1] / n  # sums in channel order
+    std = np.sqrt(np.cumsum((y - mean) * (y - mean))[-1] / n)
+    return np.abs(y - mean) > std * tau
 
 
 class Tensor:
@@ -169,6 +270,95 @@ class Tensor:
         if self.grouping == "per_channel_offline":
             self.scale = np.array(t["channel_scale"], dtype=F32).reshape(H, D)
             self.offset = np.array(t["channel_offset"], dtype=F32).reshape(H, D)
+
+        # Section 6.1's constants (section 5).
+        self.input_element = t["input_element"]
+        self.outlier_rule = t["outlier_rule"]
+        if self.outliers and self.outlier_rule == "token_top_bottom":
+            n = self.span_size
+            f = t["outlier_fraction"]
+            self.top_bottom_k = n - int(np.ceil((n - 1) * (1 - f / 2)))
+        self.tau = float(F32(t["outlier_tau"]))
+        if self.outlier_rule == "channel_thresholds":
+            self.low = np.array(t["outlier_low"], dtype=F32).astype(F64).reshape(H, D)
+            self.high = np.array(t["outlier_high"], dtype=F32).astype(F64).reshape(H, D)
+        encode = t["encode_grid"] or grid
+        if grid:
+            e64 = np.array(encode, dtype=F32).astype(F64)
+            self.midpoints = (e64[:-1] + e64[1:]) / 2
+        rotation = t["rotation"]
+        self.rotation = rotation["form"]
+        if self.rotation == "matrix":
+            with open(os.path.join(directory, rotation["matrix"]), "rb") as f:
+                self.matrix = np.frombuffer(f.read(), dtype="<f4").astype(F64).reshape(H, D, D)
+            centre = rotation.get("centre") or []
+            self.centre = (np.array(centre, dtype=F32).astype(F64).reshape(H, D) if centre
+                           else np.zeros((H, D), dtype=F64))
+        elif self.rotation == "pair_angles":
+            angles = np.array(rotation["angles"], dtype=F32).reshape(H, D // 2)
+            self.cos = np.array([[math.cos(float(a)) for a in row] for row in angles], dtype=F64)
+            self.sin = np.array([[math.sin(float(a)) for a in row] for row in angles], dtype=F64)
+
+    # Section 6.1 steps 1-2: y of every token [T][Hkv][D], float64 element values.
+    def stored_rows(self, inputs):
+        x = to_element(inputs.astype(F64), self.element)
+        if self.rotation == "none":
+            return x
+        y = np.empty_like(x)
+        D = self.dim
+        for h in range(self.heads):
+            if self.rotation == "matrix":
+                acc = np.zeros((x.shape[0], D), dtype=F64)
+                for i in range(D):
+                    acc = fma64((x[:, h, i] - self.centre[h, i])[:, None], self.matrix[h, i][None, :], acc)
+                y[:, h] = acc
+            else:
+                low, high = x[:, h, :D // 2], x[:, h, D // 2:]
+                y[:, h, :D // 2] = fma64(low, self.cos[h], -(high * self.sin[h]))
+                y[:, h, D // 2:] = fma64(low, self.sin[h], high * self.cos[h])
+        return to_element(y, self.element)
+
+    # Step 4: the token's outliers [Hkv][D].
+    def outlier_mask(self, y):
+        H, D = self.heads, self.dim
+        if not self.outliers:
+            return np.zeros((H, D), dtype=bool)
+        if self.outlier_rule == "channel_thresholds":
+            return (y < self.low) | (y > self.high)
+        if self.outlier_rule == "token_top_bottom":
+            if self.spans == 1:
+                return top_bottom_mask(y.reshape(-1), self.top_bottom_k).reshape(H, D)
+            return np.stack([top_bottom_mask(y[h], self.top_bottom_k) for h in range(H)])
+        if self.outlier_rule == "token_tau":
+            return np.stack([tau_mask(y[h], self.tau) for h in range(H)])
+        raise Mismatch("outlier rule " + self.outlier_rule)
+
+    # Step 5: a group's stored pair and its codes.
+    def group_pair(self, y, inliers):
+        if not inliers.any():
+            return 0.0, 0.0
+        return float(y[inliers].min()), float(y[inliers].max())
+
+    def level_codes(self, normalized):
+        return np.searchsorted(self.midpoints, normalized, side="left")  # #{k : midpoint_k < n}
+
+    def runtime_codes(self, y, pair):
+        top = (1 << self.bits) - 1
+        clip = float(self.clip)
+        lo, hi = pair[0] * clip, pair[1] * clip
+        if not hi > lo:
+            return np.zeros(y.shape, dtype=np.int64)
+        if not self.non_uniform:
+            step = (hi - lo) / top
+            return np.clip(np.rint((y - lo) / step), 0, top).astype(np.int64)
+        return self.level_codes((y - (lo + hi) / 2) / ((hi - lo) / 2))
+
+    def offline_codes(self, y, h):
+        top = (1 << self.bits) - 1
+        n = (y - self.offset[h].astype(F64)) / self.scale[h].astype(F64)
+        if self.non_uniform:
+            return self.level_codes(n)
+        return np.clip(np.rint((n + 1) * top / 2), 0, top).astype(np.int64)
 
     # Section 1: which tokens are read from the pages.
     def quantized_range(self, tokens):
@@ -281,13 +471,129 @@ class Tensor:
                 flags[h, d] = 1
 
 
+def same_bits(a, b):
+    return np.array_equal(np.asarray(a, dtype=F32).view(np.uint32), np.asarray(b, dtype=F32).view(np.uint32))
+
+
+def stored_entries(tensor, page, slot, i, span):
+    """(index, value) of the CSR row of in-page token i and span, in order."""
+    E, w, e = tensor.entries, tensor.index_bytes, tensor.e
+    pointers = page[tensor.row_pointers_offset:tensor.page_bytes].view("<u4")
+    r = i * tensor.spans + span
+    entries = []
+    for k in range(int(pointers[r]), int(pointers[r + 1])):
+        page_id = int(tensor.outlier_table[slot, k // E])
+        op = tensor.outlier_pages[page_id * tensor.outlier_page_bytes:(page_id + 1) * tensor.outlier_page_bytes]
+        j = k % E
+        index = int(op[j * w:(j + 1) * w].view("<u2" if w == 2 else "<u4")[0])
+        entries.append((index, float(elements(op[E * w + j * e:E * w + (j + 1) * e], tensor.element)[0])))
+    return entries
+
+
+def check_token_outliers(tensor, page, slot, i, y, mask, where):
+    """The token's CSR rows hold exactly its outliers, by ascending index."""
+    if not tensor.outliers:
+        return 0
+    count = 0
+    for span in range(tensor.spans):
+        if tensor.spans == 1:
+            flat = np.flatnonzero(mask.reshape(-1))
+            want = [(int(n), float(F32(y.reshape(-1)[n]))) for n in flat]
+        else:
+            want = [(int(d), float(F32(y[span, d]))) for d in np.flatnonzero(mask[span])]
+        got = stored_entries(tensor, page, slot, i, span)
+        if got != want:
+            raise Mismatch("%s: span %d outlier entries %s, predicted %s" % (where, span, got[:6], want[:6]))
+        count += len(want)
+    return count
+
+
+def check_writes(tensor, page_table, slot, rows, tokens, name, report):
+    """Section 6.1: what append must have stored for the sequence's tokens."""
+    H, D, P, sink = tensor.heads, tensor.dim, tensor.page_size, tensor.sink
+    begin, end = tensor.quantized_range(tokens)
+    for t in range(tokens):
+        if begin <= t < end:
+            continue
+        ring_row = t if t < sink else sink + (t - sink) % tensor.ring
+        if not same_bits(tensor.exact_row(slot, ring_row), rows[t]):
+            raise Mismatch("%s token %d: exact row %d differs from the token's rotated, rounded input"
+                           % (name, t, ring_row))
+        report["exact_rows"] += 1
+
+    def place(t):
+        s = t - sink
+        return tensor.page(int(page_table[slot, s // P])), s % P
+
+    def expect_codes(page, i, h, codes, t):
+        stored = tensor.codes(page, h, i)
+        if not np.array_equal(stored, codes):
+            d = int(np.flatnonzero(stored != codes)[0])
+            raise Mismatch("%s token %d: head %d channel %d stored code %d, predicted %d"
+                           % (name, t, h, d, stored[d], codes[d]))
+        report["codes"] += 1
+
+    def expect_pair(page, index, pair, t):
+        stored = tensor.pair(page, index)
+        if not same_bits(stored, pair):
+            raise Mismatch("%s token %d: pair %d stored (%r, %r), predicted %r"
+                           % (name, t, index, float(stored[0]), float(stored[1]), pair))
+        report["pairs"] += 1
+
+    if tensor.grouping == "per_channel_tokens":
+        G, W = tensor.group, tensor.pairs_per_slot
+        groups = max(tokens - sink, 0) // G
+        for g in range(groups):
+            first = sink + g * G
+            y = rows[first:first + G]  # [G][Hkv][D]
+            masks = np.stack([tensor.outlier_mask(y[j]) for j in range(G)])
+            codes = np.empty(y.shape, dtype=np.int64)
+            for h in range(H):
+                for d in range(D):
+                    pair = tensor.group_pair(y[:, h, d], ~masks[:, h, d])
+                    codes[:, h, d] = tensor.runtime_codes(y[:, h, d], pair)
+                    sigma = g * G * W + h * D + d
+                    pair_page = tensor.page(int(page_table[slot, sigma // (P * W)]))
+                    expect_pair(pair_page, sigma % (P * W), pair, first)
+            for j in range(G):
+                page, i = place(first + j)
+                for h in range(H):
+                    expect_codes(page, i, h, codes[j, h], first + j)
+                report["outlier_entries"] += check_token_outliers(
+                    tensor, page, slot, i, y[j], masks[j], "%s token %d" % (name, first + j))
+        return
+    for t in range(sink, tokens):
+        y = rows[t]
+        mask = tensor.outlier_mask(y)
+        page, i = place(t)
+        if tensor.grouping == "per_token_all_heads":
+            pair = tensor.group_pair(y, ~mask)
+            expect_pair(page, i, pair, t)
+        for h in range(H):
+            if tensor.grouping == "per_channel_offline":
+                codes = tensor.offline_codes(y[h], h)
+            elif tensor.grouping == "per_token_all_heads":
+                codes = tensor.runtime_codes(y[h], pair)
+            else:
+                Gc = tensor.group_channels
+                codes = np.empty(D, dtype=np.int64)
+                for g in range(D // Gc):
+                    part = slice(g * Gc, (g + 1) * Gc)
+                    group_pair = tensor.group_pair(y[h, part], ~mask[h, part])
+                    codes[part] = tensor.runtime_codes(y[h, part], group_pair)
+                    expect_pair(page, (h * P + i) * (D // Gc) + g, group_pair, t)
+            expect_codes(page, i, h, codes, t)
+        report["outlier_entries"] += check_token_outliers(tensor, page, slot, i, y, mask, "%s token %d" % (name, t))
+
+
 def check(directory):
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
     max_sequences = manifest["max_sequences"]
     with open(os.path.join(directory, manifest["page_table"]), "rb") as f:
         page_table = np.frombuffer(f.read(), dtype="<i4").reshape(max_sequences, -1)
-    report = {"tokens": 0, "quantized": 0, "outliers": 0}
+    report = {"tokens": 0, "quantized": 0, "outliers": 0, "exact_rows": 0, "codes": 0, "pairs": 0,
+              "outlier_entries": 0}
     for t in manifest["tensors"]:
         tensor = Tensor(directory, t, max_sequences)
         H, D = tensor.heads, tensor.dim
@@ -300,6 +606,17 @@ def check(directory):
         want_codes = expected("codes", np.uint8).reshape(-1, H, D)
         want_outliers = expected("outliers", np.uint8).reshape(-1, H, D)
         want_quantized = expected("quantized", np.uint8)
+        with open(os.path.join(directory, t["input"]), "rb") as f:
+            inputs = np.frombuffer(f.read(), dtype="<f4").reshape(-1, H, D)
+        if tensor.input_element != "fp32":
+            raise Mismatch("input element " + tensor.input_element)
+        first = 0
+        for number, sequence in enumerate(manifest["sequences"]):
+            tokens = sequence["length"]
+            rows = tensor.stored_rows(inputs[first:first + tokens])
+            check_writes(tensor, page_table, sequence["slot"], rows, tokens,
+                         "%s sequence %d" % (tensor.name, number), report)
+            first += tokens
         row = 0
         for number, sequence in enumerate(manifest["sequences"]):
             slot, tokens = sequence["slot"], sequence["length"]
@@ -353,6 +670,7 @@ def main():
         return 2
     directory = sys.argv[1]
     try:
+        self_check()
         report = check(directory)
     except Mismatch as problem:
         print("%s: %s" % (directory, problem), file=sys.stderr)

@@ -5,15 +5,20 @@
 // steps of three sequences; its pools, page tables and per-layer constants
 // are written out as raw bytes with the configuration in the page's terms,
 // and tests/check_runtime_pages.py, written from the page alone (it shares
-// no code with kernels/), reads every token of every sequence back. Its
-// values, codes, outlier positions and exact/quantized flags must equal
-// read_token's bit for bit. The CUDA kernels store the same bytes as the
-// CPU reference (tests/test_append_cuda.cpp), so the page describes theirs
-// too. A flipped code byte and a wrong page-table entry must make the reader
-// fail: the comparison can.
+// no code with kernels/), reads every token of every sequence back (sections
+// 1-5, 6.2): its values, codes, outlier positions and exact/quantized flags
+// must equal read_token's bit for bit. From the appended inputs it also
+// predicts, in float64 as section 6.1 says, every byte append stored: the
+// sink's and window's exact rows, every code row past the sink, the group
+// (min, max) pairs and the outlier entries, each at the page's position.
+// The CUDA kernels store the same bytes as the CPU reference
+// (tests/test_append_cuda.cpp), so the page describes theirs too. A flipped
+// code byte, a wrong page-table entry and an input the pages were not
+// written from must make it fail: the comparisons can.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -89,6 +94,10 @@ std::vector<std::vector<std::pair<int, int64_t>>> schedule(bool long_context) {
 struct Dump {
   fs::path dir;
   int64_t tokens = 0, quantized = 0, outliers = 0;  // summed over layers, kinds and sequences
+  // What append stored, by the layout's formulas: exact rows read (sink and
+  // window), code rows (a token and KV head past the sink whose group is
+  // complete) and outlier entries (cache.outlier_entries).
+  int64_t exact_rows = 0, code_rows = 0, outlier_entries = 0;
   int32_t first_page = -1;                          // sequence 0's first page id
   int64_t key_page_bytes = 0;
 };
@@ -148,6 +157,17 @@ Dump write_dump(const Case& c, const fs::path& dir) {
     }
     for (auto [seq, n] : step) lengths[seq] += n;
   }
+  // What each tensor was fed, [sum of lengths][Hkv][D] float32 in sequence order.
+  const auto appended = [&](int64_t layer, TensorKind kind) {
+    std::vector<float> rows;
+    for (int s = 0; s < kSequences; ++s) {
+      const testing::KernelActivations& a = inputs[s][layer];
+      const at::Tensor x = kind == TensorKind::kValues ? a.values : config.settings.keys_pre_rope ? a.keys_pre : a.keys;
+      const at::Tensor r = x.narrow(2, 0, lengths[s])[0].permute({1, 0, 2}).contiguous();
+      rows.insert(rows.end(), r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
+    }
+    return rows;
+  };
 
   Dump dump;
   dump.dir = dir;
@@ -192,6 +212,33 @@ Dump write_dump(const Case& c, const fs::path& dir) {
       t["clip_ratio"] = static_cast<double>(q.clip_ratio);
       t["channel_scale"] = q.channel_scale.values;
       t["channel_offset"] = q.channel_offset.values;
+      // What append needs besides (section 6.1): the inputs' element type,
+      // the outlier rule and its parameters, the encode grid, the rotation.
+      const TensorQuantizerSettings& settings = kind == TensorKind::kKeys ? config.settings.keys : config.settings.values;
+      t["input_element"] = "fp32";
+      testing::write_file(dir / (prefix + "input.bin"), bytes_of(appended(layer, kind)));
+      t["input"] = prefix + "input.bin";
+      t["outlier_rule"] = std::string(outlier_rule_name(settings.outlier_rule));
+      t["outlier_fraction"] = settings.outlier_fraction;
+      t["outlier_tau"] = static_cast<double>(q.outlier_tau);
+      t["outlier_low"] = q.outlier_low.values;
+      t["outlier_high"] = q.outlier_high.values;
+      t["encode_grid"] = q.encode_grid;
+      const RotationForm form = !config.rotation || config.rotation->folded ? RotationForm::kNone
+                                : kind == TensorKind::kKeys                ? config.rotation->keys
+                                                                           : config.rotation->values;
+      const TensorRotation& rotation =
+          kind == TensorKind::kKeys ? config.layers[layer].rotation.keys : config.layers[layer].rotation.values;
+      nlohmann::json r;
+      r["form"] = std::string(rotation_form_name(form));
+      if (form == RotationForm::kMatrix) {
+        testing::write_file(dir / (prefix + "rotation.bin"), bytes_of(rotation.matrix.values));
+        r["matrix"] = prefix + "rotation.bin";
+        r["centre"] = rotation.centre.values;
+      } else if (form == RotationForm::kPairAngles) {
+        r["angles"] = rotation.angles.values;
+      }
+      t["rotation"] = r;
       const kernels::TensorPoolCopy pools = cache.copy_pools(layer, kind);
       testing::write_file(dir / (prefix + "pages.bin"), bytes_of(pools.pages));
       testing::write_file(dir / (prefix + "exact.bin"), bytes_of(pools.exact));
@@ -201,6 +248,14 @@ Dump write_dump(const Case& c, const fs::path& dir) {
       t["exact"] = prefix + "exact.bin";
       t["outlier_pages"] = prefix + "outlier_pages.bin";
       t["outlier_page_table"] = prefix + "outlier_page_table.bin";
+      for (int s = 0; s < kSequences; ++s) {
+        const int64_t begin = kernels::quantized_begin(spec, lengths[s]), end = kernels::quantized_end(spec, lengths[s]);
+        dump.exact_rows += lengths[s] - (end - begin);
+        int64_t past_sink = std::max<int64_t>(lengths[s] - spec.sink_tokens, 0);
+        if (spec.grouping == kernels::ScaleGrouping::kPerChannelTokens) past_sink = past_sink / spec.group * spec.group;
+        dump.code_rows += past_sink * spec.kv_heads;
+        dump.outlier_entries += cache.outlier_entries(layer, kind, ids[s]);
+      }
       // read_token's readback, sequences in manifest order, tokens in order.
       std::vector<float> values;
       std::vector<uint8_t> codes, outliers, quantized;
@@ -266,14 +321,20 @@ TEST_P(RuntimePagesReader, ReadsEveryTokenAsTheReferenceDoes) {
   EXPECT_EQ(report.at("quantized").get<int64_t>(), dump.quantized);
   EXPECT_EQ(report.at("outliers").get<int64_t>(), dump.outliers);
   if (c.fit.outlier_fraction > 0) EXPECT_GT(dump.outliers, 0);
+  // And it predicted every byte append stored from the inputs.
+  EXPECT_EQ(report.at("exact_rows").get<int64_t>(), dump.exact_rows);
+  EXPECT_EQ(report.at("codes").get<int64_t>(), dump.code_rows);
+  EXPECT_EQ(report.at("outlier_entries").get<int64_t>(), dump.outlier_entries);
+  EXPECT_GT(report.at("pairs").get<int64_t>(), 0);  // every layout here has per-token or per-channel-token groups
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RuntimePagesReader, ::testing::ValuesIn(testing::layout_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
-// The comparison can fail: a flipped code byte of sequence 0's first page,
-// and a page-table entry pointing at another sequence's page.
-TEST(RuntimePagesReaderCatches, AFlippedCodeAndAWrongPageTableEntry) {
+// The comparisons can fail: a flipped code byte of sequence 0's first page,
+// a page-table entry pointing at another page, an input the pages were not
+// written from.
+TEST(RuntimePagesReaderCatches, AFlippedCodeAWrongPageTableEntryAndAnotherInput) {
   KVFORGE_REQUIRE_NUMPY();
   const Case c = testing::make_kernel_case("rtn_2bit_d128_gqa1", QuantMethod::kRtn, 2, 128, 2);
   const Dump dump = write_dump(c, testing::scratch_dir("runtime-pages-catches"));
@@ -298,6 +359,20 @@ TEST(RuntimePagesReaderCatches, AFlippedCodeAndAWrongPageTableEntry) {
   testing::write_file(table, entries);
   result = run_reader(dump.dir);
   EXPECT_EQ(result.exit_code, 1) << result.text;
+  std::memcpy(entries.data(), &first, 4);
+  testing::write_file(table, entries);
+  ASSERT_EQ(run_reader(dump.dir).exit_code, 0);
+
+  // An input the pages were not written from: its group's (min, max) and
+  // codes are predicted differently.
+  const fs::path input = dump.dir / "layer1_values_input.bin";
+  std::string rows = testing::read_file(input);
+  const float large = 100.0f;
+  std::memcpy(rows.data(), &large, 4);  // sequence 0, token 0, head 0, channel 0
+  testing::write_file(input, rows);
+  result = run_reader(dump.dir);
+  EXPECT_EQ(result.exit_code, 1) << result.text;
+  EXPECT_NE(result.text.find("layer 1 values sequence 0 token 0"), std::string::npos) << result.text;
 }
 
 }  // namespace
