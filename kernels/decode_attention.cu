@@ -1,4 +1,5 @@
 // The launcher of the CUDA decode_attention (decode_attention_kernel.cuh, decode_lookup_kernel.cuh,
+// decode_exact_kernel.cuh, decode_merge_kernel.cuh,
 // decode_tensor_core_kernel.cuh, decode_int8_kernel.cuh): host checks with
 // one-line errors, the plan
 // (which kernel, how many splits), the workspace of the splits' states, the
@@ -16,6 +17,7 @@
 #include "kernels/decode_exact_kernel.cuh"
 #include "kernels/decode_int8_kernel.cuh"
 #include "kernels/decode_lookup_kernel.cuh"
+#include "kernels/decode_merge_kernel.cuh"
 #include "kernels/split_plan.h"
 #include "kernels/decode_tensor_core_kernel.cuh"
 #include "kernels/rotate_queries_launch.h"

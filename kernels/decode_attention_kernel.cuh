@@ -1,7 +1,9 @@
 #pragma once
-// The device code of decode_attention (docs/runtime-layout.md, section 6.3):
-// one query token per sequence over its paged, quantized KV cache, split
-// over the context as flash-decoding, the splits merged by a second kernel.
+// The general decode kernel (docs/runtime-layout.md, section 6.3): one query
+// token per sequence over its paged, quantized KV cache, split over the
+// context as flash-decoding; the splits are merged by decode_merge_kernel
+// (decode_merge_kernel.cuh). It takes every layout, and the exact ranges
+// (sink, windows) of layouts the tensor-core kernels read.
 //
 //   decode_split_kernel<D, kBits, kWarps>: one block per (split, KV head,
 //     sequence). The block dequantizes a tile of kTileTokens tokens of keys
@@ -13,174 +15,38 @@
 //     warp keeps the running max, sum and D/32 accumulators per lane
 //     (online softmax in float32, updated once per tile). It writes the
 //     split's (max, sum, acc[D]) state.
-//   decode_merge_kernel<D, kParts, kHeads>: one block of merge_threads() per
-//     kHeads query heads of a KV head and sequence merges the non-empty split
-//     states (these and the tensor-core kernel's,
-//     decode_tensor_core_kernel.cuh), rotates the output back by the values'
-//     rotation and stores it in the io type.
 //
 // Every page of a split is read once for all query heads of its KV head.
 // Inside a split the order of the sums differs from the CPU reference's
 // (tile-wise rescaling, sequential dot products per lane); the splits, the
 // merge and the dequantization arithmetic are the reference's.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+//
+// The device pieces every decode kernel shares live in their own headers,
+// included here so that the other kernels' files get them with this one:
+// element loads and stores (element_access.cuh), warp reductions, the
+// paged cache's addressing (page_reading.cuh), the query rotation, RoPE
+// (rope_device.cuh) and the split states (split_states.cuh).
 #include <cstdint>
 
-#include "kernels/angle_reduction.h"
-#include "kernels/async_copy.cuh"
 #include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
 #include "kernels/fixed_divisor.h"
+#include "kernels/page_reading.cuh"
 #include "kernels/pair_affine.h"
 #include "kernels/programmatic_launch.cuh"
+#include "kernels/query_rotation.cuh"
+#include "kernels/rope_device.cuh"
+#include "kernels/split_states.cuh"
 #include "kernels/tile_entries.h"
+#include "kernels/warp_reductions.cuh"
 #include "kernels/word_store_order.h"
 
 namespace kvforge::kernels::decode_attention_device {
 
 inline constexpr int kTileTokens = 32;  // tokens dequantized per pass: one per lane when scoring
-inline constexpr int kWarpSize = 32;
 inline constexpr int kMaxLevels = 16;   // 2^4
 
-// ---------------------------------------------------------------- bytes
-
-__device__ inline float load_element(ElementType element, const uint8_t* at) {
-  switch (element) {
-    case ElementType::kFloat16:
-      return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(at)));
-    case ElementType::kBFloat16:
-      return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(at)) << 16);
-    case ElementType::kFloat32:
-      break;
-  }
-  return *reinterpret_cast<const float*>(at);
-}
-
-// kCount consecutive elements from `at` into out[0..kCount): in 16-byte
-// loads where `at` is 16-byte aligned (an exact row's run of a code word's
-// elements is, in a cache from cudaMalloc), else one load per element.
-template <int kCount>
-__device__ inline void load_elements(ElementType element, const uint8_t* at, float* out) {
-  const bool aligned = (reinterpret_cast<uintptr_t>(at) & 15u) == 0;
-  if (element == ElementType::kFloat32) {
-    if constexpr (kCount % 4 == 0) {
-      if (aligned) {
-#pragma unroll
-        for (int i = 0; i < kCount / 4; ++i) {
-          const float4 v = reinterpret_cast<const float4*>(at)[i];
-          out[4 * i] = v.x, out[4 * i + 1] = v.y, out[4 * i + 2] = v.z, out[4 * i + 3] = v.w;
-        }
-        return;
-      }
-    }
-  } else if constexpr (kCount % 8 == 0) {
-    if (aligned) {
-#pragma unroll
-      for (int i = 0; i < kCount / 8; ++i) {
-        const uint4 v = reinterpret_cast<const uint4*>(at)[i];
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const auto low = static_cast<unsigned short>(words[w] & 0xffffu);
-          const auto high = static_cast<unsigned short>(words[w] >> 16);
-          if (element == ElementType::kBFloat16) {
-            out[8 * i + 2 * w] = __uint_as_float(static_cast<uint32_t>(low) << 16);
-            out[8 * i + 2 * w + 1] = __uint_as_float(static_cast<uint32_t>(high) << 16);
-          } else {
-            out[8 * i + 2 * w] = __half2float(__ushort_as_half(low));
-            out[8 * i + 2 * w + 1] = __half2float(__ushort_as_half(high));
-          }
-        }
-      }
-      return;
-    }
-  }
-  const int64_t bytes = element_bytes(element);
-#pragma unroll
-  for (int c = 0; c < kCount; ++c) out[c] = load_element(element, at + c * bytes);
-}
-
-// kCount floats (a multiple of 4) to a 16-byte aligned `out` in 16-byte
-// stores.
-template <int kCount>
-__device__ inline void store_floats(float* out, const float (&x)[kCount]) {
-  static_assert(kCount % 4 == 0, "whole 16-byte stores");
-#pragma unroll
-  for (int i = 0; i < kCount / 4; ++i) {
-    reinterpret_cast<float4*>(out)[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
-  }
-}
-
-__device__ inline float load_io(ElementType io, const void* base, int64_t index) {
-  return load_element(io, static_cast<const uint8_t*>(base) + index * element_bytes(io));
-}
-
-// Rows first_row .. first_row + rows of a [.][D] tensor of `io` elements
-// (raw queries, or float32 ones rotated by rotate_group_queries_kernel)
-// into out[padded_rows][D] as float32 (16-byte aligned), the rows
-// past `rows` zero: the block's threads together, 8 elements a thread and
-// round, each round's loads (load_elements: one or two 16-byte loads where
-// the rows are 16-byte aligned) issued before its stores. A block of 128
-// threads at head_dim 128 so takes one round trip to memory for up to 8
-// rows, where one element a thread and iteration took one per element
-// (GQA 4: four, ~1.7 us of the int8 kernel's ~11 us that do not scale with
-// the context, bench/results/ncu-int8-fixed-cost-h200-2026-12-05.md).
-template <int D>
-__device__ inline void load_rows(ElementType io, const void* base, int64_t first_row, int rows, int padded_rows,
-                                 float* out) {
-  static_assert(D % 8 == 0, "rows of whole 8-element chunks");
-  const int64_t bytes = element_bytes(io);
-  const auto* first = static_cast<const uint8_t*>(base) + first_row * D * bytes;
-  for (int i = 8 * static_cast<int>(threadIdx.x); i < padded_rows * D; i += 8 * static_cast<int>(blockDim.x)) {
-    float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (i < rows * D) load_elements<8>(io, first + i * bytes, x);
-    store_floats<8>(out + i, x);
-  }
-}
-
-// Rounds to nearest, ties to even, once (as the reference's store_element of
-// a float widened to double).
-__device__ inline void store_io(ElementType io, void* base, int64_t index, float value) {
-  switch (io) {
-    case ElementType::kFloat16:
-      static_cast<__half*>(base)[index] = __float2half_rn(value);
-      return;
-    case ElementType::kBFloat16:
-      static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(value);
-      return;
-    case ElementType::kFloat32:
-      break;
-  }
-  static_cast<float*>(base)[index] = value;
-}
-
-__device__ inline uint32_t load_u32(const uint8_t* at) { return *reinterpret_cast<const uint32_t*>(at); }
-
-__device__ inline uint32_t load_index(const uint8_t* at, int32_t bytes) {
-  return bytes == 4 ? load_u32(at) : static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(at));
-}
-
-__device__ inline float warp_max(float x) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
-__device__ inline float warp_sum(float x) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 // ---------------------------------------------------------------- dequantization
-
-// (a, b) of x^ = fma(b, L[code], a) from a stored (min, max) in memory
-// (kernels/pair_affine.h).
-__device__ inline Affine affine_of_pair(const TensorPageLayout& l, const Dequantization& dq, const uint8_t* pair,
-                                        int top) {
-  const ElementType element = l.spec.element;
-  const float min = load_element(element, pair), max = load_element(element, pair + element_bytes(element));
-  return pair_affine(min, max, dq.clip_ratio, dq.non_uniform, top);
-}
 
 // Where the tokens of a sequence with `tokens` cached are read from: its
 // quantized range [begin, end) (rule 1 of docs/artifact.md) and the page
@@ -268,20 +134,6 @@ __device__ inline UnitAffine unit_affine(const TensorLayoutSpec& spec, const Deq
       break;
   }
   return UnitAffine::kPerElement;
-}
-
-// Where a token's group pairs lie in its page: base + in_page * token_stride
-// + group * group_stride (token_pair_offset's arithmetic in 32 bits, hoisted out of the
-// int8 walk and the general tiles). Written out rather than taken as token_pair_offset's differences:
-// those 64-bit products cost the kernel 28 more bytes of spills (ptxas).
-struct PairPlace {
-  int32_t base = 0, token_stride = 0, group_stride = 0;
-};
-__device__ inline PairPlace pair_place(const TensorPageLayout& l, int head, int pairs_per_head) {
-  const auto pair_bytes = static_cast<int32_t>(l.pair_bytes);
-  const auto params = static_cast<int32_t>(l.params_offset);
-  if (l.spec.grouping == ScaleGrouping::kPerTokenAllHeads) return {params, pair_bytes, 0};
-  return {params + head * l.spec.page_size * pairs_per_head * pair_bytes, pairs_per_head * pair_bytes, pair_bytes};
 }
 
 // Byte offsets inside a page of one head's code rows and per-token pairs,
@@ -436,26 +288,6 @@ struct TileOutlierRows {
   uint32_t end[2][kTileTokens];    // the entries of tokens 0..j of the tile (inclusive prefix)
 };
 
-// Entry e's place in a sequence's outlier pages: its page (through the
-// sequence's outlier page table) and slot (FixedDivisor: not a 64-bit
-// division per entry).
-struct OutlierPages {
-  const int32_t* table = nullptr;
-  FixedDivisor per_page;
-
-  __device__ OutlierPages(const PagedTensor& cache, int32_t slot)
-      : table(cache.outlier_page_table + slot * cache.outlier_table_stride),
-        per_page(static_cast<uint32_t>(cache.layout.spec.outlier_page_entries)) {}
-  __device__ const uint8_t* page(const PagedTensor& cache, uint32_t e) const {
-    return cache.outlier_pages + static_cast<int64_t>(table[per_page.quotient(e)]) * cache.layout.outlier_page_bytes;
-  }
-  __device__ uint32_t slot_in_page(uint32_t e) const { return per_page.remainder(e); }
-  __device__ uint32_t index(const PagedTensor& cache, uint32_t e) const {
-    return load_index(page(cache, e) + outlier_index_offset(cache.layout, slot_in_page(e)),
-                      cache.layout.outlier_index_bytes);
-  }
-};
-
 // Round 1 (warps 0 and 1; the caller synchronizes before round 2). An
 // all-heads row (one span per token) is narrowed to the block's head.
 template <int D>
@@ -511,208 +343,7 @@ __device__ void put_back_outlier_entries(const PagedTensor& cache, int which, in
   }
 }
 
-// Element j of query q (D floats) rotated by the keys' rotation of KV head
-// `kv_head` (docs/runtime-layout.md 6.3 step 1, float32): a matrix as fmas
-// over i ascending, pair angles with the float64 tables rounded to float32.
-template <int D>
-__device__ inline float rotated_query_element(const Rotation& rotation, const float* q, int kv_head, int j) {
-  if (rotation.kind == RotationKind::kMatrix) {
-    const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-    float out = 0.0f;
-    // The fmas stay one chain in k order (6.3's arithmetic); unrolled, the
-    // matrix loads of 16 steps are in flight at once instead of one load
-    // per fma of the chain (every block rotates its group's queries, also
-    // the exact ranges' short ones).
-#pragma unroll 16
-    for (int k = 0; k < D; ++k) out = __fmaf_rn(q[k], matrix[k * D + j], out);
-    return out;
-  }
-  if (rotation.kind == RotationKind::kPairAngles) {
-    constexpr int kHalf = D / 2;
-    const int pair = j % kHalf;
-    const float c = static_cast<float>(rotation.pair_cos[kv_head * kHalf + pair]);
-    const float s = static_cast<float>(rotation.pair_sin[kv_head * kHalf + pair]);
-    const float a = q[pair], b = q[pair + kHalf];
-    return j < kHalf ? __fmaf_rn(a, c, -__fmul_rn(b, s)) : __fmaf_rn(a, s, __fmul_rn(b, c));
-  }
-  return q[j];
-}
-
-// The GQA group's queries rotated by the keys' rotation of `kv_head`:
-// query[h * D + j] = rotated_query_element of raw[h * D ...] for h < group
-// (raw: rows of D floats in shared memory, 16-byte aligned; read up to the
-// next multiple of 4 rows), 0 for group <= h < heads (an mma's padding).
-// The block's threads together; the caller synchronizes. A matrix column
-// is read once for four heads, whose sums (each rotated_query_element's one
-// fma chain in k order) run side by side: each block rotates its group's
-// queries, also the exact ranges' blocks of 64 tokens, where one chain per
-// element was half of their time. kRowsInFlight rows' loads are issued
-// together: each batch is a round trip to L2, the rotation's latency
-// (D / kRowsInFlight of them), and costs kRowsInFlight registers, which a
-// kernel with registers to spare before its main loop gives (the int8
-// kernel: 64, 2 round trips at head_dim 128).
-template <int D, int kRowsInFlight = 16>
-__device__ inline void rotate_group_queries(const Rotation& rotation, int kv_head, int group, int heads,
-                                            const float* raw, float* query) {
-  for (int i = group * D + static_cast<int>(threadIdx.x); i < heads * D; i += blockDim.x) query[i] = 0.0f;
-  if (rotation.kind != RotationKind::kMatrix) {
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-      query[i] = rotated_query_element<D>(rotation, raw + (i / D) * D, kv_head, i % D);
-    }
-    return;
-  }
-  constexpr int kHeads = 4;  // per thread
-  static_assert(D % kRowsInFlight == 0 && kRowsInFlight % 4 == 0, "whole batches of rows");
-  const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-  const int units = (group + kHeads - 1) / kHeads * D;
-  for (int unit = threadIdx.x; unit < units; unit += blockDim.x) {
-    const int j = unit % D, first_head = unit / D * kHeads;
-    const float* rows = raw + first_head * D;
-    float sum[kHeads] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // kRowsInFlight rows' loads before their fmas: a row's fmas wait on its
-    // loads and the next rows' loads issue after those fmas, so each batch
-    // is a round trip to L2 (8 rows a batch had made 16 per block, the
-    // preamble's longest chain where the keys are rotated).
-#pragma unroll 1
-    for (int k0 = 0; k0 < D; k0 += kRowsInFlight) {
-      float r[kRowsInFlight];
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i) r[i] = matrix[(k0 + i) * D + j];
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; i += 4) {
-#pragma unroll
-        for (int h = 0; h < kHeads; ++h) {
-          const float4 x = *reinterpret_cast<const float4*>(rows + h * D + k0 + i);
-          sum[h] = __fmaf_rn(x.w, r[i + 3], __fmaf_rn(x.z, r[i + 2], __fmaf_rn(x.y, r[i + 1], __fmaf_rn(x.x, r[i], sum[h]))));
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      if (first_head + h < group) query[(first_head + h) * D + j] = sum[h];
-    }
-  }
-}
-
-// sin and cos of a float32 angle: reduced_angle (kernels/angle_reduction.h,
-// under 2^-21 for |angle| < 2^21), then the special-function unit's (2^-21.4
-// on [-pi, pi]): within ~1e-6 absolute. sincosf costs ~40 instructions a
-// call up to |angle| = 105615 and takes a slow path beyond it, which
-// 128K-token contexts reach. RoPE's angle t inv_freq is the one argument.
-__device__ inline void reduced_sin_cos(float angle, float& sin_angle, float& cos_angle) {
-  __sincosf(reduced_angle(angle), &sin_angle, &cos_angle);
-}
-
-// One RoPE pair (a, b) = (x_i, x_{i + D/2}) at `position`: angle =
-// float(t) * inv_freq[i] (float32, as the reference), then x cos +
-// rotate_half(x) sin with reduced_sin_cos.
-__device__ inline void rope_pair(float position, float inverse_frequency, float& a, float& b) {
-  const float angle = __fmul_rn(position, inverse_frequency);
-  float sin_angle, cos_angle;
-  reduced_sin_cos(angle, sin_angle, cos_angle);
-  const float x = a, y = b;
-  a = x * cos_angle + (-y) * sin_angle;
-  b = y * cos_angle + x * sin_angle;
-}
-
-// RoPE at each token's position over a tile of keys. A thread takes four
-// pairs of a token (16-byte loads and stores of both halves; the
-// frequencies in shared memory, 16-byte aligned): one pair per thread had
-// spent as much on its indices, loads and stores as on the rotation.
-template <int D>
-__device__ void rope_tile(const float* inverse_frequencies, int64_t first, int count, float* tile, int stride) {
-  constexpr int kHalf = D / 2, kQuads = kHalf / 4;
-  for (int unit = threadIdx.x; unit < count * kQuads; unit += blockDim.x) {
-    const int j = unit / kQuads, i = unit % kQuads * 4;
-    const float position = static_cast<float>(first + j);
-    float* row = tile + j * stride;
-    const float4 f = *reinterpret_cast<const float4*>(inverse_frequencies + i);
-    float4 a = *reinterpret_cast<const float4*>(row + i), b = *reinterpret_cast<const float4*>(row + i + kHalf);
-    rope_pair(position, f.x, a.x, b.x);
-    rope_pair(position, f.y, a.y, b.y);
-    rope_pair(position, f.z, a.z, b.z);
-    rope_pair(position, f.w, a.w, b.w);
-    *reinterpret_cast<float4*>(row + i) = a;
-    *reinterpret_cast<float4*>(row + i + kHalf) = b;
-  }
-}
-
-// ---------------------------------------------------------------- kernels
-
-// The split states of query head h of sequence entry: max and sum at
-// max_sum[2 i], max_sum[2 i + 1] and acc at acc[i * D], i = (entry * H + h) *
-// max_splits + state. A state whose max is -inf is empty (the merge skips it;
-// its sum and acc are not written).
-struct SplitWorkspace {
-  float* max_sum = nullptr;
-  float* acc = nullptr;
-  int32_t max_splits = 0;
-  // [sequence][query head][D]: the queries rotated by the keys' matrix
-  // (rotate_group_queries_kernel, DecodePlan::rotate_queries_first), once
-  // per decode call instead of once per block; null: each block rotates its
-  // own (decode_split_kernel always does).
-  float* queries = nullptr;
-};
-
-// Tokens per pass of a block of the exact ranges (decode_exact_kernel's
-// four warps of 16); a block's chunk (SplitAssignment::exact_chunk) is a
-// multiple of it.
-inline constexpr int kExactPass = 64;
-// decode_exact_kernel's default chunk: two passes, so that int2-rot's sink
-// and window of 256 tokens take 3 blocks per sequence and KV head. Swept
-// at 32K and 128K tokens, batch 1, 8 and 32 (H200,
-// bench/results/decode-attention-exact-chunks-h200-2026-12-03.json and,
-// 64 in the same run as the default 128,
-// decode-attention-general-l2-prefetch-h200-2026-12-03.json): 128 within
-// 0.5% of 64 or faster at every point (-1.6 to -1.9% at 32K batch 32), 256
-// and 320 30% slower at 32K batch 1. The general kernel's exact ranges
-// (KIVI's) keep one pass a block (DecodePlan::exact_chunk).
-inline constexpr int kExactChunk = 2 * kExactPass;
-
-// Which tokens block x of decode_split_kernel takes, and which state it writes:
-//   splits of tokens_per_split tokens over the whole context (the general
-//   path; tokens_per_split 0: one split), or
-//   exact_ranges: the tokens the tensor-core kernel leaves, [0, begin) and
-//   [end, T) of tensor_core_range, in chunks of exact_chunk tokens (a
-//   multiple of kExactPass: DecodePlan::exact_chunk), written after the
-//   tensor-core states (state first_state + x).
-struct SplitAssignment {
-  int64_t tokens_per_split = 0;
-  bool exact_ranges = false;
-  int32_t first_state = 0;
-  int32_t exact_chunk = kExactChunk;
-};
-
-// The token range the tensor cores take: quantized for keys and values.
-__device__ inline void tensor_core_range(const DecodeParams& p, int64_t tokens, int64_t& begin, int64_t& end) {
-  const TensorLayoutSpec& k = p.key_cache.layout.spec;
-  const TensorLayoutSpec& v = p.value_cache.layout.spec;
-  begin = quantized_begin(k, tokens);
-  const int64_t ke = quantized_end(k, tokens), ve = quantized_end(v, tokens);
-  end = ke < ve ? ke : ve;
-  if (end < begin) end = begin;
-}
-
-__device__ inline void split_tokens(const DecodeParams& p, const SplitAssignment& assignment, int64_t tokens, int split,
-                                    int64_t& first, int64_t& last) {
-  if (!assignment.exact_ranges) {
-    const int64_t size = assignment.tokens_per_split > 0 ? assignment.tokens_per_split : tokens;
-    first = static_cast<int64_t>(split) * size;
-    last = first + size < tokens ? first + size : tokens;
-    return;
-  }
-  int64_t begin, end;
-  tensor_core_range(p, tokens, begin, end);
-  const int64_t chunk = assignment.exact_chunk;
-  const int64_t head_chunks = (begin + chunk - 1) / chunk;
-  if (split < head_chunks) {
-    first = static_cast<int64_t>(split) * chunk;
-    last = first + chunk < begin ? first + chunk : begin;
-  } else {
-    first = end + (split - head_chunks) * chunk;
-    last = first + chunk < tokens ? first + chunk : tokens;
-  }
-}
+// ---------------------------------------------------------------- the kernel
 
 // Residency: 24 warps per multiprocessor (80 registers at 4 and 8 warps a
 // block). Unbounded, ptxas took 96 registers at head_dim 128 (20 warps) and
@@ -860,267 +491,6 @@ __global__ void __launch_bounds__(kWarps * kWarpSize, 24 / kWarps)
     for (int k = 0; k < kPerLane; ++k) workspace.acc[index * D + kPerLane * lane + k] = acc[k];
   }
   wait_for_prerequisite_grid();
-}
-
-// The merge's rounds: kParts groups of D threads, each summing every
-// kParts-th state of a round of kParts * merge_per_part() states, whose
-// rows are all loaded before the block knows their weights (one round trip
-// to L2 for the states of a round, instead of one per 8 states of one fma
-// chain). Four groups where the states are many (over 8) and the blocks at
-// most one per multiprocessor (DecodePlan::wide_merge: batch 1's 64 splits
-// and more), else one: a block of 4 D threads and its ~120 registers take a
-// whole multiprocessor, which at batch 32 (1024 blocks) ran the merge in 8
-// waves; the one-group blocks keep to 64 registers at head_dim 128 (eight
-// blocks per multiprocessor: batch 32's in one wave).
-inline constexpr int kMergeMaxParts = 4;
-template <int kParts>
-constexpr int merge_per_part() {
-  return kParts == 1 ? 8 : 16;
-}
-// Query heads per merge block: where the output is rotated and the states
-// fit one-group blocks, the four heads of a GQA group (a multiple of 4)
-// share one block and each row of their R_v, which is read from L2 once per
-// block: with one head a block, batch 8's 256 blocks read 16 MB of
-// rotations, and the merge took 13.4 us instead of 5.3 without them (ncu,
-// 32K tokens, H200).
-inline constexpr int kMergeGroupHeads = 4;
-// The value rotation's rows a warp of a one-group, one-head block holds at
-// a time (lane l: columns l + 32 j; in 64 registers). The other blocks
-// stage R_v in shared memory (merge_stages_rotation).
-inline constexpr int kMergeMatrixRows = 4;
-template <int D, int kParts, int kHeads = 1>
-constexpr int merge_threads() {
-  return D * kParts * kHeads;
-}
-template <int kParts, int kHeads>
-constexpr int merge_min_blocks() {
-  return kParts > 1 ? 1 : 8 / kHeads;
-}
-// Whether a block that rotates its output back stages the whole R_v of its
-// KV head in shared memory (by cp.async, issued before it waits for the
-// split kernels, so the copies overlap their tail) and rotates from there:
-// blocks of several thread groups or heads (the wide merge at batch 1, the
-// GQA group's four heads from batch 8). Their warps' dot products over rows
-// held in registers had loaded the second half of each warp's rows after
-// the wait (an L2 round trip on the critical path) and reduced each (row,
-// head) by a 5-shuffle warp sum. The one-group, one-head blocks keep those
-// register rows: at batch 32 their 1024 blocks would read 64 MB of R_v
-// into shared memory and run in waves of three.
-template <int kParts, int kHeads>
-constexpr bool merge_stages_rotation() {
-  return kParts * kHeads > 1;
-}
-// The staged rotation's dynamic shared memory: R_v (D x D float32, each
-// row's 16-byte chunks XOR-swizzled by the row's index mod 8) and the
-// column groups' partial dot products (merge_threads() / D groups of
-// kHeads x D).
-template <int D, int kParts, int kHeads>
-constexpr int merge_rotation_shared_bytes() {
-  constexpr int kGroups = merge_threads<D, kParts, kHeads>() / D;
-  return merge_stages_rotation<kParts, kHeads>()
-             ? static_cast<int>(sizeof(float)) * (D * D + kGroups * kHeads * D)
-             : 0;
-}
-// Chunk c (4 floats) of row r of the staged R_v: at chunk c ^ (r mod 8) of
-// that row, so that 8 lanes reading chunk c of 8 consecutive rows (one
-// 16-byte load's phase) hit 8 different groups of 4 banks.
-template <int D>
-__device__ inline int staged_rotation_offset(int row, int chunk) {
-  return row * D + 4 * (chunk ^ (row & 7));
-}
-
-// o = o' R_v^T for the kHeads heads of `merged_rows` from the R_v staged
-// in `staged` (merge_rotation_shared_bytes; its copies still in flight),
-// into the output from element `output`: the merge block's kThreads
-// threads together (see decode_merge_kernel).
-template <int D, int kThreads, int kHeads>
-__device__ inline void rotate_from_staged(const DecodeParams& p, float* staged, const float (&merged_rows)[kHeads][D],
-                                          int64_t output) {
-  constexpr int kGroups = kThreads / D, kGroupChunks = D / 4 / kGroups;
-  static_assert(kThreads % D == 0 && kGroups > 1 && (D / 4) % kGroups == 0 && kHeads * D <= kThreads,
-                "the staged rotation's column groups split the row's chunks evenly");
-  float* const partial = staged + D * D;  // [kGroups][kHeads][D]
-  copy_async_wait<0>();
-  __syncthreads();  // R_v and o' (merged_rows) complete
-  const int row = threadIdx.x % D, group = threadIdx.x / D;
-  float dot[kHeads];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) dot[h] = 0.0f;
-#pragma unroll
-  for (int c = group * kGroupChunks; c < (group + 1) * kGroupChunks; ++c) {
-    const float4 m = *reinterpret_cast<const float4*>(staged + staged_rotation_offset<D>(row, c));
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      const float4 o = *reinterpret_cast<const float4*>(&merged_rows[h][4 * c]);
-      dot[h] = __fmaf_rn(o.w, m.w, __fmaf_rn(o.z, m.z, __fmaf_rn(o.y, m.y, __fmaf_rn(o.x, m.x, dot[h]))));
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) partial[(group * kHeads + h) * D + row] = dot[h];
-  __syncthreads();
-  if (threadIdx.x < kHeads * D) {
-    const int h = threadIdx.x / D, r = threadIdx.x % D;
-    float sum = partial[h * D + r];
-#pragma unroll
-    for (int g = 1; g < kGroups; ++g) sum = __fadd_rn(sum, partial[(g * kHeads + h) * D + r]);
-    store_io(p.io, p.output, output + h * D + r, sum);
-  }
-}
-
-// One block of merge_threads<D, kParts, kHeads>() threads per kHeads query
-// heads (of one KV head) and sequence entry: the non-empty split states
-// merged (M = max m_k, L = sum l_k e^(m_k - M), o' = sum acc_k e^(m_k - M) /
-// L; FlashInfer's merge_state, in its own order: each group's fma chain over
-// its states, then the groups in order), then o = o' R_v^T. Staged
-// (merge_stages_rotation): thread (g, r) of the block's D-thread groups
-// sums columns [g D / G, (g + 1) D / G) of row r of the staged R_v with
-// each head's o' (4-column chunks in order), and the G partial sums of
-// (head, r) are added in group order. Else each row of R_v is one warp's
-// dot products with o' (its first kMergeMatrixRows rows loaded before the
-// split kernels end). Launched as their dependent, the merge runs its
-// preamble (the rows' loads or copies) while they do.
-template <int D, int kParts, int kHeads>
-__global__ void __launch_bounds__(merge_threads<D, kParts, kHeads>(), merge_min_blocks<kParts, kHeads>())
-    decode_merge_kernel(const DecodeParams p, const SplitWorkspace workspace) {
-  constexpr int kHeadThreads = merge_threads<D, kParts>(), kHeadWarps = kHeadThreads / kWarpSize;
-  constexpr int kThreads = kHeadThreads * kHeads, kWarps = kThreads / kWarpSize;
-  constexpr int kPerPart = merge_per_part<kParts>(), kRound = kParts * kPerPart;
-  constexpr int kRowsPerWarp = D / kWarps, kRowWords = D / kWarpSize;
-  constexpr bool kStaged = merge_stages_rotation<kParts, kHeads>();
-  // The register rows (one-group, one-head blocks only): D / 32 warps of
-  // 32 rows each, kMergeMatrixRows at a time.
-  constexpr int kMatrixRows = kMergeMatrixRows;
-  static_assert(kStaged || (D % kWarps == 0 && kRowsPerWarp % kMatrixRows == 0),
-                "the rotation's rows split evenly over the warps");
-  static_assert(kHeadThreads >= kRound, "a round's weights take one thread each");
-  static_assert(kHeads == 1 || kParts == 1, "grouped heads with one thread group each");
-  __shared__ float weights[kHeads][kRound];
-  __shared__ float parts[kHeads][kParts][D];
-  __shared__ float reduce[kHeads][kHeadWarps];
-  __shared__ __align__(16) float merged_rows[kHeads][D];
-  const int first_head = blockIdx.x * kHeads, entry = blockIdx.y, t = threadIdx.x;
-  const int local = t / kHeadThreads, ht = t % kHeadThreads;  // the thread's head in the block, its index there
-  const int head = first_head + local;
-  const int d = ht % D, part = ht / D, warp = t / kWarpSize, head_warp = ht / kWarpSize, lane = t % kWarpSize;
-  const Rotation& rotation = p.value_rotation;
-  const bool rotated = rotation.kind == RotationKind::kMatrix;
-  const int kv_head = first_head / (p.num_heads / p.key_cache.layout.spec.kv_heads);
-  const float* matrix = rotation.matrix + static_cast<int64_t>(kv_head) * D * D;
-  // Rows [first_row, first_row + kMatrixRows) of the rotation in the lanes'
-  // columns: the split kernels do not write them.
-  float matrix_rows[kMatrixRows][kRowWords];
-  auto load_matrix_rows = [&](int first_row) {
-#pragma unroll
-    for (int r = 0; r < kMatrixRows; ++r) {
-#pragma unroll
-      for (int j = 0; j < kRowWords; ++j) matrix_rows[r][j] = matrix[(first_row + r) * D + lane + kWarpSize * j];
-    }
-  };
-  extern __shared__ __align__(16) uint8_t dynamic_shared[];
-  float* const staged = reinterpret_cast<float*>(dynamic_shared);
-  if (rotated) {
-    if constexpr (kStaged) {
-      constexpr int kChunks = D / 4;
-      for (int i = t; i < D * kChunks; i += kThreads) {
-        const int row = i / kChunks, chunk = i % kChunks;
-        copy_async<16>(staged + staged_rotation_offset<D>(row, chunk), matrix + row * D + 4 * chunk);
-      }
-      copy_async_commit();
-    } else {
-      load_matrix_rows(warp * kRowsPerWarp);
-    }
-  }
-  wait_for_prerequisite_grid();  // launched as a dependent: the split states are complete from here on
-  const int64_t states = workspace.max_splits;
-  const int64_t base = (static_cast<int64_t>(entry) * p.num_heads + head) * states;
-  float sum = 0.0f, out = 0.0f, max = -INFINITY;
-  // Every head of the block has the same states (workspace.max_splits): the
-  // rounds and their __syncthreads are the block's.
-  for (int64_t round = 0; round < states; round += kRound) {
-    // Every state's row of the round is loaded (an empty split's may be
-    // anything: its zero weight's select keeps it out).
-    float rows[kPerPart];
-#pragma unroll
-    for (int u = 0; u < kPerPart; ++u) {
-      const int64_t k = round + part + kParts * u;
-      rows[u] = k < states ? workspace.acc[(base + k) * D + d] : 0.0f;
-    }
-    float m = -INFINITY, l = 0.0f;
-    if (ht < kRound && round + ht < states) {
-      m = workspace.max_sum[2 * (base + round + ht)];
-      l = workspace.max_sum[2 * (base + round + ht) + 1];
-    }
-    if (round == 0) {
-      // The maximum over every state (a round's with the loads above).
-      float all = m;
-      for (int64_t k = kRound + ht; k < states; k += kHeadThreads) all = fmaxf(all, workspace.max_sum[2 * (base + k)]);
-      all = warp_max(all);
-      if (lane == 0) reduce[local][head_warp] = all;
-      __syncthreads();
-#pragma unroll
-      for (int w = 0; w < kHeadWarps; ++w) max = fmaxf(max, reduce[local][w]);
-    }
-    __syncthreads();  // the previous round's weights (and the reduction) are read
-    if (ht < kRound) {
-      const float weight = m != -INFINITY ? expf(m - max) : 0.0f;
-      if (m != -INFINITY) sum = __fmaf_rn(l, weight, sum);
-      weights[local][ht] = weight;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < kPerPart; ++u) {
-      const float weight = weights[local][part + kParts * u];
-      out = weight != 0.0f ? __fmaf_rn(rows[u], weight, out) : out;
-    }
-  }
-  sum = warp_sum(sum);
-  parts[local][part][d] = out;
-  __syncthreads();  // reduce's maxima are read
-  if (lane == 0) reduce[local][head_warp] = sum;
-  __syncthreads();
-  sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kHeadWarps; ++w) sum += reduce[local][w];
-  if (ht < D) {
-    float merged = parts[local][0][ht];
-#pragma unroll
-    for (int q = 1; q < kParts; ++q) merged += parts[local][q][ht];
-    merged = __fdiv_rn(merged, sum);
-    if (!rotated) {
-      store_io(p.io, p.output, (static_cast<int64_t>(entry) * p.num_heads + head) * D + ht, merged);
-    } else {
-      merged_rows[local][ht] = merged;
-    }
-  }
-  if (!rotated) return;
-  if constexpr (kStaged) {
-    rotate_from_staged<D, kThreads, kHeads>(p, staged, merged_rows,
-                                             (static_cast<int64_t>(entry) * p.num_heads + first_head) * D);
-  } else {
-    __syncthreads();  // o' in merged_rows: every warp reads all of it
-    float merged[kHeads][kRowWords];
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-#pragma unroll
-      for (int j = 0; j < kRowWords; ++j) merged[h][j] = merged_rows[h][lane + kWarpSize * j];
-    }
-    const int64_t output = (static_cast<int64_t>(entry) * p.num_heads + first_head) * D;
-#pragma unroll 1
-    for (int first_row = warp * kRowsPerWarp; first_row < (warp + 1) * kRowsPerWarp; first_row += kMatrixRows) {
-      if (first_row != warp * kRowsPerWarp) load_matrix_rows(first_row);
-#pragma unroll
-      for (int r = 0; r < kMatrixRows; ++r) {
-#pragma unroll
-        for (int h = 0; h < kHeads; ++h) {
-          float dot = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kRowWords; ++j) dot = __fmaf_rn(merged[h][j], matrix_rows[r][j], dot);
-          dot = warp_sum(dot);
-          if (lane == 0) store_io(p.io, p.output, output + h * D + first_row + r, dot);
-        }
-      }
-    }
-  }
 }
 
 }  // namespace kvforge::kernels::decode_attention_device
