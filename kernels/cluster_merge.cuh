@@ -15,7 +15,11 @@
 // them; each block of the cluster writes an S-th of the group's outputs.
 #include <cooperative_groups.h>
 
-#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/decode_block_state.cuh"
+#include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
+#include "kernels/split_states.cuh"
+#include "kernels/warp_reductions.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 

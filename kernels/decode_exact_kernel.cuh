@@ -37,8 +37,15 @@
 // rows, its state), which this does not shorten; it keeps the pass's
 // instructions several times fewer and no register spills. fp16 and
 // float32 rows keep the float32 path.
-#include "kernels/decode_attention_kernel.cuh"
-#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/async_copy.cuh"
+#include "kernels/bf16_mma_fragments.cuh"
+#include "kernels/decode_block_state.cuh"
+#include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
+#include "kernels/programmatic_launch.cuh"
+#include "kernels/query_rotation.cuh"
+#include "kernels/split_states.cuh"
+#include "kernels/warp_reductions.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 

@@ -47,11 +47,19 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/async_copy.cuh"
+#include "kernels/bf16_mma_fragments.cuh"
 #include "kernels/cluster_merge.cuh"
-#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/decode_block_state.cuh"
+#include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
 #include "kernels/fixed_divisor.h"
 #include "kernels/int8_mma_fragments.h"
+#include "kernels/page_reading.cuh"
+#include "kernels/programmatic_launch.cuh"
 #include "kernels/step_append.cuh"
+#include "kernels/token_addressing.cuh"
+#include "kernels/warp_reductions.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 

@@ -40,8 +40,17 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/async_copy.cuh"
+#include "kernels/decode_block_state.cuh"
+#include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
+#include "kernels/fixed_divisor.h"
+#include "kernels/page_reading.cuh"
+#include "kernels/pair_affine.h"
+#include "kernels/programmatic_launch.cuh"
+#include "kernels/rope_device.cuh"
 #include "kernels/warp_channel_sums.cuh"
+#include "kernels/warp_reductions.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
 

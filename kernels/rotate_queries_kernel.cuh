@@ -25,7 +25,12 @@
 // waits for it before it lets its own dependents launch).
 #include <cstdint>
 
-#include "kernels/decode_tensor_core_kernel.cuh"
+#include "kernels/decode_block_state.cuh"
+#include "kernels/decode_params.h"
+#include "kernels/element_access.cuh"
+#include "kernels/programmatic_launch.cuh"
+#include "kernels/query_rotation.cuh"
+#include "kernels/split_states.cuh"
 #include "kernels/step_append.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
