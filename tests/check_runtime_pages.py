@@ -40,9 +40,15 @@ exact rows of the sink and the window, the codes of every token past the
 sink whose group is complete (window tokens included), the group (min, max)
 pairs and each CSR row's outlier entries (index, value).
 
+Bytes (section 7): each tensor's "held_bytes" and "read_bytes" (one per
+sequence: what the engine counts a sequence holds, and what a decoding step
+reads) must equal the page's formulas, from the page sizes worked out here
+and the outlier entries found in the pools.
+
 Prints {"tokens", "quantized", "outliers", "exact_rows", "codes", "pairs",
-"outlier_entries"} (what it compared) as JSON; on the first difference
-prints "DIR: layer L KIND sequence S token T: ..." to stderr and exits 1.
+"outlier_entries", "byte_counts"} (what it compared) as JSON; on the first
+difference prints "DIR: layer L KIND sequence S token T: ..." to stderr and
+exits 1.
 """
 import json
 import math
@@ -586,6 +592,37 @@ def check_writes(tensor, page_table, slot, rows, tokens, name, report):
         report["outlier_entries"] += check_token_outliers(tensor, page, slot, i, y, mask, "%s token %d" % (name, t))
 
 
+def check_bytes(tensor, tokens, visible, stored, held, read, name):
+    """Section 7: bytes_held (whole pages past the sink, the exact slot, whole
+    outlier pages, both tables' used entries) and bytes_read (the formula's
+    terms) of one sequence with `visible` outlier entries among its
+    quantized tokens and `stored` in all."""
+    H, D, P, b, e = tensor.heads, tensor.dim, tensor.page_size, tensor.bits, tensor.e
+    ceil = lambda x, y: -(-x // y)
+    pages = ceil(max(tokens - tensor.sink, 0), P)
+    want_held = pages * tensor.page_bytes + tensor.exact_slot_bytes + pages * 4
+    if tensor.outliers:
+        outlier_pages = ceil(stored, tensor.entries)
+        want_held += outlier_pages * tensor.outlier_page_bytes + outlier_pages * 4
+    begin, end = tensor.quantized_range(tokens)
+    Q = end - begin
+    want_read = (tokens - Q) * H * D * e + Q * H * D * b // 8
+    if tensor.grouping == "per_token":
+        want_read += Q * H * (D // tensor.group_channels) * 2 * e
+    elif tensor.grouping == "per_token_all_heads":
+        want_read += Q * 2 * e
+    elif tensor.grouping == "per_channel_tokens":
+        want_read += (Q // tensor.group) * H * D * 2 * e
+    want_read += ceil(Q, P) * 4
+    if tensor.outliers and Q > 0:
+        want_read += (Q * tensor.spans + ceil(Q, P)) * 4 + visible * (tensor.index_bytes + e)
+        want_read += ceil(visible, tensor.entries) * 4
+    if held != want_held:
+        raise Mismatch("%s: holds %d bytes, the page's bytes_held gives %d" % (name, held, want_held))
+    if read != want_read:
+        raise Mismatch("%s: reads %d bytes a step, the page's bytes_read gives %d" % (name, read, want_read))
+
+
 def check(directory):
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
@@ -593,7 +630,7 @@ def check(directory):
     with open(os.path.join(directory, manifest["page_table"]), "rb") as f:
         page_table = np.frombuffer(f.read(), dtype="<i4").reshape(max_sequences, -1)
     report = {"tokens": 0, "quantized": 0, "outliers": 0, "exact_rows": 0, "codes": 0, "pairs": 0,
-              "outlier_entries": 0}
+              "outlier_entries": 0, "byte_counts": 0}
     for t in manifest["tensors"]:
         tensor = Tensor(directory, t, max_sequences)
         H, D = tensor.heads, tensor.dim
@@ -613,9 +650,15 @@ def check(directory):
         first = 0
         for number, sequence in enumerate(manifest["sequences"]):
             tokens = sequence["length"]
+            name = "%s sequence %d" % (tensor.name, number)
             rows = tensor.stored_rows(inputs[first:first + tokens])
-            check_writes(tensor, page_table, sequence["slot"], rows, tokens,
-                         "%s sequence %d" % (tensor.name, number), report)
+            before = report["outlier_entries"]
+            check_writes(tensor, page_table, sequence["slot"], rows, tokens, name, report)
+            stored = report["outlier_entries"] - before
+            begin, end = tensor.quantized_range(tokens)
+            visible = int(want_outliers[first + begin:first + end].sum())
+            check_bytes(tensor, tokens, visible, stored, t["held_bytes"][number], t["read_bytes"][number], name)
+            report["byte_counts"] += 2
             first += tokens
         row = 0
         for number, sequence in enumerate(manifest["sequences"]):

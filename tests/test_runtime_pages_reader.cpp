@@ -11,7 +11,9 @@
 // predicts, in float64 as section 6.1 says, every byte append stored: the
 // sink's and window's exact rows, every code row past the sink, the group
 // (min, max) pairs and the outlier entries, each at the page's position.
-// The CUDA kernels store the same bytes as the CPU reference
+// And it works out section 7's bytes held and read per sequence from the
+// page's formulas, to equal the engine's counts (held: from the allocators'
+// state). The CUDA kernels store the same bytes as the CPU reference
 // (tests/test_append_cuda.cpp), so the page describes theirs too. A flipped
 // code byte, a wrong page-table entry and an input the pages were not
 // written from must make it fail: the comparisons can.
@@ -248,6 +250,20 @@ Dump write_dump(const Case& c, const fs::path& dir) {
       t["exact"] = prefix + "exact.bin";
       t["outlier_pages"] = prefix + "outlier_pages.bin";
       t["outlier_page_table"] = prefix + "outlier_page_table.bin";
+      // Section 7's counts: what each sequence holds (from the allocators'
+      // state) and what a decoding step reads (the formula, with the
+      // outlier entries of the quantized tokens).
+      t["held_bytes"] = nlohmann::json::array();
+      t["read_bytes"] = nlohmann::json::array();
+      for (int s = 0; s < kSequences; ++s) {
+        const int64_t begin = kernels::quantized_begin(spec, lengths[s]), end = kernels::quantized_end(spec, lengths[s]);
+        int64_t visible = 0;
+        for (int64_t token = begin; token < end; ++token) {
+          for (uint8_t o : cache.read_token(layer, kind, ids[s], token).outliers) visible += o;
+        }
+        t["held_bytes"].push_back(cache.held_bytes(layer, kind, ids[s]).total());
+        t["read_bytes"].push_back(kernels::bytes_read(cache.layout(kind), lengths[s], visible).total());
+      }
       for (int s = 0; s < kSequences; ++s) {
         const int64_t begin = kernels::quantized_begin(spec, lengths[s]), end = kernels::quantized_end(spec, lengths[s]);
         dump.exact_rows += lengths[s] - (end - begin);
@@ -326,6 +342,8 @@ TEST_P(RuntimePagesReader, ReadsEveryTokenAsTheReferenceDoes) {
   EXPECT_EQ(report.at("codes").get<int64_t>(), dump.code_rows);
   EXPECT_EQ(report.at("outlier_entries").get<int64_t>(), dump.outlier_entries);
   EXPECT_GT(report.at("pairs").get<int64_t>(), 0);  // every layout here has per-token or per-channel-token groups
+  // And section 7's bytes held and read, per sequence, layer and kind.
+  EXPECT_EQ(report.at("byte_counts").get<int64_t>(), 2 * kSequences * kLayers * 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RuntimePagesReader, ::testing::ValuesIn(testing::layout_cases()),
