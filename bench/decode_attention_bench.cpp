@@ -77,6 +77,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -455,9 +456,16 @@ int run(int argc, char** argv) {
           }
           int64_t bytes = 0;
           for (const int32_t s : sequences) {
+            int64_t shared_page_table = std::numeric_limits<int64_t>::max();
             for (const kernels::TensorKind kind : {kernels::TensorKind::kKeys, kernels::TensorKind::kValues}) {
-              bytes += kernels::bytes_read(cache.layout(kind), tokens, cache.outlier_entries(0, kind, s)).total();
+              const kernels::TensorBytes b =
+                  kernels::bytes_read(cache.layout(kind), tokens, cache.outlier_entries(0, kind, s));
+              bytes += b.total();
+              shared_page_table = std::min(shared_page_table, b.page_table);
             }
+            // Keys and values read one page table (docs/runtime-layout.md 7):
+            // the entries of the longer quantized range.
+            bytes -= shared_page_table;
           }
           bytes += static_cast<int64_t>(batch) * kHeads * kHeadDim * 2 * 2;  // queries in, output out (bf16)
           // The same bytes read by one plain kernel under the same timer:
