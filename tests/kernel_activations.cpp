@@ -40,6 +40,15 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
   return a;
 }
 
+void append_token_rows(const KernelActivations& a, bool keys_pre_rope, int64_t from, int64_t n,
+                       std::vector<float>& keys, std::vector<float>& values) {
+  // [1, kv_heads, n, dim] -> [n][kv_heads][dim]
+  const at::Tensor k = (keys_pre_rope ? a.keys_pre : a.keys).narrow(2, from, n)[0].permute({1, 0, 2}).contiguous();
+  const at::Tensor v = a.values.narrow(2, from, n)[0].permute({1, 0, 2}).contiguous();
+  keys.insert(keys.end(), k.data_ptr<float>(), k.data_ptr<float>() + k.numel());
+  values.insert(values.end(), v.data_ptr<float>(), v.data_ptr<float>() + v.numel());
+}
+
 std::vector<int64_t> mixed_lengths(int64_t count, int64_t longest, uint32_t seed) {
   std::mt19937 generator(seed);
   std::uniform_real_distribution<double> exponent(0.0, std::log(static_cast<double>(longest)));

@@ -30,6 +30,12 @@ KernelActivations synthetic_activations(int64_t windows, int64_t kv_heads, int64
                                         double layer_scale, kernels::ElementType element,
                                         const RotaryEmbedding& rope);
 
+// Tokens [from, from + n) of window 0 as AppendBatch reads them (rows
+// [n][kv_heads][dim] float32), appended to `keys` and `values`; the keys
+// before RoPE when `keys_pre_rope` (the configuration's domain).
+void append_token_rows(const KernelActivations& a, bool keys_pre_rope, int64_t from, int64_t n,
+                       std::vector<float>& keys, std::vector<float>& values);
+
 // A batch's sequence lengths: `count` of them spread log-uniformly over
 // 1..longest, 1 and `longest` included when count > 1 (one uniform draw for
 // count 1), in an order shuffled by a std::mt19937 seeded with `seed`.

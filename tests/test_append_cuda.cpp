@@ -182,12 +182,7 @@ TEST_P(AppendCuda, PoolsEqualTheCpuReferenceAfterEveryAppend) {
     for (int64_t layer = 0; layer < kLayers; ++layer) {
       std::vector<float> keys, values;
       for (auto [seq, n] : step.appends) {
-        const Activations& a = inputs[seq][layer];
-        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
-        const at::Tensor v = a.values.narrow(2, lengths[seq], n);
-        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
-        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
-        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+        testing::append_token_rows(inputs[seq][layer], config.settings.keys_pre_rope, lengths[seq], n, keys, values);
       }
       batch.keys = keys.data();
       batch.values = values.data();
@@ -677,12 +672,7 @@ TEST(AppendCudaAsynchronous, PipelinedAppendsFromOneReusedHostBufferStoreWhatThe
         keys.clear();
         values.clear();
         for (int s = 0; s < kSequences; ++s) {
-          const Activations& a = inputs[s][layer];
-          const at::Tensor k = (run.config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[s], n);
-          const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous();
-          const at::Tensor vrows = a.values.narrow(2, lengths[s], n)[0].permute({1, 0, 2}).contiguous();
-          keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
-          values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+          testing::append_token_rows(inputs[s][layer], run.config.settings.keys_pre_rope, lengths[s], n, keys, values);
         }
         batch.keys = keys.data();
         batch.values = values.data();

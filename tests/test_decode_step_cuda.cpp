@@ -159,12 +159,8 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
       for (int s = 0; s < c.sequences; ++s) {
         const int64_t n = rounds[r][static_cast<size_t>(s)];
         if (n == 0) continue;
-        const testing::KernelActivations& a = inputs[static_cast<size_t>(s)][static_cast<size_t>(layer)];
-        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[static_cast<size_t>(s)], n);
-        const at::Tensor v = a.values.narrow(2, lengths[static_cast<size_t>(s)], n);
-        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
-        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
-        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+        testing::append_token_rows(inputs[static_cast<size_t>(s)][static_cast<size_t>(layer)],
+                                   config.settings.keys_pre_rope, lengths[static_cast<size_t>(s)], n, keys, values);
       }
       batch.keys = keys.data();
       batch.values = values.data();

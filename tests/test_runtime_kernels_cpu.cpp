@@ -428,13 +428,8 @@ class Stream {
       for (int64_t layer = 0; layer < kLayers; ++layer) {
         std::vector<float> keys, values;
         for (auto [seq, n] : step.appends) {
-          const Activations& a = inputs_[seq].layers[layer];
-          const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
-          const at::Tensor v = a.values.narrow(2, lengths[seq], n);
-          // [1, Hkv, n, D] -> rows [n][Hkv][D]
-          const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
-          keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
-          values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+          testing::append_token_rows(inputs_[seq].layers[layer], config.settings.keys_pre_rope, lengths[seq], n, keys,
+                                     values);
         }
         batch.keys = keys.data();
         batch.values = values.data();

@@ -146,12 +146,7 @@ Dump write_dump(const Case& c, const fs::path& dir) {
     for (int64_t layer = 0; layer < kLayers; ++layer) {
       std::vector<float> keys, values;
       for (auto [seq, n] : step) {
-        const testing::KernelActivations& a = inputs[seq][layer];
-        const at::Tensor k = (config.settings.keys_pre_rope ? a.keys_pre : a.keys).narrow(2, lengths[seq], n);
-        const at::Tensor v = a.values.narrow(2, lengths[seq], n);
-        const at::Tensor krows = k[0].permute({1, 0, 2}).contiguous(), vrows = v[0].permute({1, 0, 2}).contiguous();
-        keys.insert(keys.end(), krows.data_ptr<float>(), krows.data_ptr<float>() + krows.numel());
-        values.insert(values.end(), vrows.data_ptr<float>(), vrows.data_ptr<float>() + vrows.numel());
+        testing::append_token_rows(inputs[seq][layer], config.settings.keys_pre_rope, lengths[seq], n, keys, values);
       }
       batch.keys = keys.data();
       batch.values = values.data();
@@ -161,14 +156,11 @@ Dump write_dump(const Case& c, const fs::path& dir) {
   }
   // What each tensor was fed, [sum of lengths][Hkv][D] float32 in sequence order.
   const auto appended = [&](int64_t layer, TensorKind kind) {
-    std::vector<float> rows;
+    std::vector<float> keys, values;
     for (int s = 0; s < kSequences; ++s) {
-      const testing::KernelActivations& a = inputs[s][layer];
-      const at::Tensor x = kind == TensorKind::kValues ? a.values : config.settings.keys_pre_rope ? a.keys_pre : a.keys;
-      const at::Tensor r = x.narrow(2, 0, lengths[s])[0].permute({1, 0, 2}).contiguous();
-      rows.insert(rows.end(), r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
+      testing::append_token_rows(inputs[s][layer], config.settings.keys_pre_rope, 0, lengths[s], keys, values);
     }
-    return rows;
+    return kind == TensorKind::kKeys ? keys : values;
   };
 
   Dump dump;
