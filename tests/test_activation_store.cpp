@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -600,19 +599,12 @@ TEST(ActivationStore, MergeRefusesAPartialStore) {
 
 // --- the independent h5py reader ---------------------------------------------
 
-// stdout of `command`; fails the test when it exits non-zero.
-std::string run_command(const std::string& command) {
-  std::string output;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    ADD_FAILURE() << "cannot run " << command;
-    return output;
-  }
-  char buffer[4096];
-  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
-  const int status = ::pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << output;
-  return output;
+// The independent reader's report on `path` (it must exit 0).
+std::string run_reader(const fs::path& path) {
+  const testing::CommandResult result =
+      testing::run_python(testing::fixtures_dir().parent_path() / "check_activation_store.py", path);
+  EXPECT_EQ(result.exit_code, 0) << path << "\n" << result.stdout_text << result.stderr_text;
+  return result.stdout_text;
 }
 
 // The script's checksums of one dataset: its float64 sum, and the sum with
@@ -663,8 +655,7 @@ Checksum checksum_moved_by_one_token(const ActivationStoreReader& reader) {
 }
 
 void expect_python_agrees(const fs::path& path) {
-  const auto script = testing::fixtures_dir().parent_path() / "check_activation_store.py";
-  const auto report = nlohmann::json::parse(run_command("python3 '" + script.string() + "' '" + path.string() + "'"));
+  const auto report = nlohmann::json::parse(run_reader(path));
   const ActivationStoreReader reader(path);
   EXPECT_EQ(report.at("samples_complete").get<int64_t>(), reader.samples_complete());
   EXPECT_EQ(report.at("sources").get<size_t>(), reader.sources().size());

@@ -6,11 +6,9 @@
 // (tests/check_artifact.py) that must agree with ours.
 #include <gtest/gtest.h>
 #include <hdf5.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -1458,19 +1456,9 @@ struct Output {
 };
 
 Output run_checker(const fs::path& path) {
-  const auto script = testing::fixtures_dir().parent_path() / "check_artifact.py";
-  const std::string command = "python3 '" + script.string() + "' '" + path.string() + "' 2>&1";
-  Output output;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    ADD_FAILURE() << "cannot run " << command;
-    return output;
-  }
-  char buffer[4096];
-  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) output.text.append(buffer, n);
-  const int status = ::pclose(pipe);
-  output.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return output;
+  const testing::CommandResult result =
+      testing::run_python(testing::fixtures_dir().parent_path() / "check_artifact.py", path);
+  return {result.exit_code, result.stdout_text + result.stderr_text};
 }
 
 // --- comparing the h5py reader's report with what we wrote ---------------------------

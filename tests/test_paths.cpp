@@ -90,13 +90,13 @@ void write_file(const std::filesystem::path& path, const std::string& bytes) {
   if (!out) throw std::runtime_error("cannot write " + path.string());
 }
 
-CommandResult run_kvforge(const std::string& args, const std::string& environment) {
+CommandResult run_command(const std::string& program, const std::string& args, const std::string& environment) {
   const auto dir = scratch_dir("cmd");
   const auto out_path = dir / "stdout";
   const auto err_path = dir / "stderr";
-  // exec: the shell becomes kvforge, so wait4's peak RSS is kvforge's own.
-  const std::string command = "exec env " + environment + " '" + kvforge_binary().string() + "' " + args +
-                              " >'" + out_path.string() + "' 2>'" + err_path.string() + "' </dev/null";
+  // exec: the shell becomes the program, so wait4's peak RSS is its own.
+  const std::string command = "exec env " + environment + " " + program + " " + args + " >'" + out_path.string() +
+                              "' 2>'" + err_path.string() + "' </dev/null";
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
@@ -109,6 +109,14 @@ CommandResult run_kvforge(const std::string& args, const std::string& environmen
                        read_file(out_path), read_file(err_path), usage.ru_maxrss};
   std::filesystem::remove_all(dir);
   return result;
+}
+
+CommandResult run_kvforge(const std::string& args, const std::string& environment) {
+  return run_command("'" + kvforge_binary().string() + "'", args, environment);
+}
+
+CommandResult run_python(const std::filesystem::path& script, const std::filesystem::path& argument) {
+  return run_command("python3", "'" + script.string() + "' '" + argument.string() + "'");
 }
 
 }  // namespace kvforge::testing

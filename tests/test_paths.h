@@ -34,9 +34,14 @@ struct CommandResult {
   std::string stderr_text;
   long max_rss_kb = 0;  // peak resident memory of the command
 };
-// Runs the kvforge binary with `args` (shell-quoted by the caller);
-// `environment` is prepended to the command line ("NAME=value ...").
+// Runs `program` with `args` (both shell-quoted by the caller: a path in
+// single quotes), stdin empty; `environment` is prepended to the command
+// line ("NAME=value ...").
+CommandResult run_command(const std::string& program, const std::string& args, const std::string& environment = "");
+// run_command of the kvforge binary.
 CommandResult run_kvforge(const std::string& args, const std::string& environment = "");
+// run_command of `python3 'script' 'argument'` (the independent readers).
+CommandResult run_python(const std::filesystem::path& script, const std::filesystem::path& argument);
 
 }  // namespace kvforge::testing
 

@@ -21,7 +21,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -294,22 +293,10 @@ Dump write_dump(const Case& c, const fs::path& dir) {
   return dump;
 }
 
-struct ReaderResult {
-  int exit_code = -1;
-  std::string text;  // stdout, then stderr
-};
-
-ReaderResult run_reader(const fs::path& dir) {
-  const auto script = testing::fixtures_dir().parent_path() / "check_runtime_pages.py";
-  const std::string command = "python3 '" + script.string() + "' '" + dir.string() + "' 2>&1";
-  ReaderResult result;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) result.text.append(buffer, n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+// tests/check_runtime_pages.py on a dump: its JSON report on stdout, a
+// difference on stderr.
+testing::CommandResult run_reader(const fs::path& dir) {
+  return testing::run_python(testing::fixtures_dir().parent_path() / "check_runtime_pages.py", dir);
 }
 
 class RuntimePagesReader : public ::testing::TestWithParam<Case> {};
@@ -319,12 +306,12 @@ TEST_P(RuntimePagesReader, ReadsEveryTokenAsTheReferenceDoes) {
   const Case& c = GetParam();
   const Dump dump = write_dump(c, testing::scratch_dir("runtime-pages-" + c.name));
   ASSERT_GT(dump.quantized, 0);
-  const ReaderResult result = run_reader(dump.dir);
-  ASSERT_EQ(result.exit_code, 0) << result.text;
+  const testing::CommandResult result = run_reader(dump.dir);
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
   // The reader reports what it compared: every token, and as many quantized
   // tokens and outlier elements as read_token saw (a reader that skipped
   // them would not be caught by the comparison alone).
-  const nlohmann::json report = nlohmann::json::parse(result.text);
+  const nlohmann::json report = nlohmann::json::parse(result.stdout_text);
   EXPECT_EQ(report.at("tokens").get<int64_t>(), dump.tokens);
   EXPECT_EQ(report.at("quantized").get<int64_t>(), dump.quantized);
   EXPECT_EQ(report.at("outliers").get<int64_t>(), dump.outliers);
@@ -355,9 +342,9 @@ TEST(RuntimePagesReaderCatches, AFlippedCodeAWrongPageTableEntryAndAnotherInput)
   std::string flipped = original;
   flipped[static_cast<size_t>(dump.first_page * dump.key_page_bytes)] ^= 0x01;
   testing::write_file(pages, flipped);
-  ReaderResult result = run_reader(dump.dir);
-  EXPECT_EQ(result.exit_code, 1) << result.text;
-  EXPECT_NE(result.text.find("layer 0 keys"), std::string::npos) << result.text;
+  testing::CommandResult result = run_reader(dump.dir);
+  EXPECT_EQ(result.exit_code, 1) << result.stdout_text;
+  EXPECT_NE(result.stderr_text.find("layer 0 keys"), std::string::npos) << result.stderr_text;
   testing::write_file(pages, original);
 
   const fs::path table = dump.dir / "page_table.bin";
@@ -368,7 +355,7 @@ TEST(RuntimePagesReaderCatches, AFlippedCodeAWrongPageTableEntryAndAnotherInput)
   std::memcpy(entries.data(), &other, 4);
   testing::write_file(table, entries);
   result = run_reader(dump.dir);
-  EXPECT_EQ(result.exit_code, 1) << result.text;
+  EXPECT_EQ(result.exit_code, 1) << result.stdout_text;
   std::memcpy(entries.data(), &first, 4);
   testing::write_file(table, entries);
   ASSERT_EQ(run_reader(dump.dir).exit_code, 0);
@@ -381,8 +368,8 @@ TEST(RuntimePagesReaderCatches, AFlippedCodeAWrongPageTableEntryAndAnotherInput)
   std::memcpy(rows.data(), &large, 4);  // sequence 0, token 0, head 0, channel 0
   testing::write_file(input, rows);
   result = run_reader(dump.dir);
-  EXPECT_EQ(result.exit_code, 1) << result.text;
-  EXPECT_NE(result.text.find("layer 1 values sequence 0 token 0"), std::string::npos) << result.text;
+  EXPECT_EQ(result.exit_code, 1) << result.stdout_text;
+  EXPECT_NE(result.stderr_text.find("layer 1 values sequence 0 token 0"), std::string::npos) << result.stderr_text;
 }
 
 }  // namespace
