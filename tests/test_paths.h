@@ -45,21 +45,14 @@ CommandResult run_python(const std::filesystem::path& script, const std::filesys
 
 }  // namespace kvforge::testing
 
-// In a test body: skip without python3's h5py and numpy, or fail under CI,
-// where a missing reader must not pass unnoticed.
-#define KVFORGE_REQUIRE_H5PY()                                                                  \
-  do {                                                                                          \
-    if (!::kvforge::testing::python_has_h5py()) {                                               \
-      if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks h5py or numpy"; \
-      GTEST_SKIP() << "python3 with h5py and numpy is not installed";                           \
-    }                                                                                           \
+// In a test body: skip when `available` is false (python3 lacks `modules`),
+// or fail under CI, where a missing reader must not pass unnoticed.
+#define KVFORGE_REQUIRE_PYTHON_MODULES(available, modules)                                   \
+  do {                                                                                       \
+    if (!(available)) {                                                                      \
+      if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks " modules; \
+      GTEST_SKIP() << "python3 with " modules " is not installed";                           \
+    }                                                                                        \
   } while (false)
-
-// In a test body: skip without python3's numpy, or fail under CI.
-#define KVFORGE_REQUIRE_NUMPY()                                                        \
-  do {                                                                                 \
-    if (!::kvforge::testing::python_has_numpy()) {                                     \
-      if (::kvforge::testing::running_under_ci()) FAIL() << "CI is set and python3 lacks numpy"; \
-      GTEST_SKIP() << "python3 with numpy is not installed";                           \
-    }                                                                                  \
-  } while (false)
+#define KVFORGE_REQUIRE_H5PY() KVFORGE_REQUIRE_PYTHON_MODULES(::kvforge::testing::python_has_h5py(), "h5py and numpy")
+#define KVFORGE_REQUIRE_NUMPY() KVFORGE_REQUIRE_PYTHON_MODULES(::kvforge::testing::python_has_numpy(), "numpy")
