@@ -40,13 +40,26 @@ exact rows of the sink and the window, the codes of every token past the
 sink whose group is complete (window tokens included), the group (min, max)
 pairs and each CSR row's outlier entries (index, value).
 
+Decoding (section 6.3): "decode" holds "num_heads", "keys_pre_rope",
+"rope_inverse_frequencies" and, per layer, the files of one query per
+sequence and query head ([sequences][num_heads][head_dim] float32, the
+sequences in manifest order) and the engine's decode_attention output. From
+the tokens it read back, the reader attends in float64 as the page says
+(queries rotated by the keys' rotation, RoPE on pre-RoPE keys at each
+token's position with the float32 angle, softmax at 1/sqrt(head_dim), query
+head g on KV head g / (num_heads / kv_heads), the output rotated back by the
+values' rotation); each output must be within 1e-3 of the sequence's largest
+|value| of it (the issue's 1e-3; float32 against float64 differs by ~1e-6).
+
 Bytes (section 7): each tensor's "held_bytes" and "read_bytes" (one per
 sequence: what the engine counts a sequence holds, and what a decoding step
 reads) must equal the page's formulas, from the page sizes worked out here
 and the outlier entries found in the pools.
 
 Prints {"tokens", "quantized", "outliers", "exact_rows", "codes", "pairs",
-"outlier_entries", "byte_counts"} (what it compared) as JSON; on the first
+"outlier_entries", "byte_counts", "decoded", "decode_error"} (what it
+compared; decode_error: the largest difference over the largest |value|) as
+JSON; on the first
 difference prints "DIR: layer L KIND sequence S token T: ..." to stderr and
 exits 1.
 """
@@ -623,6 +636,64 @@ def check_bytes(tensor, tokens, visible, stored, held, read, name):
         raise Mismatch("%s: reads %d bytes a step, the page's bytes_read gives %d" % (name, read, want_read))
 
 
+def query_rotation(keys, h, q):
+    """Section 6.3 step 1: q' = q R of KV head h (float64); no centre."""
+    if keys.rotation == "matrix":
+        return q @ keys.matrix[h]
+    if keys.rotation == "pair_angles":
+        half = keys.dim // 2
+        low, high = q[..., :half], q[..., half:]
+        return np.concatenate([low * keys.cos[h] - high * keys.sin[h], low * keys.sin[h] + high * keys.cos[h]], -1)
+    return q
+
+
+def rope(k, positions, inverse_frequencies):
+    """RoPE at each token's position (rows of k [T][D]): the float32 angle
+    t * inv_freq, x cos + rotate_half(x) sin."""
+    half = k.shape[-1] // 2
+    angle = (positions.astype(F32)[:, None] * inverse_frequencies[None, :]).astype(F32).astype(F64)
+    c, s = np.cos(angle), np.sin(angle)
+    low, high = k[:, :half], k[:, half:]
+    return np.concatenate([low * c - high * s, high * c + low * s], -1)
+
+
+def check_decode(directory, manifest, tensors, read_back, report):
+    """Section 6.3 in float64 over the tokens read back, against the engine's outputs."""
+    decode = manifest["decode"]
+    H = decode["num_heads"]
+    inverse_frequencies = np.array(decode["rope_inverse_frequencies"], dtype=F32)
+    sequences = manifest["sequences"]
+    for layer, files in enumerate(decode["layers"]):
+        keys, values = tensors[(layer, "keys")], tensors[(layer, "values")]
+        Hkv, D = keys.heads, keys.dim
+        with open(os.path.join(directory, files["queries"]), "rb") as f:
+            queries = np.frombuffer(f.read(), dtype="<f4").reshape(len(sequences), H, D).astype(F64)
+        with open(os.path.join(directory, files["output"]), "rb") as f:
+            outputs = np.frombuffer(f.read(), dtype="<f4").reshape(len(sequences), H, D).astype(F64)
+        for number in range(len(sequences)):
+            k_all = read_back[(layer, "keys")][number].astype(F64)    # [T][Hkv][D], stored basis
+            v_all = read_back[(layer, "values")][number].astype(F64)
+            tokens = k_all.shape[0]
+            largest = np.abs(v_all).max()
+            for g in range(H):
+                h = g // (H // Hkv)
+                k = k_all[:, h]
+                if decode["keys_pre_rope"]:
+                    k = rope(k, np.arange(tokens), inverse_frequencies)
+                q = query_rotation(keys, h, queries[number, g])
+                score = (k @ q) / math.sqrt(D)
+                p = np.exp(score - score.max())
+                o = (p @ v_all[:, h]) / p.sum()
+                if values.rotation == "matrix":
+                    o = values.matrix[h] @ o  # o' R_v^T
+                error = np.abs(o - outputs[number, g]).max() / largest
+                report["decode_error"] = max(report["decode_error"], float(error))
+                if not error <= 1e-3:
+                    raise Mismatch("layer %d sequence %d query head %d: decode_attention differs from the page's "
+                                   "attention by %.3g of the largest |value|" % (layer, number, g, error))
+                report["decoded"] += 1
+
+
 def check(directory):
     with open(os.path.join(directory, "manifest.json")) as f:
         manifest = json.load(f)
@@ -630,9 +701,12 @@ def check(directory):
     with open(os.path.join(directory, manifest["page_table"]), "rb") as f:
         page_table = np.frombuffer(f.read(), dtype="<i4").reshape(max_sequences, -1)
     report = {"tokens": 0, "quantized": 0, "outliers": 0, "exact_rows": 0, "codes": 0, "pairs": 0,
-              "outlier_entries": 0, "byte_counts": 0}
+              "outlier_entries": 0, "byte_counts": 0, "decoded": 0, "decode_error": 0.0}
+    tensors, read_back = {}, {}
     for t in manifest["tensors"]:
         tensor = Tensor(directory, t, max_sequences)
+        tensors[(t["layer"], t["kind"])] = tensor
+        read_back[(t["layer"], t["kind"])] = []
         H, D = tensor.heads, tensor.dim
 
         def expected(key, dtype):
@@ -664,6 +738,7 @@ def check(directory):
         for number, sequence in enumerate(manifest["sequences"]):
             slot, tokens = sequence["slot"], sequence["length"]
             begin, end = tensor.quantized_range(tokens)
+            sequence_values = np.zeros((tokens, H, D), dtype=F32)
             for token in range(tokens):
                 where = "%s sequence %d token %d" % (tensor.name, number, token)
                 if row >= want_values.shape[0]:
@@ -698,12 +773,15 @@ def check(directory):
                     h, d = bad[0]
                     raise Mismatch("%s: head %d channel %d value %r, expected %r"
                                    % (where, h, d, float(values[h, d]), float(want_values[row][h, d])))
+                sequence_values[token] = values
                 report["tokens"] += 1
                 report["quantized"] += int(quantized)
                 report["outliers"] += int(flags.sum())
                 row += 1
+            read_back[(t["layer"], t["kind"])].append(sequence_values)
         if row != want_values.shape[0]:
             raise Mismatch("%s: %d tokens read, the readback has %d" % (tensor.name, row, want_values.shape[0]))
+    check_decode(directory, manifest, tensors, read_back, report)
     return report
 
 

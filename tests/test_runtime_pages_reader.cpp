@@ -11,7 +11,10 @@
 // predicts, in float64 as section 6.1 says, every byte append stored: the
 // sink's and window's exact rows, every code row past the sink, the group
 // (min, max) pairs and the outlier entries, each at the page's position.
-// And it works out section 7's bytes held and read per sequence from the
+// From the tokens it read it attends in float64 as section 6.3 says (query
+// rotation, RoPE, GQA, softmax, the values' rotation back), within 1e-3 of
+// decode_attention's outputs. And it works out section 7's bytes held and
+// read per sequence from the
 // page's formulas, to equal the engine's counts (held: from the allocators'
 // state). The CUDA kernels store the same bytes as the CPU reference
 // (tests/test_append_cuda.cpp), so the page describes theirs too. A flipped
@@ -117,8 +120,8 @@ Dump write_dump(const Case& c, const fs::path& dir) {
   options.max_sequences = 4;
   options.max_context = c.long_context ? 4096 : 256;
   options.outlier_page_entries = 64;
-  kernels::QuantizedKVCache cache(config, testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope_config),
-                                  options);
+  const kernels::ModelDimensions model = testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope_config);
+  kernels::QuantizedKVCache cache(config, model, options);
 
   const auto steps = schedule(c.long_context);
   std::vector<int64_t> totals(kSequences, 1);
@@ -176,6 +179,25 @@ Dump write_dump(const Case& c, const fs::path& dir) {
   const int64_t stride = static_cast<int64_t>(page_table.size()) / options.max_sequences;
   dump.first_page = page_table[static_cast<size_t>(ids[0] * stride)];
   dump.key_page_bytes = cache.layout(TensorKind::kKeys).page_bytes;
+
+  // Section 6.3: one query per sequence and query head at its last
+  // position, decoded layer by layer; softmax_scale is the default.
+  nlohmann::json decode;
+  decode["num_heads"] = model.num_heads;
+  decode["keys_pre_rope"] = config.settings.keys_pre_rope;
+  decode["rope_inverse_frequencies"] = model.rope_inverse_frequencies;
+  decode["layers"] = nlohmann::json::array();
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    const at::Tensor queries = at::randn({kSequences, model.num_heads, c.head_dim}, at::kFloat).contiguous();
+    std::vector<float> output(static_cast<size_t>(queries.numel()));
+    cache.decode_attention(layer, ids, queries.data_ptr<float>(), output.data());
+    const std::string prefix = "layer" + std::to_string(layer) + "_decode_";
+    testing::write_file(dir / (prefix + "queries.bin"),
+                        std::string(reinterpret_cast<const char*>(queries.data_ptr<float>()), queries.numel() * 4));
+    testing::write_file(dir / (prefix + "output.bin"), bytes_of(output));
+    decode["layers"].push_back({{"queries", prefix + "queries.bin"}, {"output", prefix + "output.bin"}});
+  }
+  manifest["decode"] = decode;
 
   manifest["tensors"] = nlohmann::json::array();
   for (int64_t layer = 0; layer < kLayers; ++layer) {
@@ -321,6 +343,8 @@ TEST_P(RuntimePagesReader, ReadsEveryTokenAsTheReferenceDoes) {
   EXPECT_EQ(report.at("codes").get<int64_t>(), dump.code_rows);
   EXPECT_EQ(report.at("outlier_entries").get<int64_t>(), dump.outlier_entries);
   EXPECT_GT(report.at("pairs").get<int64_t>(), 0);  // every layout here has per-token or per-channel-token groups
+  // And section 6.3's attention, per layer, sequence and query head.
+  EXPECT_EQ(report.at("decoded").get<int64_t>(), kLayers * kSequences * c.heads);
   // And section 7's bytes held and read, per sequence, layer and kind.
   EXPECT_EQ(report.at("byte_counts").get<int64_t>(), 2 * kSequences * kLayers * 2);
 }
