@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,213 +103,233 @@ struct Dump {
   // window), code rows (a token and KV head past the sink whose group is
   // complete) and outlier entries (cache.outlier_entries).
   int64_t exact_rows = 0, code_rows = 0, outlier_entries = 0;
-  int32_t first_page = -1;                          // sequence 0's first page id
+  int64_t first_entry_offset = 0;  // sequence 0's first page-table entry, in page_table.bin
+  int32_t first_page = -1;         // its page id
   int64_t key_page_bytes = 0;
 };
 
-// Feeds the case's cache and writes dir/manifest.json with the raw pools,
-// the page table and read_token's readback of every token.
-Dump write_dump(const Case& c, const fs::path& dir) {
+// A case's cache fed by the schedule: what the dump is written from.
+struct FedCache {
+  QuantizerConfig config;
+  kernels::ModelDimensions model;
+  kernels::CacheOptions options;
+  std::unique_ptr<kernels::QuantizedKVCache> cache;
+  std::vector<std::vector<testing::KernelActivations>> inputs;  // [sequence][layer]
+  std::vector<int32_t> ids;
+  std::vector<int64_t> lengths;
+};
+
+FedCache feed(const Case& c) {
   at::manual_seed(23);
   const RopeConfig rope_config;
   const RotaryEmbedding rope(rope_config, c.head_dim, at::kCPU);
-  const QuantizerConfig config = testing::fitted_kernel_config(c.name, c.fit, kLayers, kKvHeads, c.head_dim, c.element,
-                                                               c.key_rotation, c.value_rotation, c.key_centre, rope);
-  kernels::CacheOptions options;
-  options.page_size = c.page_size;
-  options.element = c.element;
-  options.max_sequences = 4;
-  options.max_context = c.long_context ? 4096 : 256;
-  options.outlier_page_entries = 64;
-  const kernels::ModelDimensions model = testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope_config);
-  kernels::QuantizedKVCache cache(config, model, options);
+  FedCache f;
+  f.config = testing::fitted_kernel_config(c.name, c.fit, kLayers, kKvHeads, c.head_dim, c.element, c.key_rotation,
+                                           c.value_rotation, c.key_centre, rope);
+  f.model = testing::kernel_model_dimensions(kLayers, c.heads, kKvHeads, c.head_dim, rope_config);
+  f.options.page_size = c.page_size;
+  f.options.element = c.element;
+  f.options.max_sequences = 4;
+  f.options.max_context = c.long_context ? 4096 : 256;
+  f.options.outlier_page_entries = 64;
+  f.cache = std::make_unique<kernels::QuantizedKVCache>(f.config, f.model, f.options);
 
   const auto steps = schedule(c.long_context);
   std::vector<int64_t> totals(kSequences, 1);
   for (const auto& step : steps) {
     for (auto [seq, n] : step) totals[seq] += n;
   }
-  std::vector<std::vector<testing::KernelActivations>> inputs(kSequences);
+  f.inputs.resize(kSequences);
   for (int s = 0; s < kSequences; ++s) {
     for (int64_t layer = 0; layer < kLayers; ++layer) {
-      inputs[s].push_back(testing::synthetic_activations(1, kKvHeads, totals[s], c.head_dim, 1.0 + 0.5 * layer,
-                                                         c.element, rope));
+      f.inputs[s].push_back(testing::synthetic_activations(1, kKvHeads, totals[s], c.head_dim, 1.0 + 0.5 * layer,
+                                                           c.element, rope));
     }
   }
-  std::vector<int32_t> ids(kSequences, -1);
-  std::vector<int64_t> lengths(kSequences, 0);
+  f.ids.assign(kSequences, -1);
+  f.lengths.assign(kSequences, 0);
   for (const auto& step : steps) {
     kernels::AppendBatch batch;
     for (auto [seq, n] : step) {
-      if (ids[seq] < 0) ids[seq] = cache.add_sequence();
-      batch.sequences.push_back(ids[seq]);
-      batch.positions.push_back(lengths[seq]);
+      if (f.ids[seq] < 0) f.ids[seq] = f.cache->add_sequence();
+      batch.sequences.push_back(f.ids[seq]);
+      batch.positions.push_back(f.lengths[seq]);
       batch.tokens.push_back(n);
     }
     for (int64_t layer = 0; layer < kLayers; ++layer) {
       std::vector<float> keys, values;
       for (auto [seq, n] : step) {
-        testing::append_token_rows(inputs[seq][layer], config.settings.keys_pre_rope, lengths[seq], n, keys, values);
+        testing::append_token_rows(f.inputs[seq][layer], f.config.settings.keys_pre_rope, f.lengths[seq], n, keys,
+                                   values);
       }
       batch.keys = keys.data();
       batch.values = values.data();
-      cache.append(layer, batch);
+      f.cache->append(layer, batch);
     }
-    for (auto [seq, n] : step) lengths[seq] += n;
+    for (auto [seq, n] : step) f.lengths[seq] += n;
   }
-  // What each tensor was fed, [sum of lengths][Hkv][D] float32 in sequence order.
-  const auto appended = [&](int64_t layer, TensorKind kind) {
-    std::vector<float> keys, values;
-    for (int s = 0; s < kSequences; ++s) {
-      testing::append_token_rows(inputs[s][layer], config.settings.keys_pre_rope, 0, lengths[s], keys, values);
-    }
-    return kind == TensorKind::kKeys ? keys : values;
-  };
+  return f;
+}
 
-  Dump dump;
-  dump.dir = dir;
-  fs::create_directories(dir);
-  nlohmann::json manifest;
-  manifest["case"] = c.name;
-  manifest["max_sequences"] = options.max_sequences;
-  const std::vector<int32_t> page_table = cache.copy_page_table();
-  testing::write_file(dir / "page_table.bin", bytes_of(page_table));
-  manifest["page_table"] = "page_table.bin";
-  manifest["sequences"] = nlohmann::json::array();
-  for (int s = 0; s < kSequences; ++s) manifest["sequences"].push_back({{"slot", ids[s]}, {"length", lengths[s]}});
-  const int64_t stride = static_cast<int64_t>(page_table.size()) / options.max_sequences;
-  dump.first_page = page_table[static_cast<size_t>(ids[0] * stride)];
-  dump.key_page_bytes = cache.layout(TensorKind::kKeys).page_bytes;
-
-  // Section 6.3: one query per sequence and query head at its last
-  // position, decoded layer by layer; softmax_scale is the default.
+// Section 6.3: one query per sequence and query head at its last position,
+// decoded layer by layer (softmax_scale the default), into manifest
+// "decode".
+nlohmann::json write_decode(FedCache& f, const fs::path& dir) {
   nlohmann::json decode;
-  decode["num_heads"] = model.num_heads;
-  decode["keys_pre_rope"] = config.settings.keys_pre_rope;
-  decode["rope_inverse_frequencies"] = model.rope_inverse_frequencies;
+  decode["num_heads"] = f.model.num_heads;
+  decode["keys_pre_rope"] = f.config.settings.keys_pre_rope;
+  decode["rope_inverse_frequencies"] = f.model.rope_inverse_frequencies;
   decode["layers"] = nlohmann::json::array();
   for (int64_t layer = 0; layer < kLayers; ++layer) {
-    const at::Tensor queries = at::randn({kSequences, model.num_heads, c.head_dim}, at::kFloat).contiguous();
+    const at::Tensor queries = at::randn({kSequences, f.model.num_heads, f.model.head_dim}, at::kFloat).contiguous();
     std::vector<float> output(static_cast<size_t>(queries.numel()));
-    cache.decode_attention(layer, ids, queries.data_ptr<float>(), output.data());
+    f.cache->decode_attention(layer, f.ids, queries.data_ptr<float>(), output.data());
     const std::string prefix = "layer" + std::to_string(layer) + "_decode_";
     testing::write_file(dir / (prefix + "queries.bin"),
                         std::string(reinterpret_cast<const char*>(queries.data_ptr<float>()), queries.numel() * 4));
     testing::write_file(dir / (prefix + "output.bin"), bytes_of(output));
     decode["layers"].push_back({{"queries", prefix + "queries.bin"}, {"output", prefix + "output.bin"}});
   }
-  manifest["decode"] = decode;
+  return decode;
+}
 
+// One layer's keys or values: the configuration in the page's terms, the
+// pools, what append was fed, section 7's counts and read_token's readback
+// (a manifest "tensors" entry); the layout's counts added to `dump`.
+nlohmann::json write_tensor(const FedCache& f, int64_t layer, TensorKind kind, const fs::path& dir, Dump& dump) {
+  const kernels::QuantizedKVCache& cache = *f.cache;
+  const std::string prefix = "layer" + std::to_string(layer) + "_" + kind_name(kind) + "_";
+  const kernels::TensorLayoutSpec& spec = cache.layout(kind).spec;
+  const bool keys = kind == TensorKind::kKeys;
+  const TensorQuantizer& q = keys ? f.config.layers[layer].keys : f.config.layers[layer].values;
+  const TensorQuantizerSettings& settings = keys ? f.config.settings.keys : f.config.settings.values;
+  nlohmann::json t;
+  t["layer"] = layer;
+  t["kind"] = kind_name(kind);
+  // The configuration, as the page names it (sections 1-5).
+  t["kv_heads"] = spec.kv_heads;
+  t["head_dim"] = spec.head_dim;
+  t["bits"] = spec.bits;
+  t["page_size"] = spec.page_size;
+  t["grouping"] = grouping_name(spec.grouping);
+  t["group"] = spec.group;
+  t["element"] = element_name(spec.element);
+  t["sink_tokens"] = spec.sink_tokens;
+  t["residual_tokens"] = spec.residual_tokens;
+  t["window_rule"] = spec.window_rule == kernels::WindowRule::kSliding ? "sliding" : "block_flush";
+  t["outliers"] = spec.outliers;
+  t["outlier_page_entries"] = spec.outlier_page_entries;
+  // The layer's constants as the artifact stores them (section 5 derives
+  // the level table from them).
+  t["grid"] = q.grid;
+  t["clip_ratio"] = static_cast<double>(q.clip_ratio);
+  t["channel_scale"] = q.channel_scale.values;
+  t["channel_offset"] = q.channel_offset.values;
+  // What append needs besides (section 6.1): what it was fed and in which
+  // element type, the outlier rule and its parameters, the encode grid,
+  // the rotation.
+  std::vector<float> fed_keys, fed_values;
+  for (int s = 0; s < kSequences; ++s) {
+    testing::append_token_rows(f.inputs[s][layer], f.config.settings.keys_pre_rope, 0, f.lengths[s], fed_keys,
+                               fed_values);
+  }
+  testing::write_file(dir / (prefix + "input.bin"), bytes_of(keys ? fed_keys : fed_values));
+  t["input"] = prefix + "input.bin";
+  t["input_element"] = "fp32";
+  t["outlier_rule"] = std::string(outlier_rule_name(settings.outlier_rule));
+  t["outlier_fraction"] = settings.outlier_fraction;
+  t["outlier_tau"] = static_cast<double>(q.outlier_tau);
+  t["outlier_low"] = q.outlier_low.values;
+  t["outlier_high"] = q.outlier_high.values;
+  t["encode_grid"] = q.encode_grid;
+  const RotationForm form = !f.config.rotation || f.config.rotation->folded ? RotationForm::kNone
+                            : keys                                          ? f.config.rotation->keys
+                                                                            : f.config.rotation->values;
+  const TensorRotation& rotation = keys ? f.config.layers[layer].rotation.keys : f.config.layers[layer].rotation.values;
+  nlohmann::json r;
+  r["form"] = std::string(rotation_form_name(form));
+  if (form == RotationForm::kMatrix) {
+    testing::write_file(dir / (prefix + "rotation.bin"), bytes_of(rotation.matrix.values));
+    r["matrix"] = prefix + "rotation.bin";
+    r["centre"] = rotation.centre.values;
+  } else if (form == RotationForm::kPairAngles) {
+    r["angles"] = rotation.angles.values;
+  }
+  t["rotation"] = r;
+  // The pools.
+  const kernels::TensorPoolCopy pools = cache.copy_pools(layer, kind);
+  for (const auto& [name, bytes] : {std::pair{"pages", bytes_of(pools.pages)}, std::pair{"exact", bytes_of(pools.exact)},
+                                    std::pair{"outlier_pages", bytes_of(pools.outlier_pages)},
+                                    std::pair{"outlier_page_table", bytes_of(pools.outlier_page_table)}}) {
+    testing::write_file(dir / (prefix + name + ".bin"), bytes);
+    t[name] = prefix + name + ".bin";
+  }
+  // read_token's readback (sequences in manifest order, tokens in order),
+  // section 7's counts per sequence (held: from the allocators' state;
+  // read: the formula with the outlier entries of the quantized tokens)
+  // and the layout's counts.
+  std::vector<float> values;
+  std::vector<uint8_t> codes, outliers, quantized;
+  t["held_bytes"] = nlohmann::json::array();
+  t["read_bytes"] = nlohmann::json::array();
+  for (int s = 0; s < kSequences; ++s) {
+    const int64_t begin = kernels::quantized_begin(spec, f.lengths[s]), end = kernels::quantized_end(spec, f.lengths[s]);
+    int64_t visible = 0;
+    for (int64_t token = 0; token < f.lengths[s]; ++token) {
+      const kernels::TokenReadout readout = cache.read_token(layer, kind, f.ids[s], token);
+      values.insert(values.end(), readout.values.begin(), readout.values.end());
+      codes.insert(codes.end(), readout.codes.begin(), readout.codes.end());
+      outliers.insert(outliers.end(), readout.outliers.begin(), readout.outliers.end());
+      quantized.push_back(readout.quantized ? 1 : 0);
+      ++dump.tokens;
+      dump.quantized += readout.quantized ? 1 : 0;
+      for (uint8_t o : readout.outliers) {
+        dump.outliers += o;
+        if (token >= begin && token < end) visible += o;
+      }
+    }
+    t["held_bytes"].push_back(cache.held_bytes(layer, kind, f.ids[s]).total());
+    t["read_bytes"].push_back(kernels::bytes_read(cache.layout(kind), f.lengths[s], visible).total());
+    dump.exact_rows += f.lengths[s] - (end - begin);
+    int64_t past_sink = std::max<int64_t>(f.lengths[s] - spec.sink_tokens, 0);
+    if (spec.grouping == kernels::ScaleGrouping::kPerChannelTokens) past_sink = past_sink / spec.group * spec.group;
+    dump.code_rows += past_sink * spec.kv_heads;
+    dump.outlier_entries += cache.outlier_entries(layer, kind, f.ids[s]);
+  }
+  testing::write_file(dir / (prefix + "expected_values.bin"), bytes_of(values));
+  testing::write_file(dir / (prefix + "expected_codes.bin"), bytes_of(codes));
+  testing::write_file(dir / (prefix + "expected_outliers.bin"), bytes_of(outliers));
+  testing::write_file(dir / (prefix + "expected_quantized.bin"), bytes_of(quantized));
+  t["expected"] = {{"values", prefix + "expected_values.bin"},
+                   {"codes", prefix + "expected_codes.bin"},
+                   {"outliers", prefix + "expected_outliers.bin"},
+                   {"quantized", prefix + "expected_quantized.bin"}};
+  return t;
+}
+
+// Feeds the case's cache and writes dir/manifest.json with what it names.
+Dump write_dump(const Case& c, const fs::path& dir) {
+  FedCache f = feed(c);
+  Dump dump;
+  dump.dir = dir;
+  fs::create_directories(dir);
+  nlohmann::json manifest;
+  manifest["case"] = c.name;
+  manifest["max_sequences"] = f.options.max_sequences;
+  const std::vector<int32_t> page_table = f.cache->copy_page_table();
+  testing::write_file(dir / "page_table.bin", bytes_of(page_table));
+  manifest["page_table"] = "page_table.bin";
+  manifest["sequences"] = nlohmann::json::array();
+  for (int s = 0; s < kSequences; ++s) manifest["sequences"].push_back({{"slot", f.ids[s]}, {"length", f.lengths[s]}});
+  const int64_t stride = static_cast<int64_t>(page_table.size()) / f.options.max_sequences;
+  dump.first_entry_offset = f.ids[0] * stride * static_cast<int64_t>(sizeof(int32_t));
+  dump.first_page = page_table[static_cast<size_t>(f.ids[0] * stride)];
+  dump.key_page_bytes = f.cache->layout(TensorKind::kKeys).page_bytes;
+  manifest["decode"] = write_decode(f, dir);
   manifest["tensors"] = nlohmann::json::array();
   for (int64_t layer = 0; layer < kLayers; ++layer) {
     for (TensorKind kind : {TensorKind::kKeys, TensorKind::kValues}) {
-      const std::string prefix = "layer" + std::to_string(layer) + "_" + kind_name(kind) + "_";
-      const kernels::TensorLayoutSpec& spec = cache.layout(kind).spec;
-      const TensorQuantizer& q = kind == TensorKind::kKeys ? config.layers[layer].keys : config.layers[layer].values;
-      nlohmann::json t;
-      t["layer"] = layer;
-      t["kind"] = kind_name(kind);
-      // The configuration, as the page names it (sections 1-5).
-      t["kv_heads"] = spec.kv_heads;
-      t["head_dim"] = spec.head_dim;
-      t["bits"] = spec.bits;
-      t["page_size"] = spec.page_size;
-      t["grouping"] = grouping_name(spec.grouping);
-      t["group"] = spec.group;
-      t["element"] = element_name(spec.element);
-      t["sink_tokens"] = spec.sink_tokens;
-      t["residual_tokens"] = spec.residual_tokens;
-      t["window_rule"] = spec.window_rule == kernels::WindowRule::kSliding ? "sliding" : "block_flush";
-      t["outliers"] = spec.outliers;
-      t["outlier_page_entries"] = spec.outlier_page_entries;
-      // The layer's constants as the artifact stores them (section 5
-      // derives the level table from them).
-      t["grid"] = q.grid;
-      t["clip_ratio"] = static_cast<double>(q.clip_ratio);
-      t["channel_scale"] = q.channel_scale.values;
-      t["channel_offset"] = q.channel_offset.values;
-      // What append needs besides (section 6.1): the inputs' element type,
-      // the outlier rule and its parameters, the encode grid, the rotation.
-      const TensorQuantizerSettings& settings = kind == TensorKind::kKeys ? config.settings.keys : config.settings.values;
-      t["input_element"] = "fp32";
-      testing::write_file(dir / (prefix + "input.bin"), bytes_of(appended(layer, kind)));
-      t["input"] = prefix + "input.bin";
-      t["outlier_rule"] = std::string(outlier_rule_name(settings.outlier_rule));
-      t["outlier_fraction"] = settings.outlier_fraction;
-      t["outlier_tau"] = static_cast<double>(q.outlier_tau);
-      t["outlier_low"] = q.outlier_low.values;
-      t["outlier_high"] = q.outlier_high.values;
-      t["encode_grid"] = q.encode_grid;
-      const RotationForm form = !config.rotation || config.rotation->folded ? RotationForm::kNone
-                                : kind == TensorKind::kKeys                ? config.rotation->keys
-                                                                           : config.rotation->values;
-      const TensorRotation& rotation =
-          kind == TensorKind::kKeys ? config.layers[layer].rotation.keys : config.layers[layer].rotation.values;
-      nlohmann::json r;
-      r["form"] = std::string(rotation_form_name(form));
-      if (form == RotationForm::kMatrix) {
-        testing::write_file(dir / (prefix + "rotation.bin"), bytes_of(rotation.matrix.values));
-        r["matrix"] = prefix + "rotation.bin";
-        r["centre"] = rotation.centre.values;
-      } else if (form == RotationForm::kPairAngles) {
-        r["angles"] = rotation.angles.values;
-      }
-      t["rotation"] = r;
-      const kernels::TensorPoolCopy pools = cache.copy_pools(layer, kind);
-      testing::write_file(dir / (prefix + "pages.bin"), bytes_of(pools.pages));
-      testing::write_file(dir / (prefix + "exact.bin"), bytes_of(pools.exact));
-      testing::write_file(dir / (prefix + "outlier_pages.bin"), bytes_of(pools.outlier_pages));
-      testing::write_file(dir / (prefix + "outlier_page_table.bin"), bytes_of(pools.outlier_page_table));
-      t["pages"] = prefix + "pages.bin";
-      t["exact"] = prefix + "exact.bin";
-      t["outlier_pages"] = prefix + "outlier_pages.bin";
-      t["outlier_page_table"] = prefix + "outlier_page_table.bin";
-      // Section 7's counts: what each sequence holds (from the allocators'
-      // state) and what a decoding step reads (the formula, with the
-      // outlier entries of the quantized tokens).
-      t["held_bytes"] = nlohmann::json::array();
-      t["read_bytes"] = nlohmann::json::array();
-      for (int s = 0; s < kSequences; ++s) {
-        const int64_t begin = kernels::quantized_begin(spec, lengths[s]), end = kernels::quantized_end(spec, lengths[s]);
-        int64_t visible = 0;
-        for (int64_t token = begin; token < end; ++token) {
-          for (uint8_t o : cache.read_token(layer, kind, ids[s], token).outliers) visible += o;
-        }
-        t["held_bytes"].push_back(cache.held_bytes(layer, kind, ids[s]).total());
-        t["read_bytes"].push_back(kernels::bytes_read(cache.layout(kind), lengths[s], visible).total());
-      }
-      for (int s = 0; s < kSequences; ++s) {
-        const int64_t begin = kernels::quantized_begin(spec, lengths[s]), end = kernels::quantized_end(spec, lengths[s]);
-        dump.exact_rows += lengths[s] - (end - begin);
-        int64_t past_sink = std::max<int64_t>(lengths[s] - spec.sink_tokens, 0);
-        if (spec.grouping == kernels::ScaleGrouping::kPerChannelTokens) past_sink = past_sink / spec.group * spec.group;
-        dump.code_rows += past_sink * spec.kv_heads;
-        dump.outlier_entries += cache.outlier_entries(layer, kind, ids[s]);
-      }
-      // read_token's readback, sequences in manifest order, tokens in order.
-      std::vector<float> values;
-      std::vector<uint8_t> codes, outliers, quantized;
-      for (int s = 0; s < kSequences; ++s) {
-        for (int64_t token = 0; token < lengths[s]; ++token) {
-          const kernels::TokenReadout r = cache.read_token(layer, kind, ids[s], token);
-          values.insert(values.end(), r.values.begin(), r.values.end());
-          codes.insert(codes.end(), r.codes.begin(), r.codes.end());
-          outliers.insert(outliers.end(), r.outliers.begin(), r.outliers.end());
-          quantized.push_back(r.quantized ? 1 : 0);
-          ++dump.tokens;
-          dump.quantized += r.quantized ? 1 : 0;
-          for (uint8_t o : r.outliers) dump.outliers += o;
-        }
-      }
-      testing::write_file(dir / (prefix + "expected_values.bin"), bytes_of(values));
-      testing::write_file(dir / (prefix + "expected_codes.bin"), bytes_of(codes));
-      testing::write_file(dir / (prefix + "expected_outliers.bin"), bytes_of(outliers));
-      testing::write_file(dir / (prefix + "expected_quantized.bin"), bytes_of(quantized));
-      t["expected"] = {{"values", prefix + "expected_values.bin"},
-                       {"codes", prefix + "expected_codes.bin"},
-                       {"outliers", prefix + "expected_outliers.bin"},
-                       {"quantized", prefix + "expected_quantized.bin"}};
-      manifest["tensors"].push_back(t);
+      manifest["tensors"].push_back(write_tensor(f, layer, kind, dir, dump));
     }
   }
   testing::write_file(dir / "manifest.json", manifest.dump(1));
@@ -373,14 +394,13 @@ TEST(RuntimePagesReaderCatches, AFlippedCodeAWrongPageTableEntryAndAnotherInput)
 
   const fs::path table = dump.dir / "page_table.bin";
   std::string entries = testing::read_file(table);
-  int32_t first = 0;
-  std::memcpy(&first, entries.data(), 4);  // slot 0's first entry (sequence 0 took slot 0)
-  const int32_t other = first + 1;
-  std::memcpy(entries.data(), &other, 4);
+  char* entry = entries.data() + dump.first_entry_offset;  // sequence 0's first page-table entry
+  const int32_t other = dump.first_page + 1;
+  std::memcpy(entry, &other, 4);
   testing::write_file(table, entries);
   result = run_reader(dump.dir);
   EXPECT_EQ(result.exit_code, 1) << result.stdout_text;
-  std::memcpy(entries.data(), &first, 4);
+  std::memcpy(entry, &dump.first_page, 4);
   testing::write_file(table, entries);
   ASSERT_EQ(run_reader(dump.dir).exit_code, 0);
 
