@@ -466,47 +466,37 @@ class Tensor:
             self.put_back_outliers(page, slot, i, values, flags)
         return values, codes, flags
 
-    def put_back_outliers(self, page, slot, i, values, flags):
-        """Sections 3.3 and 4: the token's CSR rows' entries replace their elements."""
-        E, w, e, D = self.entries, self.index_bytes, self.e, self.dim
+    def row_entries(self, page, slot, i, span):
+        """Sections 3.3 and 4: (index, value) of the CSR row of in-page token i
+        and span, in order."""
+        E, w, e = self.entries, self.index_bytes, self.e
         pointers = page[self.row_pointers_offset:self.page_bytes].view("<u4")
+        r = i * self.spans + span
+        entries = []
+        for k in range(int(pointers[r]), int(pointers[r + 1])):
+            page_id = int(self.outlier_table[slot, k // E])
+            if page_id < 0 or (page_id + 1) * self.outlier_page_bytes > self.outlier_pages.size:
+                raise Mismatch("outlier entry %d: outlier page id %d outside the pool" % (k, page_id))
+            op = self.outlier_pages[page_id * self.outlier_page_bytes:(page_id + 1) * self.outlier_page_bytes]
+            j = k % E
+            index = int(op[j * w:(j + 1) * w].view("<u2" if w == 2 else "<u4")[0])
+            entries.append((index, elements(op[E * w + j * e:E * w + (j + 1) * e], self.element)[0]))
+        return entries
+
+    def put_back_outliers(self, page, slot, i, values, flags):
+        """The token's outlier entries replace their elements."""
+        D = self.dim
         for span in range(self.spans):
-            r = i * self.spans + span
-            for k in range(int(pointers[r]), int(pointers[r + 1])):
-                page_id = int(self.outlier_table[slot, k // E])
-                if page_id < 0 or (page_id + 1) * self.outlier_page_bytes > self.outlier_pages.size:
-                    raise Mismatch("outlier entry %d: outlier page id %d outside the pool" % (k, page_id))
-                op = self.outlier_pages[page_id * self.outlier_page_bytes:(page_id + 1) * self.outlier_page_bytes]
-                j = k % E
-                index = int(op[j * w:(j + 1) * w].view("<u2" if w == 2 else "<u4")[0])
-                value = elements(op[E * w + j * e:E * w + (j + 1) * e], self.element)[0]
-                if self.spans == 1:
-                    h, d = index // D, index % D
-                else:
-                    h, d = span, index
+            for index, value in self.row_entries(page, slot, i, span):
+                h, d = (index // D, index % D) if self.spans == 1 else (span, index)
                 if h >= self.heads or d >= D:
-                    raise Mismatch("outlier entry %d: index %d outside the span" % (k, index))
+                    raise Mismatch("outlier index %d outside the span" % index)
                 values[h, d] = value
                 flags[h, d] = 1
 
 
 def same_bits(a, b):
     return np.array_equal(np.asarray(a, dtype=F32).view(np.uint32), np.asarray(b, dtype=F32).view(np.uint32))
-
-
-def stored_entries(tensor, page, slot, i, span):
-    """(index, value) of the CSR row of in-page token i and span, in order."""
-    E, w, e = tensor.entries, tensor.index_bytes, tensor.e
-    pointers = page[tensor.row_pointers_offset:tensor.page_bytes].view("<u4")
-    r = i * tensor.spans + span
-    entries = []
-    for k in range(int(pointers[r]), int(pointers[r + 1])):
-        page_id = int(tensor.outlier_table[slot, k // E])
-        op = tensor.outlier_pages[page_id * tensor.outlier_page_bytes:(page_id + 1) * tensor.outlier_page_bytes]
-        j = k % E
-        index = int(op[j * w:(j + 1) * w].view("<u2" if w == 2 else "<u4")[0])
-        entries.append((index, float(elements(op[E * w + j * e:E * w + (j + 1) * e], tensor.element)[0])))
-    return entries
 
 
 def check_token_outliers(tensor, page, slot, i, y, mask, where):
@@ -520,7 +510,7 @@ def check_token_outliers(tensor, page, slot, i, y, mask, where):
             want = [(int(n), float(F32(y.reshape(-1)[n]))) for n in flat]
         else:
             want = [(int(d), float(F32(y[span, d]))) for d in np.flatnonzero(mask[span])]
-        got = stored_entries(tensor, page, slot, i, span)
+        got = [(index, float(value)) for index, value in tensor.row_entries(page, slot, i, span)]
         if got != want:
             raise Mismatch("%s: span %d outlier entries %s, predicted %s" % (where, span, got[:6], want[:6]))
         count += len(want)
