@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Independent reader of kvforge's runtime KV cache pages, written from
-docs/runtime-layout.md alone (sections 1-5 and 6.2; it shares no code with
-kernels/).
+"""Independent reader (and writer) of kvforge's runtime KV cache pages,
+written from docs/runtime-layout.md alone (sections 1-7; it shares no code
+with kernels/).
 
 usage: check_runtime_pages.py DIR
 
@@ -59,9 +59,8 @@ and the outlier entries found in the pools.
 Prints {"tokens", "quantized", "outliers", "exact_rows", "codes", "pairs",
 "outlier_entries", "byte_counts", "decoded", "decode_error"} (what it
 compared; decode_error: the largest difference over the largest |value|) as
-JSON; on the first
-difference prints "DIR: layer L KIND sequence S token T: ..." to stderr and
-exits 1.
+JSON; on the first difference prints "DIR: WHERE: ..." (WHERE as "layer L
+KIND sequence S token T") to stderr and exits 1.
 """
 import json
 import math
