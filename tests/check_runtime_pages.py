@@ -97,6 +97,13 @@ def elements(raw, element):
     raise ValueError("element " + element)
 
 
+def two_sum(a, b):
+    """s = fl(a + b) and the e with a + b = s + e exactly (Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
 def fma32(b, level, a):
     """float32 fma(b, level, a): b * level + a rounded once to float32.
 
@@ -107,10 +114,7 @@ def fma32(b, level, a):
     on e's side of the tie."""
     b, level, a = (np.asarray(x, dtype=F32) for x in (b, level, a))
     p = b.astype(F64) * level.astype(F64)
-    a64 = a.astype(F64)
-    s = p + a64
-    bb = s - p
-    e = (p - (s - bb)) + (a64 - bb)
+    s, e = two_sum(p, a.astype(F64))
     r = s.astype(F32)
     r64 = r.astype(F64)
     towards = np.where(s > r64, F32(np.inf), F32(-np.inf))
@@ -145,12 +149,6 @@ def to_element(x, element):
 # rounding to odd, then one rounding to nearest (Boldo and Melquiond,
 # "Emulation of FMA and correctly rounded sums: proved algorithms using
 # rounding to odd", 2008). Checked against exact rationals in self_check().
-def two_sum(a, b):
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
 def split(a):
     c = 134217729.0 * a  # 2^27 + 1
     high = c - (c - a)
