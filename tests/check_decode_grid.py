@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The committed decode-attention grid (bench/results/decode_attention.json)
-against issue 10's contract and against the README that quotes it.
+against issue 10's contract and against the pages that quote it.
 
 Checks, each a line on failure:
   - provenance: the machine, commit and command that made the grid, and the
@@ -20,11 +20,14 @@ Checks, each a line on failure:
     the batch times one sequence's bytes (kvquant's within its outliers'
     variation), and it grows with the context;
   - README.md's speed table ("Runtime kernels: where the speed targets
-    stand") names the grid's commit and machine and quotes its 2-bit
-    speedups at 32K and 128K, batch 1 / 8 / 32, to the digits it prints;
-    bench/README.md's "Where the targets stand" names the same commit.
+    stand") and docs/serving.md's (the H200's, after "The configuration an
+    artifact holds decides which kernel decodes it") name the grid's commit
+    and machine and quote its 2-bit speedups at 32K and 128K, batch 1 / 8 /
+    32, to the digits they print; bench/README.md's "Where the targets
+    stand" names the same commit.
 
 Usage: check_decode_grid.py [--grid GRID.json] [--readme README.md] [--bench-readme bench/README.md]
+                            [--serving docs/serving.md]
        check_decode_grid.py --self-check   (the checks fail on broken copies)
 """
 import argparse
@@ -49,6 +52,8 @@ CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 BATCHES = (1, 8, 32)
 BITS = (2, 4)
 README_SECTION = "## Runtime kernels: where the speed targets stand"
+SERVING = os.path.join(ROOT, "docs", "serving.md")
+SERVING_ANCHOR = "The configuration an artifact holds decides which kernel decodes it"
 README_CONTEXTS = (32768, 131072)
 # kvquant's sparse outliers: its keys' per-channel thresholds catch a count
 # of entries that depends on the bench's random activations, ~0.5% of the
@@ -138,34 +143,44 @@ def check_grid(grid, where):
     return errors
 
 
-def readme_speed_table(text):
-    """{method: [(cell text of 32K batch 1, 8, 32), (128K ...)]} and the section's text."""
-    start = text.find(README_SECTION)
+def quoted_table(text, anchor):
+    """The first Markdown table after `anchor` in text, as {method: [(cells of
+    32K batch 1, 8, 32), (128K ...)]} (its rows of a configuration, a kernel
+    and the two contexts), with the text from the anchor to the table's end;
+    None where the anchor or the table is missing."""
+    start = text.find(anchor)
     if start < 0:
         return None, ""
-    end = text.find("\n## ", start + len(README_SECTION))
-    section = text[start:end if end >= 0 else len(text)]
+    lines = text[start:].splitlines()
+    first = next((n for n, line in enumerate(lines) if line.startswith("|")), None)
+    if first is None:
+        return None, ""
+    last = next((n for n in range(first, len(lines)) if not lines[n].startswith("|")), len(lines))
     table = {}
-    for line in section.splitlines():
+    for line in lines[first:last]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[0] or cells[0].startswith("---") or cells[0] == "configuration":
+        if len(cells) != 4 or not cells[0] or cells[0].startswith("---") or cells[0].startswith("configuration"):
             continue
         method = cells[0].split()[0]
         table[method] = [tuple(x.strip() for x in cell.split("/")) for cell in cells[2:4]]
-    return table, section
+    return table, "\n".join(lines[:last])
 
 
-def check_readme(grid, text, where):
-    table, section = readme_speed_table(text)
+def check_quoted_table(grid, text, where, anchor, grid_named_as):
+    """The table after `anchor` quotes the grid's 2-bit speedups to the digits
+    it prints; the text before it names the grid as `grid_named_as` (with
+    the commit) and names its card."""
+    table, section = quoted_table(text, anchor)
     if table is None:
-        return [f"{where}: expected a section '{README_SECTION}'"]
+        return [f"{where}: expected a speed table after '{anchor}'"]
     errors = []
     commit, machine = grid.get("commit", ""), grid.get("machine", "")
-    if f"`bench/results/decode_attention.json`: {commit} on an" not in section:
-        errors.append(f"{where}: the speed section: expected the committed grid named by its commit ({commit})")
+    if grid_named_as.format(commit=commit) not in section:
+        errors.append(f"{where}: the speed table: expected the committed grid named by its commit "
+                      f"('{grid_named_as.format(commit=commit)}')")
     card = machine.split()[-1] if machine else ""
     if card and card not in section:
-        errors.append(f"{where}: the speed section: expected the grid's machine ({machine})")
+        errors.append(f"{where}: the speed table: expected the grid's machine ({machine})")
     rows = {(r.get("method"), r.get("bits"), r.get("batch"), r.get("context")): r for r in grid.get("rows", [])}
     for method in METHODS:
         if method not in table:
@@ -186,8 +201,16 @@ def check_readme(grid, text, where):
                 quoted = f"{r['speedup_vs_sdpa']:.{len(m.group(2))}f}x"
                 if quoted != cell:
                     errors.append(f"{where}: the speed table, {method} {context // 1024}K batch {batch}: the grid "
-                                  f"says {quoted}, the README {cell}")
+                                  f"says {quoted}, the page {cell}")
     return errors
+
+
+def check_readme(grid, text, where):
+    return check_quoted_table(grid, text, where, README_SECTION, "`bench/results/decode_attention.json`: {commit} on an")
+
+
+def check_serving(grid, text, where):
+    return check_quoted_table(grid, text, where, SERVING_ANCHOR, "(bench/results/decode_attention.json, {commit};")
 
 
 def check_bench_readme(grid, text, where):
@@ -200,9 +223,25 @@ def check_bench_readme(grid, text, where):
     return []
 
 
-def self_check(grid, text):
-    """Each broken copy must fail, and only by the check meant to catch it."""
+def edited_cell(text, anchor, method):
+    """text with `method`'s 32K batch 8 cell of the table after `anchor`
+    changed by one in its last digit, and that cell as it now reads."""
+    start = text.find(anchor)
+    line_start = text.index(f"| {method} ", start)
+    line_end = text.index("\n", line_start)
+    line = text[line_start:line_end]
+    cells = line.strip().strip("|").split("|")
+    values = [v.strip() for v in cells[2].split("/")]
+    digits = len(values[1].split(".")[1]) - 1
+    values[1] = f"{float(values[1][:-1]) + 10 ** -digits:.{digits}f}x"
+    cells[2] = " " + " / ".join(values) + " "
+    return text[:line_start] + "|" + "|".join(cells) + "|" + text[line_end:], values[1]
+
+
+def self_check(grid, text, serving_text):
+    """Each broken copy must fail, and by the check meant to catch it."""
     assert not check_grid(grid, "grid") and not check_readme(grid, text, "README"), "the committed files must pass"
+    assert not check_serving(grid, serving_text, "serving"), "the committed serving page must pass"
     rows = grid["rows"]
     i = next(i for i, r in enumerate(rows) if r["method"] == "rtn" and r["bits"] == 2 and r["batch"] == 8
              and r["context"] == 32768)
@@ -236,18 +275,21 @@ def self_check(grid, text):
         r["speedup_vs_sdpa"] = r["sdpa_time_us"] / r["time_us"]
         r["bandwidth_fraction"] = r["bytes_read"] / (r["time_us"] * 1e-6) / g["copy_bandwidth_bytes_per_s"]
 
+    readme_edited, readme_cell = edited_cell(text, README_SECTION, "rtn")
     cases = [("a time edited alone", broken(time_edited), text, "speedup_vs_sdpa"),
              ("bytes read for one batch only", broken(bytes_edited), text, "a sequence"),
              ("a row dropped", broken(row_dropped), text, "no row for rtn 2-bit batch 8 context 32768"),
              ("FlashInfer's fp8 column dropped", broken(column_dropped), text, "flashinfer_fp8_time_us"),
              ("no commit", broken(commit_dropped), text, "field 'commit'"),
              ("the grid refreshed, the README not", broken(speedup_changed), text, "the grid says 3.5x"),
-             ("the README's cell edited", grid, text.replace("1.9x / 4.0x / 4.6x", "1.9x / 4.1x / 4.6x"),
-              "the README 4.1x")]
+             ("the README's cell edited", grid, readme_edited, f"the page {readme_cell}")]
     for what, g, t, expected in cases:
         errors = check_grid(g, "grid") + check_readme(g, t, "README")
         assert any(expected in e for e in errors), f"{what}: expected an error with {expected!r}, got {errors}"
-    print(f"self-check: {len(cases)} broken copies each caught")
+    serving_edited, serving_cell = edited_cell(serving_text, SERVING_ANCHOR, "kvquant")
+    errors = check_serving(grid, serving_edited, "serving")
+    assert any(f"the page {serving_cell}" in e for e in errors), f"serving's cell edited: got {errors}"
+    print(f"self-check: {len(cases) + 1} broken copies each caught")
 
 
 def main():
@@ -255,6 +297,7 @@ def main():
     parser.add_argument("--grid", default=GRID)
     parser.add_argument("--readme", default=README)
     parser.add_argument("--bench-readme", default=BENCH_README)
+    parser.add_argument("--serving", default=SERVING)
     parser.add_argument("--self-check", action="store_true")
     args = parser.parse_args()
     with open(args.grid) as f:
@@ -263,16 +306,18 @@ def main():
         text = f.read()
     with open(args.bench_readme) as f:
         bench_text = f.read()
+    with open(args.serving) as f:
+        serving_text = f.read()
     if args.self_check:
-        self_check(grid, text)
+        self_check(grid, text, serving_text)
     errors = (check_grid(grid, args.grid) + check_readme(grid, text, args.readme)
-              + check_bench_readme(grid, bench_text, args.bench_readme))
+              + check_bench_readme(grid, bench_text, args.bench_readme) + check_serving(grid, serving_text, args.serving))
     for e in errors:
         print(e)
     if errors:
         return 1
     print(f"{args.grid}: {len(grid['rows'])} rows ({grid['machine']}, {grid['commit']}) consistent, "
-          f"README's speed table quotes them")
+          f"the README's and docs/serving.md's speed tables quote them")
     return 0
 
 
