@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 # SKIP_DECODE_BENCH, DECODE_BENCH_ARGS, DECODE_BENCH_BF16, BASELINE_TAR,
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH, PROFILE_CONTEXTS,
-# PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES and
+# PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES,
+# PROFILE_APPEND_DURATIONS and
 # BUILD_TARGETS, SKIP_BUILD, DECODE_BENCH_TIMEOUT (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -480,6 +481,27 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
         gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null
         grep -E "append|Duration|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Executed Instructions |Dynamic Shared|Static Shared|Stall|stall|L2 Hit|Issue Slots Busy" "$LOGS/ncu_$name.log" | head -40
         cp "$LOGS/ncu_$name.log" "$OUT/ncu_$name.txt" 2>/dev/null
+        # PROFILE_APPEND_DURATIONS=N: also the durations of N consecutive
+        # decode-step appends (only gpu__time_duration, so each launch costs
+        # little under ncu): where a per_channel_tokens layout (KIVI's keys)
+        # completes a group every G steps, which launches carry its cost.
+        if [ -n "${PROFILE_APPEND_DURATIONS:-}" ]; then
+          timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 \
+            --launch-count "$PROFILE_APPEND_DURATIONS" --metrics gpu__time_duration.sum --csv \
+            ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch" --methods "$method" \
+            --bits 2 --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_durations_$name.csv" 2>&1 ||
+            echo "ncu (durations) failed: $(tail -1 "$LOGS/ncu_durations_$name.csv")"
+          python3 - "$LOGS/ncu_durations_$name.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if rows:
+    head = rows[0]
+    at = {k: head.index(k) for k in ("ID", "Kernel Name", "Metric Unit", "Metric Value")}
+    values = [(r[at["ID"]], r[at["Kernel Name"]].split("(")[0], r[at["Metric Unit"]], r[at["Metric Value"]]) for r in rows[1:]]
+    print("append launch durations:", " ".join(f"{v[3]}{v[2]}" for v in values))
+    print("kernels:", sorted({v[1] for v in values}))
+PY
+        fi
       done
     done
   fi
