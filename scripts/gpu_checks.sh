@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 # COMPARE_ARGS, COMPARE_FIRST, SKIP_PROFILE,
 # PROFILE_METHODS, PROFILE_KERNEL, PROFILE_BENCH_FLAGS, PROFILE_BATCH, PROFILE_CONTEXTS,
 # PROFILE_LAUNCHES, PROFILE_SKIP, PROFILE_SECTIONS, PROFILE_CACHE, PROFILE_APPEND, PROFILE_APPEND_METHODS, PROFILE_APPEND_BATCHES,
-# PROFILE_APPEND_DURATIONS and
+# PROFILE_APPEND_SKIP, PROFILE_APPEND_DURATIONS and
 # BUILD_TARGETS, SKIP_BUILD, DECODE_BENCH_TIMEOUT (each explained where it is read below).
 # $OUT gets the few result files (the device tool returns at most 8);
 # every log lands in $LOGS, packed into $OUT/gpu-logs.tar.gz at the end.
@@ -463,13 +463,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # The decode-step append kernel (one token per sequence, batch 1 and 32):
   # its duration and where its time goes. PROFILE_APPEND=1;
   # PROFILE_APPEND_METHODS (default rtn; int2-rot: the rotated token kernel)
-  # and PROFILE_APPEND_BATCHES (default "1 32") narrow or widen it.
+  # and PROFILE_APPEND_BATCHES (default "1 32") narrow or widen it;
+  # PROFILE_APPEND_SKIP (default 20) picks the profiled launch (the append
+  # launches before it skipped), e.g. one that completes a KIVI key group.
   if [ -n "${PROFILE_APPEND:-}" ] && command -v ncu > /dev/null; then
     for method in ${PROFILE_APPEND_METHODS:-rtn}; do
       for batch in ${PROFILE_APPEND_BATCHES:-1 32}; do
         name="append_${method}_b$batch"
         step "kernels: ncu profile of the decode-step append kernel ($method, batch $batch, 2 bits)"
-        timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 --launch-count 1 \
+        timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip "${PROFILE_APPEND_SKIP:-20}" --launch-count 1 \
           --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SchedulerStats \
           --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
           --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
