@@ -8,8 +8,9 @@
 //   (CudaBackend) with random tokens through the append kernel, then time
 //   launch_decode_attention (planned once: DecodeParams built, slots and
 //   lengths in the launch at batch 32 and below, else uploaded) and one decode-step append (one token per sequence,
-//   asynchronous_append): append_time_us per step of 16 queued back to back
-//   (throughput), append_latency_us of one step and its synchronize();
+//   asynchronous_append): append_time_us per step of a run queued back to
+//   back (throughput; 16 steps, or whole per_channel_tokens groups:
+//   append_run_steps), append_latency_us of one step and its synchronize();
 //   SDPA: at::scaled_dot_product_attention on contiguous bf16 K/V.
 // Times are CUDA-event medians of --repeats launches after warm-up, each
 // queued behind a busy kernel so that the events time the device side
@@ -80,6 +81,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -204,8 +206,23 @@ double median_wall_us(const std::function<void()>& work, int repeats) {
   return median(std::move(times));
 }
 
-// Decoding steps whose appends the throughput measurement queues back to back.
+// Decoding steps whose appends the throughput measurement queues back to
+// back, at least.
 constexpr int kAppendRun = 16;
+
+// The steps of one queued run: kAppendRun rounded up to a multiple of every
+// per_channel_tokens group (KIVI's keys: G = 32), so that each run completes
+// the same number of groups and its mean is the steady rate. With runs of 16
+// and G = 32, every other run held a group's completion and the median of
+// three picked either side (the grids before 2026-12-06: kivi's
+// append_device_us ~25 us at every batch).
+int append_run_steps(const QuantizerConfig& config) {
+  int64_t groups = 1;
+  for (const TensorQuantizerSettings* t : {&config.settings.keys, &config.settings.values}) {
+    if (t->grouping == Grouping::kPerChannelTokens && t->group > 1) groups = std::lcm(groups, t->group);
+  }
+  return static_cast<int>((kAppendRun + groups - 1) / groups * groups);
+}
 // Distinct tokens the decode-step appends cycle through by default: more
 // than a decode kernel's step of 32 tokens, so that no step holds one token
 // twice.
@@ -359,13 +376,17 @@ int run(int argc, char** argv) {
       for (const int b : bits) {
         const QuantizerConfig config = decode_bench_config(method, b);
         const int append_repeats = std::max(3, repeats / 4);
+        const int append_run = append_run_steps(config);
         kernels::CacheOptions options;
         options.max_sequences = batch;
-        // The append and step measurements add tokens: the steps 6 queued
-        // runs of (2 + append_repeats) x kAppendRun tokens a setting, the
-        // exact blocks first a second setting.
+        // The append and step measurements add tokens: the appends
+        // 2 x (append_repeats + 2 x append_repeats x append_run) (two
+        // kernels), the steps 6 queued runs of (2 + append_repeats) x
+        // append_run a setting, the exact blocks first a second setting.
+        const int64_t step_settings = exact_blocks_first ? 2 : 1;
         options.max_context = contexts.back() + 2048 +
-                              (exact_blocks_first ? 6 * (2 + append_repeats) * kAppendRun : 0);
+                              2 * (append_repeats + 2 * append_repeats * append_run) +
+                              step_settings * 6 * (2 + append_repeats) * append_run;
         options.asynchronous_append = true;           // a serving loop's appends; decode syncs
         options.element = kernels::ElementType::kBFloat16;
         auto owned_backend = std::make_unique<kernels::CudaBackend>(0);
@@ -492,7 +513,7 @@ int run(int argc, char** argv) {
           int64_t step_index = 0;
           // One decoding step's append (a token for every sequence): its
           // latency (the append, then synchronize()) and its throughput
-          // (kAppendRun steps queued back to back, then one synchronize(),
+          // (append_run steps queued back to back, then one synchronize(),
           // per step), wall clock: the rate the decode must be kept up with
           // is the throughput's.
           const auto one_step = [&] {
@@ -508,7 +529,7 @@ int run(int argc, char** argv) {
           struct AppendTimes {
             double latency_us = 0, time_us = 0, host_us = 0, device_us = 0;
           };
-          // kAppendRun calls of `one` queued behind a busy kernel on the
+          // append_run calls of `one` queued behind a busy kernel on the
           // cache's stream, append_repeats times (after `warm_up` unrecorded
           // runs): a call's host side (the enqueue's wall clock) and its
           // device side (events around the run, which runs back to back).
@@ -525,15 +546,15 @@ int run(int argc, char** argv) {
               busy_wait_on(append_stream, 5'000'000);
               KVFORGE_CUDA_CHECK(cudaEventRecord(start, append_stream));
               const auto begin = std::chrono::steady_clock::now();
-              for (int r = 0; r < kAppendRun; ++r) one();
+              for (int r = 0; r < append_run; ++r) one();
               const double host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count();
               KVFORGE_CUDA_CHECK(cudaEventRecord(stop, append_stream));
               cache.synchronize();
               float ms = 0;
               KVFORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
               if (i < warm_up) continue;
-              host_us.push_back(host / kAppendRun);
-              device_us.push_back(ms * 1e3 / kAppendRun);
+              host_us.push_back(host / append_run);
+              device_us.push_back(ms * 1e3 / append_run);
             }
             cudaEventDestroy(start);
             cudaEventDestroy(stop);
@@ -550,11 +571,11 @@ int run(int argc, char** argv) {
                 append_repeats);
             t.time_us = median_wall_us(
                             [&] {
-                              for (int i = 0; i < kAppendRun; ++i) one_step();
+                              for (int i = 0; i < append_run; ++i) one_step();
                               cache.synchronize();
                             },
                             append_repeats) /
-                        kAppendRun;
+                        append_run;
             // Where a step's throughput goes: its host and device sides.
             const QueuedRun run = queued_run(one_step, 0);
             t.host_us = run.host_us;
@@ -566,7 +587,7 @@ int run(int argc, char** argv) {
           // inside the decode's launch where the layout allows it, else the
           // append, then the decode behind it; and as those two launches
           // where it fuses, fused_decode_step off) against the decode alone,
-          // each kAppendRun times back to back behind a busy kernel on the
+          // each append_run times back to back behind a busy kernel on the
           // cache's stream (device time a step): what the append adds to a
           // step, the rate the decode must be kept up with being the
           // decode's own.
@@ -657,7 +678,8 @@ int run(int argc, char** argv) {
           if (!no_append) {
             const AppendTimes appended = measure_append(kernels::AppendKernel::kAuto);
             const AppendTimes per_sequence = measure_append(kernels::AppendKernel::kPerSequence);
-            row.update({{"append_time_us", appended.time_us},
+            row.update({{"append_run_steps", append_run},
+                        {"append_time_us", appended.time_us},
                         {"append_latency_us", appended.latency_us},
                         {"append_host_us", appended.host_us},
                         {"append_device_us", appended.device_us},
