@@ -470,14 +470,15 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
     for method in ${PROFILE_APPEND_METHODS:-rtn}; do
       for batch in ${PROFILE_APPEND_BATCHES:-1 32}; do
         name="append_${method}_b$batch"
+        append_bench=(./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch"
+                      --methods "$method" --bits 2 --repeats 2 --out /tmp/profile_append.json)
         step "kernels: ncu profile of the decode-step append kernel ($method, batch $batch, 2 bits)"
         timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip "${PROFILE_APPEND_SKIP:-20}" --launch-count 1 \
           --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SchedulerStats \
           --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
           --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
           --import-source yes -f -o "$LOGS/ncu_$name" \
-          ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch" --methods "$method" --bits 2 \
-          --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_$name.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$name.run.log"; }
+          "${append_bench[@]}" > "$LOGS/ncu_$name.run.log" 2>&1 || { echo "ncu failed"; tail -5 "$LOGS/ncu_$name.run.log"; }
         ncu -i "$LOGS/ncu_$name.ncu-rep" --print-summary none > "$LOGS/ncu_$name.log" 2>&1
         ncu -i "$LOGS/ncu_$name.ncu-rep" --page source --csv --print-source cuda,sass > "$LOGS/ncu_source_$name.csv" 2>&1
         gzip -kf "$LOGS/ncu_source_$name.csv" && cp "$LOGS/ncu_source_$name.csv.gz" "$OUT/" 2>/dev/null
@@ -490,18 +491,16 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
         if [ -n "${PROFILE_APPEND_DURATIONS:-}" ]; then
           timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 \
             --launch-count "$PROFILE_APPEND_DURATIONS" --metrics gpu__time_duration.sum --csv \
-            ./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch" --methods "$method" \
-            --bits 2 --repeats 2 --out /tmp/profile_append.json > "$LOGS/ncu_durations_$name.csv" 2>&1 ||
+            "${append_bench[@]}" > "$LOGS/ncu_durations_$name.csv" 2>&1 ||
             echo "ncu (durations) failed: $(tail -1 "$LOGS/ncu_durations_$name.csv")"
           python3 - "$LOGS/ncu_durations_$name.csv" <<'PY'
 import csv, sys
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 if rows:
     head = rows[0]
-    at = {k: head.index(k) for k in ("ID", "Kernel Name", "Metric Unit", "Metric Value")}
-    values = [(r[at["ID"]], r[at["Kernel Name"]].split("(")[0], r[at["Metric Unit"]], r[at["Metric Value"]]) for r in rows[1:]]
-    print("append launch durations:", " ".join(f"{v[3]}{v[2]}" for v in values))
-    print("kernels:", sorted({v[1] for v in values}))
+    at = {k: head.index(k) for k in ("Kernel Name", "Metric Unit", "Metric Value")}
+    print("append launch durations:", " ".join(r[at["Metric Value"]] + r[at["Metric Unit"]] for r in rows[1:]))
+    print("kernels:", sorted({r[at["Kernel Name"]].split("(")[0] for r in rows[1:]}))
 PY
         fi
       done
