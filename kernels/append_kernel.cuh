@@ -755,15 +755,6 @@ class BlockAppender {
     return write_outlier_rows(page, in_page, y_, mask);
   }
 
-  // per_channel_tokens: group g of token slots [g G, (g + 1) G), complete
-  // with the new token (in y); the others are read back from the ring.
-  __device__ double group_token_value(int64_t g, int64_t i, int64_t channel) const {
-    const int64_t group = l_.spec.group;
-    if (i == group - 1) return y_[channel];
-    const int64_t row = l_.spec.sink_tokens + (g * group + i) % l_.ring_capacity;
-    return load_element(element_, exact_row(channel / dim_, row) + (channel % dim_) * element_bytes_);
-  }
-
   // Token i of group g into scratch (the last one is y).
   __device__ const double* load_group_token(int64_t g, int64_t i) {
     if (i == l_.spec.group - 1) return y_;
@@ -772,50 +763,126 @@ class BlockAppender {
     return scratch_;
   }
 
+  // per_channel_tokens: the channels a thread completes at once, token by
+  // token: a token's ring row and code row are found once for them, in
+  // 32-bit arithmetic (per element, the ring row's 64-bit modulo and the
+  // 64-bit offsets were ~1,400 of the KIVI kernel's 20,000 static
+  // instructions and most of a completion's dynamic ones), and their ring
+  // loads are in flight together.
+  static constexpr int kGroupChannels = 2;
+
+  // A thread's channels of one pass of a group's completion: channel
+  // c0 + k kThreads for k < kGroupChannels, each with its offsets in the
+  // ring (exact rows) and in a code row.
+  struct GroupChannels {
+    int32_t channel[kGroupChannels];
+    int64_t exact_offset[kGroupChannels];  // head * (sink + ring) rows + d, in bytes
+    int64_t code_offset[kGroupChannels];   // head * page_size code rows + its word, in bytes
+    bool active[kGroupChannels];           // a channel of the token (else code 0 in the word)
+    bool present[kGroupChannels];          // below padded_width: every lane of the block alike
+  };
+
+  __device__ GroupChannels group_channels(int32_t c0) const {
+    constexpr int per_word = 32 / kBits;
+    const int64_t rows = l_.spec.sink_tokens + l_.ring_capacity;
+    GroupChannels c;
+#pragma unroll
+    for (int k = 0; k < kGroupChannels; ++k) {
+      const int32_t channel = c0 + k * kThreads;
+      const int32_t head = channel / dim_, d = channel % dim_;
+      c.channel[k] = channel;
+      c.present[k] = channel - static_cast<int32_t>(threadIdx.x) < padded_width();
+      c.active[k] = channel < width_;
+      c.exact_offset[k] = (head * rows * dim_ + d) * element_bytes_;
+      c.code_offset[k] = head * static_cast<int64_t>(l_.spec.page_size) * l_.row_bytes + 4 * (d / per_word);
+    }
+    return c;
+  }
+
   __device__ bool quantize_channel_group(int64_t g) {
-    const int64_t group = l_.spec.group;
+    const int32_t group = l_.spec.group;
     const bool outliers = q_.outliers != OutlierSelection::kNone;
     if (outliers) {
       for (int64_t i = 0; i < group; ++i) {
         mark_outliers(load_group_token(g, i), masks_ + i * m_.mask_words);
       }
     }
-    // A thread per channel: its range over the group's tokens in token
-    // order (as the reference), its pair, then its code in each token's
-    // word (assembled over the lanes, code_word).
+    // The group's first slot (a sequence's slots are fewer than 2^31), its
+    // first ring row: token i < G - 1 is in row sink + (first + i) mod ring,
+    // and the ring holds at least G - 1 rows, so i wraps it at most once.
+    const int32_t first = static_cast<int32_t>(g) * group;
+    const int32_t ring = l_.ring_capacity;
+    const int32_t ring_first = ring > 0 ? first % ring : 0;
+    const int64_t exact_row_bytes = static_cast<int64_t>(dim_) * element_bytes_;
+    const uint8_t* exact_slot = a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes;
+    const auto ring_row = [&](int32_t i) -> const uint8_t* {
+      int32_t r = ring_first + i;
+      if (r >= ring) r -= ring;
+      return exact_slot + (l_.spec.sink_tokens + r) * exact_row_bytes;
+    };
+    const int32_t page_size = l_.spec.page_size;
+    const auto per_page = static_cast<int32_t>(pairs_per_page(l_));
     constexpr int per_word = 32 / kBits;
-    const int64_t pairs = pairs_per_page(l_);
-    for (int channel = threadIdx.x; channel < padded_width(); channel += kThreads) {
-      const bool active = channel < width_;
-      RuntimeGrid grid;
-      if (active) {
-        double min = 0, max = 0;
-        bool any = false;
-        for (int64_t i = 0; i < group; ++i) {
-          if (outliers && is_marked(masks_ + i * m_.mask_words, channel)) continue;
-          const double v = group_token_value(g, i, channel);
-          if (!any) {
-            min = max = v;
-            any = true;
+    // A thread per channel (kGroupChannels at a time): its range over the
+    // group's tokens in token order (as the reference), its pair, then its
+    // code in each token's word (assembled over the lanes, code_word).
+    for (int32_t c0 = threadIdx.x; c0 < padded_width(); c0 += kGroupChannels * kThreads) {
+      const GroupChannels c = group_channels(c0);
+      double min[kGroupChannels], max[kGroupChannels];
+      bool any[kGroupChannels];
+#pragma unroll
+      for (int k = 0; k < kGroupChannels; ++k) {
+        min[k] = max[k] = 0;
+        any[k] = false;
+      }
+      for (int32_t i = 0; i < group; ++i) {
+        const uint8_t* row = i < group - 1 ? ring_row(i) : nullptr;
+        double v[kGroupChannels];
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
+        }
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          if (!c.active[k] || (outliers && is_marked(masks_ + i * m_.mask_words, c.channel[k]))) continue;
+          if (!any[k]) {
+            min[k] = max[k] = v[k];
+            any[k] = true;
           } else {
-            min = v < min ? v : min;
-            max = max < v ? v : max;
+            min[k] = v[k] < min[k] ? v[k] : min[k];
+            max[k] = max[k] < v[k] ? v[k] : max[k];
           }
         }
-        const int64_t sigma = channel_pair_stream_index(l_, g, channel);
-        uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[sigma / pairs]) * l_.page_bytes +
-                        l_.params_offset + (sigma % pairs) * l_.pair_bytes;
-        store_element(element_, min, pair);
-        store_element(element_, max, pair + element_bytes_);
-        grid = runtime_grid<kBits>(q_, min, max);
       }
-      const int head = channel / dim_, w = (channel % dim_) / per_word;
-      for (int64_t i = 0; i < group; ++i) {
-        const int code = active ? runtime_code<kBits>(q_, grid, group_token_value(g, i, channel)) : 0;
-        const uint32_t bits = code_word<kBits>(code, channel);
-        if (active && channel % per_word == 0) {
-          const int64_t s = g * group + i;
-          store_u32(page_of_slot(s) + code_row_offset(l_, head, s % l_.spec.page_size) + 4 * w, bits);
+      RuntimeGrid grid[kGroupChannels];
+#pragma unroll
+      for (int k = 0; k < kGroupChannels; ++k) {
+        if (!c.active[k]) continue;
+        const StreamPlace place = stream_place(first, static_cast<int32_t>(l_.pairs_per_slot), per_page, c.channel[k]);
+        uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[place.entry]) * l_.page_bytes +
+                        l_.params_offset + static_cast<int64_t>(place.offset) * l_.pair_bytes;
+        store_element(element_, min[k], pair);
+        store_element(element_, max[k], pair + element_bytes_);
+        grid[k] = runtime_grid<kBits>(q_, min[k], max[k]);
+      }
+      // Every present lane runs every token (code_word's shuffles), the
+      // inactive ones with code 0.
+      for (int32_t i = 0; i < group; ++i) {
+        const uint8_t* row = i < group - 1 ? ring_row(i) : nullptr;
+        const int32_t s = first + i;
+        uint8_t* code_row = a_.cache.pages + static_cast<int64_t>(page_row_[s / page_size]) * l_.page_bytes +
+                            static_cast<int64_t>(s % page_size) * l_.row_bytes;
+        double v[kGroupChannels];
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
+        }
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          if (!c.present[k]) continue;
+          const int code = c.active[k] ? runtime_code<kBits>(q_, grid[k], v[k]) : 0;
+          const uint32_t bits = code_word<kBits>(code, c.channel[k]);
+          if (c.active[k] && c.channel[k] % per_word == 0) store_u32(code_row + c.code_offset[k], bits);
         }
       }
     }
