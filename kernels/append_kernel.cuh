@@ -766,35 +766,32 @@ class BlockAppender {
   // per_channel_tokens: the channels a thread completes at once, token by
   // token: a token's ring row and code row are found once for them, in
   // 32-bit arithmetic (per element, the ring row's 64-bit modulo and the
-  // 64-bit offsets were ~1,400 of the KIVI kernel's 20,000 static
-  // instructions and most of a completion's dynamic ones), and their ring
-  // loads are in flight together.
+  // 64-bit offsets made the completion's inner loops 315 and 293
+  // instructions an element), and their ring loads are in flight together.
+  // Two: four spilled at the two-kind kernel's 128 registers.
   static constexpr int kGroupChannels = 2;
 
   // A thread's channels of one pass of a group's completion: channel
-  // c0 + k kThreads for k < kGroupChannels, each with its offsets in the
-  // ring (exact rows) and in a code row.
+  // c0 + k kThreads for k < kGroupChannels, each with its offsets in a ring
+  // row and in a code row.
   struct GroupChannels {
     int32_t channel[kGroupChannels];
-    int64_t exact_offset[kGroupChannels];  // head * (sink + ring) rows + d, in bytes
-    int64_t code_offset[kGroupChannels];   // head * page_size code rows + its word, in bytes
+    int64_t exact_offset[kGroupChannels];  // exact_channel_offset
+    int64_t code_offset[kGroupChannels];   // code_channel_offset
     bool active[kGroupChannels];           // a channel of the token (else code 0 in the word)
     bool present[kGroupChannels];          // below padded_width: every lane of the block alike
   };
 
   __device__ GroupChannels group_channels(int32_t c0) const {
-    constexpr int per_word = 32 / kBits;
-    const int64_t rows = l_.spec.sink_tokens + l_.ring_capacity;
     GroupChannels c;
 #pragma unroll
     for (int k = 0; k < kGroupChannels; ++k) {
       const int32_t channel = c0 + k * kThreads;
-      const int32_t head = channel / dim_, d = channel % dim_;
       c.channel[k] = channel;
       c.present[k] = channel - static_cast<int32_t>(threadIdx.x) < padded_width();
       c.active[k] = channel < width_;
-      c.exact_offset[k] = (head * rows * dim_ + d) * element_bytes_;
-      c.code_offset[k] = head * static_cast<int64_t>(l_.spec.page_size) * l_.row_bytes + 4 * (d / per_word);
+      c.exact_offset[k] = c.active[k] ? exact_channel_offset(l_, channel) : 0;
+      c.code_offset[k] = c.active[k] ? code_channel_offset(l_, channel) : 0;
     }
     return c;
   }
@@ -807,19 +804,12 @@ class BlockAppender {
         mark_outliers(load_group_token(g, i), masks_ + i * m_.mask_words);
       }
     }
-    // The group's first slot (a sequence's slots are fewer than 2^31), its
-    // first ring row: token i < G - 1 is in row sink + (first + i) mod ring,
-    // and the ring holds at least G - 1 rows, so i wraps it at most once.
+    // The group's first slot (a sequence's slots are fewer than 2^31).
     const int32_t first = static_cast<int32_t>(g) * group;
-    const int32_t ring = l_.ring_capacity;
-    const int32_t ring_first = ring > 0 ? first % ring : 0;
-    const int64_t exact_row_bytes = static_cast<int64_t>(dim_) * element_bytes_;
+    const GroupRing group_rows = group_ring(l_, first);
+    const int64_t row_stride = exact_row_stride(l_);
     const uint8_t* exact_slot = a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes;
-    const auto ring_row = [&](int32_t i) -> const uint8_t* {
-      int32_t r = ring_first + i;
-      if (r >= ring) r -= ring;
-      return exact_slot + (l_.spec.sink_tokens + r) * exact_row_bytes;
-    };
+    const auto ring_row = [&](int32_t i) { return exact_slot + group_rows.row(i) * row_stride; };
     const int32_t page_size = l_.spec.page_size;
     const auto per_page = static_cast<int32_t>(pairs_per_page(l_));
     constexpr int per_word = 32 / kBits;
