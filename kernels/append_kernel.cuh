@@ -796,6 +796,15 @@ class BlockAppender {
     return c;
   }
 
+  // A token's values at a pass's channels: from its ring row, or from y
+  // where `row` is null (the group's last token).
+  __device__ void group_token_values(const uint8_t* row, const GroupChannels& c, double (&v)[kGroupChannels]) const {
+#pragma unroll
+    for (int k = 0; k < kGroupChannels; ++k) {
+      v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
+    }
+  }
+
   __device__ bool quantize_channel_group(int64_t g) {
     const int32_t group = l_.spec.group;
     const bool outliers = q_.outliers != OutlierSelection::kNone;
@@ -809,7 +818,10 @@ class BlockAppender {
     const GroupRing group_rows = group_ring(l_, first);
     const int64_t row_stride = exact_row_stride(l_);
     const uint8_t* exact_slot = a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes;
-    const auto ring_row = [&](int32_t i) { return exact_slot + group_rows.row(i) * row_stride; };
+    // Token i's ring row, or none for the group's last token (in y).
+    const auto token_row = [&](int32_t i) -> const uint8_t* {
+      return i < group - 1 ? exact_slot + group_rows.row(i) * row_stride : nullptr;
+    };
     const int32_t page_size = l_.spec.page_size;
     const auto per_page = static_cast<int32_t>(pairs_per_page(l_));
     constexpr int per_word = 32 / kBits;
@@ -826,12 +838,8 @@ class BlockAppender {
         any[k] = false;
       }
       for (int32_t i = 0; i < group; ++i) {
-        const uint8_t* row = i < group - 1 ? ring_row(i) : nullptr;
         double v[kGroupChannels];
-#pragma unroll
-        for (int k = 0; k < kGroupChannels; ++k) {
-          v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
-        }
+        group_token_values(token_row(i), c, v);
 #pragma unroll
         for (int k = 0; k < kGroupChannels; ++k) {
           if (!c.active[k] || (outliers && is_marked(masks_ + i * m_.mask_words, c.channel[k]))) continue;
@@ -858,15 +866,11 @@ class BlockAppender {
       // Every present lane runs every token (code_word's shuffles), the
       // inactive ones with code 0.
       for (int32_t i = 0; i < group; ++i) {
-        const uint8_t* row = i < group - 1 ? ring_row(i) : nullptr;
         const int32_t s = first + i;
         uint8_t* code_row = a_.cache.pages + static_cast<int64_t>(page_row_[s / page_size]) * l_.page_bytes +
                             static_cast<int64_t>(s % page_size) * l_.row_bytes;
         double v[kGroupChannels];
-#pragma unroll
-        for (int k = 0; k < kGroupChannels; ++k) {
-          v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
-        }
+        group_token_values(token_row(i), c, v);
 #pragma unroll
         for (int k = 0; k < kGroupChannels; ++k) {
           if (!c.present[k]) continue;
