@@ -26,6 +26,20 @@ namespace kvforge::kernels::append_device {
 inline constexpr int kThreads = 256;
 inline constexpr int kWarps = kThreads / 32;
 
+// The blocks one sequence's tensor takes: per_channel_tokens without
+// outliers, a slice of kThreads channels each (a group's completion is per
+// channel, and one block per sequence completed 1024 channels four a thread
+// on one multiprocessor at batch 1); else one (a token's outlier entries are
+// numbered across all its channels, and the other groupings' groups span
+// the token).
+KVFORGE_HOST_DEVICE inline int32_t channel_slices(const TensorPageLayout& l, const Quantization& q) {
+  if (l.spec.grouping != ScaleGrouping::kPerChannelTokens || q.outliers != OutlierSelection::kNone ||
+      l.outlier_spans > 0) {
+    return 1;
+  }
+  return (l.spec.kv_heads * l.spec.head_dim + kThreads - 1) / kThreads;
+}
+
 // ------------------------------------------------------------ shared memory
 
 // A runtime group's grid, built once from its inlier (min, max) and then
@@ -284,9 +298,13 @@ class BlockAppender {
         element_(l_.spec.element),
         element_bytes_(kvforge::kernels::element_bytes(l_.spec.element)) {}
 
-  // The block's sequence: its new tokens in order. `arrays`: the launch's
-  // inline batch arrays (used when their count is positive).
-  __device__ void run(int32_t entry, const InlineBatchArrays& arrays) {
+  // The block's sequence: its new tokens in order, at channel slice `slice`
+  // (channel_slices: every channel where the tensor takes one block).
+  // `arrays`: the launch's inline batch arrays (used when their count is
+  // positive).
+  __device__ void run(int32_t entry, int32_t slice, const InlineBatchArrays& arrays) {
+    channel_begin_ = slice * kThreads;
+    channel_end_ = channel_slices(l_, q_) > 1 ? min(width_, channel_begin_ + kThreads) : width_;
     const bool in_params = arrays.count > 0;
     slot_ = in_params ? arrays.slots[entry] : a_.batch.slots[entry];
     page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
@@ -388,8 +406,10 @@ class BlockAppender {
     return a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes + exact_row_offset(l_, head, row);
   }
 
+  // The block's channels of exact row `row` (every channel but where the
+  // tensor takes a block per channel slice).
   __device__ void store_exact(int64_t row, const double* y) const {
-    for (int i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = channel_begin_ + threadIdx.x; i < channel_end_; i += kThreads) {
       store_element(element_, y[i], exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
     }
   }
@@ -404,6 +424,10 @@ class BlockAppender {
   // The channel loops' bound: every lane of a warp runs every round (the
   // words are assembled with shuffles), lanes past the width with code 0.
   __device__ int padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
+  // The same for the block's channels [channel_begin_, channel_end_).
+  __device__ int padded_slice_end() const {
+    return channel_begin_ + (channel_end_ - channel_begin_ + kThreads - 1) / kThreads * kThreads;
+  }
 
   // s < 2^31 (a sequence's tokens): a 32-bit division, not a 64-bit one.
   __device__ uint8_t* page_of_slot(int64_t s) const {
@@ -779,7 +803,7 @@ class BlockAppender {
     int64_t exact_offset[kGroupChannels];  // exact_channel_offset
     int64_t code_offset[kGroupChannels];   // code_channel_offset
     bool active[kGroupChannels];           // a channel of the token (else code 0 in the word)
-    bool present[kGroupChannels];          // below padded_width: every lane of the block alike
+    bool present[kGroupChannels];          // below padded_slice_end: every lane of the block alike
   };
 
   __device__ GroupChannels group_channels(int32_t c0) const {
@@ -788,8 +812,8 @@ class BlockAppender {
     for (int k = 0; k < kGroupChannels; ++k) {
       const int32_t channel = c0 + k * kThreads;
       c.channel[k] = channel;
-      c.present[k] = channel - static_cast<int32_t>(threadIdx.x) < padded_width();
-      c.active[k] = channel < width_;
+      c.present[k] = channel - static_cast<int32_t>(threadIdx.x) < padded_slice_end();
+      c.active[k] = channel < channel_end_;
       c.exact_offset[k] = c.active[k] ? exact_channel_offset(l_, channel) : 0;
       c.code_offset[k] = c.active[k] ? code_channel_offset(l_, channel) : 0;
     }
@@ -828,7 +852,7 @@ class BlockAppender {
     // A thread per channel (kGroupChannels at a time): its range over the
     // group's tokens in token order (as the reference), its pair, then its
     // code in each token's word (assembled over the lanes, code_word).
-    for (int32_t c0 = threadIdx.x; c0 < padded_width(); c0 += kGroupChannels * kThreads) {
+    for (int32_t c0 = channel_begin_ + threadIdx.x; c0 < padded_slice_end(); c0 += kGroupChannels * kThreads) {
       const GroupChannels c = group_channels(c0);
       double min[kGroupChannels], max[kGroupChannels];
       bool any[kGroupChannels];
@@ -916,9 +940,11 @@ class BlockAppender {
   const int64_t element_bytes_;
   int32_t slot_ = 0;
   const int32_t* page_row_ = nullptr;
+  int32_t channel_begin_ = 0, channel_end_ = 0;  // the block's channels (run)
 };
 
-// One block per batch entry (blockIdx.x) for one tensor kind.
+// One block per batch entry (blockIdx.x) and channel slice (blockIdx.y,
+// channel_slices) for one tensor kind.
 template <ScaleGrouping kGrouping, int kBits>
 __global__ void __launch_bounds__(kThreads)
     append_kernel(const __grid_constant__ TensorAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
@@ -927,10 +953,11 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
   BlockAppender<kGrouping, kBits> appender(args, shared, scan, entry_count, pages_used, abort);
-  appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+  appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
 }
 
-// Keys (blockIdx.y 0) and values (1) of batch entry blockIdx.x in one
+// Keys (blockIdx.y below gridDim.y - 1: their channel slices) and values
+// (the last) of batch entry blockIdx.x in one
 // launch: a decoding step's append is otherwise two small kernels, and at
 // batch 1 their launches, not their work, are its time. The same appenders
 // as append_kernel's (each kind's state in its own static shared memory).
@@ -941,14 +968,14 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
-  if (blockIdx.y == 0) {
+  if (blockIdx.y + 1 < gridDim.y) {
     __shared__ typename BlockAppender<kKeys, kBits>::Scan::TempStorage key_scan;
     BlockAppender<kKeys, kBits> appender(keys, shared, key_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
   } else {
     __shared__ typename BlockAppender<kValues, kBits>::Scan::TempStorage value_scan;
     BlockAppender<kValues, kBits> appender(values, shared, value_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), 0, arrays);
   }
 }
 

@@ -248,6 +248,17 @@ std::vector<Case> cases() {
     c.fit.key_residual_rule = ResidualRule::kSliding;
     all.push_back(c);
   }
+  // KIVI keys over more channels than an append block's threads (2 KV heads
+  // of 256: two channel slices, append_kernel.cuh channel_slices, each its
+  // own block), with a residual and with a ring that wraps inside a group.
+  for (const int residual : {0, 64}) {
+    Case c = make_kernel_case("kivi_slices_residual" + std::to_string(residual) + "_2bit_d256_gqa2",
+                              QuantMethod::kKivi, 2, 256, 4);
+    c.fit.residual_tokens = residual;
+    c.fit.key_group = residual == 0 ? 12 : 32;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    all.push_back(c);
+  }
   {  // KIVI over a long context (as the layouts' long KVQuant and int2-rot).
     Case k = make_kernel_case("kivi_long_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
     k.fit.residual_tokens = 128;
