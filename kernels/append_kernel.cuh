@@ -1,6 +1,7 @@
 #pragma once
 // Device code of quantize-on-append (docs/runtime-layout.md, section 6.1):
-// one thread block per sequence of the batch and tensor kind, walking the
+// one thread block per sequence of the batch and tensor kind (per_channel_tokens
+// keys without outliers: per slice of 256 channels, channel_slices), walking the
 // sequence's new tokens in order (a token's outlier entries are numbered
 // after the previous token's, and a per_channel_tokens group reads its
 // earlier tokens back from the ring), the threads sharing each token's
