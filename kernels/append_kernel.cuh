@@ -1,6 +1,7 @@
 #pragma once
 // Device code of quantize-on-append (docs/runtime-layout.md, section 6.1):
-// one thread block per sequence of the batch and tensor kind, walking the
+// one thread block per sequence of the batch and tensor kind (per_channel_tokens
+// keys without outliers: per slice of 256 channels, channel_slices), walking the
 // sequence's new tokens in order (a token's outlier entries are numbered
 // after the previous token's, and a per_channel_tokens group reads its
 // earlier tokens back from the ring), the threads sharing each token's
@@ -25,6 +26,20 @@ namespace kvforge::kernels::append_device {
 
 inline constexpr int kThreads = 256;
 inline constexpr int kWarps = kThreads / 32;
+
+// The blocks one sequence's tensor takes: per_channel_tokens without
+// outliers, a slice of kThreads channels each (a group's completion is per
+// channel, and one block per sequence completed 1024 channels four a thread
+// on one multiprocessor at batch 1); else one (a token's outlier entries are
+// numbered across all its channels, and the other groupings' groups span
+// the token).
+KVFORGE_HOST_DEVICE inline int32_t channel_slices(const TensorPageLayout& l, const Quantization& q) {
+  if (l.spec.grouping != ScaleGrouping::kPerChannelTokens || q.outliers != OutlierSelection::kNone ||
+      l.outlier_spans > 0) {
+    return 1;
+  }
+  return (l.spec.kv_heads * l.spec.head_dim + kThreads - 1) / kThreads;
+}
 
 // ------------------------------------------------------------ shared memory
 
@@ -284,9 +299,13 @@ class BlockAppender {
         element_(l_.spec.element),
         element_bytes_(kvforge::kernels::element_bytes(l_.spec.element)) {}
 
-  // The block's sequence: its new tokens in order. `arrays`: the launch's
-  // inline batch arrays (used when their count is positive).
-  __device__ void run(int32_t entry, const InlineBatchArrays& arrays) {
+  // The block's sequence: its new tokens in order, at channel slice `slice`
+  // (channel_slices: every channel where the tensor takes one block).
+  // `arrays`: the launch's inline batch arrays (used when their count is
+  // positive).
+  __device__ void run(int32_t entry, int32_t slice, const InlineBatchArrays& arrays) {
+    channel_begin_ = slice * kThreads;
+    channel_end_ = channel_slices(l_, q_) > 1 ? min(width_, channel_begin_ + kThreads) : width_;
     const bool in_params = arrays.count > 0;
     slot_ = in_params ? arrays.slots[entry] : a_.batch.slots[entry];
     page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
@@ -388,8 +407,10 @@ class BlockAppender {
     return a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes + exact_row_offset(l_, head, row);
   }
 
+  // The block's channels of exact row `row` (every channel but where the
+  // tensor takes a block per channel slice).
   __device__ void store_exact(int64_t row, const double* y) const {
-    for (int i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = channel_begin_ + threadIdx.x; i < channel_end_; i += kThreads) {
       store_element(element_, y[i], exact_row(i / dim_, row) + (i % dim_) * element_bytes_);
     }
   }
@@ -404,6 +425,10 @@ class BlockAppender {
   // The channel loops' bound: every lane of a warp runs every round (the
   // words are assembled with shuffles), lanes past the width with code 0.
   __device__ int padded_width() const { return (width_ + kThreads - 1) / kThreads * kThreads; }
+  // The same for the block's channels [channel_begin_, channel_end_).
+  __device__ int padded_slice_end() const {
+    return channel_begin_ + (channel_end_ - channel_begin_ + kThreads - 1) / kThreads * kThreads;
+  }
 
   // s < 2^31 (a sequence's tokens): a 32-bit division, not a 64-bit one.
   __device__ uint8_t* page_of_slot(int64_t s) const {
@@ -755,15 +780,6 @@ class BlockAppender {
     return write_outlier_rows(page, in_page, y_, mask);
   }
 
-  // per_channel_tokens: group g of token slots [g G, (g + 1) G), complete
-  // with the new token (in y); the others are read back from the ring.
-  __device__ double group_token_value(int64_t g, int64_t i, int64_t channel) const {
-    const int64_t group = l_.spec.group;
-    if (i == group - 1) return y_[channel];
-    const int64_t row = l_.spec.sink_tokens + (g * group + i) % l_.ring_capacity;
-    return load_element(element_, exact_row(channel / dim_, row) + (channel % dim_) * element_bytes_);
-  }
-
   // Token i of group g into scratch (the last one is y).
   __device__ const double* load_group_token(int64_t g, int64_t i) {
     if (i == l_.spec.group - 1) return y_;
@@ -772,50 +788,120 @@ class BlockAppender {
     return scratch_;
   }
 
+  // per_channel_tokens: the channels a thread completes at once, token by
+  // token: a token's ring row and code row are found once for them, in
+  // 32-bit arithmetic (per element, the ring row's 64-bit modulo and the
+  // 64-bit offsets made the completion's inner loops 315 and 293
+  // instructions an element), and their ring loads are in flight together.
+  // Two: four spilled at the two-kind kernel's 128 registers.
+  static constexpr int kGroupChannels = 2;
+
+  // A thread's channels of one pass of a group's completion: channel
+  // c0 + k kThreads for k < kGroupChannels, each with its offsets in a ring
+  // row and in a code row.
+  struct GroupChannels {
+    int32_t channel[kGroupChannels];
+    int64_t exact_offset[kGroupChannels];  // exact_channel_offset
+    int64_t code_offset[kGroupChannels];   // code_channel_offset
+    bool active[kGroupChannels];           // a channel of the token (else code 0 in the word)
+    bool present[kGroupChannels];          // below padded_slice_end: every lane of the block alike
+  };
+
+  __device__ GroupChannels group_channels(int32_t c0) const {
+    GroupChannels c;
+#pragma unroll
+    for (int k = 0; k < kGroupChannels; ++k) {
+      const int32_t channel = c0 + k * kThreads;
+      c.channel[k] = channel;
+      c.present[k] = channel - static_cast<int32_t>(threadIdx.x) < padded_slice_end();
+      c.active[k] = channel < channel_end_;
+      c.exact_offset[k] = c.active[k] ? exact_channel_offset(l_, channel) : 0;
+      c.code_offset[k] = c.active[k] ? code_channel_offset(l_, channel) : 0;
+    }
+    return c;
+  }
+
+  // A token's values at a pass's channels: from its ring row, or from y
+  // where `row` is null (the group's last token).
+  __device__ void group_token_values(const uint8_t* row, const GroupChannels& c, double (&v)[kGroupChannels]) const {
+#pragma unroll
+    for (int k = 0; k < kGroupChannels; ++k) {
+      v[k] = !c.active[k] ? 0.0 : row != nullptr ? load_element(element_, row + c.exact_offset[k]) : y_[c.channel[k]];
+    }
+  }
+
   __device__ bool quantize_channel_group(int64_t g) {
-    const int64_t group = l_.spec.group;
+    const int32_t group = l_.spec.group;
     const bool outliers = q_.outliers != OutlierSelection::kNone;
     if (outliers) {
       for (int64_t i = 0; i < group; ++i) {
         mark_outliers(load_group_token(g, i), masks_ + i * m_.mask_words);
       }
     }
-    // A thread per channel: its range over the group's tokens in token
-    // order (as the reference), its pair, then its code in each token's
-    // word (assembled over the lanes, code_word).
+    // The group's first slot (a sequence's slots are fewer than 2^31).
+    const int32_t first = static_cast<int32_t>(g) * group;
+    const GroupRing group_rows = group_ring(l_, first);
+    const int64_t row_stride = exact_row_stride(l_);
+    const uint8_t* exact_slot = a_.cache.exact + static_cast<int64_t>(slot_) * l_.exact_slot_bytes;
+    // Token i's ring row, or none for the group's last token (in y).
+    const auto token_row = [&](int32_t i) -> const uint8_t* {
+      return i < group - 1 ? exact_slot + group_rows.row(i) * row_stride : nullptr;
+    };
+    const int32_t page_size = l_.spec.page_size;
+    const auto per_page = static_cast<int32_t>(pairs_per_page(l_));
     constexpr int per_word = 32 / kBits;
-    const int64_t pairs = pairs_per_page(l_);
-    for (int channel = threadIdx.x; channel < padded_width(); channel += kThreads) {
-      const bool active = channel < width_;
-      RuntimeGrid grid;
-      if (active) {
-        double min = 0, max = 0;
-        bool any = false;
-        for (int64_t i = 0; i < group; ++i) {
-          if (outliers && is_marked(masks_ + i * m_.mask_words, channel)) continue;
-          const double v = group_token_value(g, i, channel);
-          if (!any) {
-            min = max = v;
-            any = true;
+    // A thread per channel (kGroupChannels at a time): its range over the
+    // group's tokens in token order (as the reference), its pair, then its
+    // code in each token's word (assembled over the lanes, code_word).
+    for (int32_t c0 = channel_begin_ + threadIdx.x; c0 < padded_slice_end(); c0 += kGroupChannels * kThreads) {
+      const GroupChannels c = group_channels(c0);
+      double min[kGroupChannels], max[kGroupChannels];
+      bool any[kGroupChannels];
+#pragma unroll
+      for (int k = 0; k < kGroupChannels; ++k) {
+        min[k] = max[k] = 0;
+        any[k] = false;
+      }
+      for (int32_t i = 0; i < group; ++i) {
+        double v[kGroupChannels];
+        group_token_values(token_row(i), c, v);
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          if (!c.active[k] || (outliers && is_marked(masks_ + i * m_.mask_words, c.channel[k]))) continue;
+          if (!any[k]) {
+            min[k] = max[k] = v[k];
+            any[k] = true;
           } else {
-            min = v < min ? v : min;
-            max = max < v ? v : max;
+            min[k] = v[k] < min[k] ? v[k] : min[k];
+            max[k] = max[k] < v[k] ? v[k] : max[k];
           }
         }
-        const int64_t sigma = channel_pair_stream_index(l_, g, channel);
-        uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[sigma / pairs]) * l_.page_bytes +
-                        l_.params_offset + (sigma % pairs) * l_.pair_bytes;
-        store_element(element_, min, pair);
-        store_element(element_, max, pair + element_bytes_);
-        grid = runtime_grid<kBits>(q_, min, max);
       }
-      const int head = channel / dim_, w = (channel % dim_) / per_word;
-      for (int64_t i = 0; i < group; ++i) {
-        const int code = active ? runtime_code<kBits>(q_, grid, group_token_value(g, i, channel)) : 0;
-        const uint32_t bits = code_word<kBits>(code, channel);
-        if (active && channel % per_word == 0) {
-          const int64_t s = g * group + i;
-          store_u32(page_of_slot(s) + code_row_offset(l_, head, s % l_.spec.page_size) + 4 * w, bits);
+      RuntimeGrid grid[kGroupChannels];
+#pragma unroll
+      for (int k = 0; k < kGroupChannels; ++k) {
+        if (!c.active[k]) continue;
+        const StreamPlace place = stream_place(first, static_cast<int32_t>(l_.pairs_per_slot), per_page, c.channel[k]);
+        uint8_t* pair = a_.cache.pages + static_cast<int64_t>(page_row_[place.entry]) * l_.page_bytes +
+                        l_.params_offset + static_cast<int64_t>(place.offset) * l_.pair_bytes;
+        store_element(element_, min[k], pair);
+        store_element(element_, max[k], pair + element_bytes_);
+        grid[k] = runtime_grid<kBits>(q_, min[k], max[k]);
+      }
+      // Every present lane runs every token (code_word's shuffles), the
+      // inactive ones with code 0.
+      for (int32_t i = 0; i < group; ++i) {
+        const int32_t s = first + i;
+        uint8_t* code_row = a_.cache.pages + static_cast<int64_t>(page_row_[s / page_size]) * l_.page_bytes +
+                            static_cast<int64_t>(s % page_size) * l_.row_bytes;
+        double v[kGroupChannels];
+        group_token_values(token_row(i), c, v);
+#pragma unroll
+        for (int k = 0; k < kGroupChannels; ++k) {
+          if (!c.present[k]) continue;
+          const int code = c.active[k] ? runtime_code<kBits>(q_, grid[k], v[k]) : 0;
+          const uint32_t bits = code_word<kBits>(code, c.channel[k]);
+          if (c.active[k] && c.channel[k] % per_word == 0) store_u32(code_row + c.code_offset[k], bits);
         }
       }
     }
@@ -855,9 +941,11 @@ class BlockAppender {
   const int64_t element_bytes_;
   int32_t slot_ = 0;
   const int32_t* page_row_ = nullptr;
+  int32_t channel_begin_ = 0, channel_end_ = 0;  // the block's channels (run)
 };
 
-// One block per batch entry (blockIdx.x) for one tensor kind.
+// One block per batch entry (blockIdx.x) and channel slice (blockIdx.y,
+// channel_slices) for one tensor kind.
 template <ScaleGrouping kGrouping, int kBits>
 __global__ void __launch_bounds__(kThreads)
     append_kernel(const __grid_constant__ TensorAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
@@ -866,10 +954,11 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
   BlockAppender<kGrouping, kBits> appender(args, shared, scan, entry_count, pages_used, abort);
-  appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+  appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
 }
 
-// Keys (blockIdx.y 0) and values (1) of batch entry blockIdx.x in one
+// Keys (blockIdx.y below gridDim.y - 1: their channel slices) and values
+// (the last) of batch entry blockIdx.x in one
 // launch: a decoding step's append is otherwise two small kernels, and at
 // batch 1 their launches, not their work, are its time. The same appenders
 // as append_kernel's (each kind's state in its own static shared memory).
@@ -880,14 +969,14 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
-  if (blockIdx.y == 0) {
+  if (blockIdx.y + 1 < gridDim.y) {
     __shared__ typename BlockAppender<kKeys, kBits>::Scan::TempStorage key_scan;
     BlockAppender<kKeys, kBits> appender(keys, shared, key_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
   } else {
     __shared__ typename BlockAppender<kValues, kBits>::Scan::TempStorage value_scan;
     BlockAppender<kValues, kBits> appender(values, shared, value_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), 0, arrays);
   }
 }
 

@@ -2,7 +2,8 @@
 // The CUDA append kernel's launcher (kernels/append_kernel.cu): checks the
 // params (std::invalid_argument naming the field) and launches keys and
 // values on `stream`: a warp per token, KV head and kind where the layout
-// allows it, else one block per sequence of the batch and kind.
+// allows it, else one block per sequence of the batch and kind (KIVI's keys:
+// per sequence and slice of 256 channels).
 #include <cuda_runtime.h>
 
 #include "kernels/decode_params.h"
@@ -20,7 +21,7 @@ void check_append_params(const AppendParams& params);
 // (kernels/append_token_kernel.cuh: AppendParams::kernel kAuto, the rows
 // known, both kinds per-token groups of whole lanes' channels without
 // outliers, no rotation or a matrix one, head_dim 64, 128 or 256, equal
-// bits); otherwise one block per sequence and kind.
+// bits); otherwise one block per sequence and kind (or channel slice).
 bool takes_token_parallel(const AppendParams& params);
 
 // Rows a block of the rotated token kernel takes (1, 2 or 4): the fewest

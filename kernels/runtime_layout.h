@@ -245,6 +245,42 @@ KVFORGE_HOST_DEVICE inline int64_t exact_row_offset(const TensorPageLayout& l, i
   return (head * rows + row) * l.spec.head_dim * element_bytes(l.spec.element);
 }
 
+// kPerChannelTokens: the ring rows of a completing group's earlier tokens.
+// Token i < G - 1 of the group whose first slot is `first` (= g G) is in row
+// exact_store_row(sink + first + i) = sink + (first + i) mod ring_capacity;
+// the ring holds at least G - 1 rows (ring_capacity), so from first mod ring
+// the token index wraps it at most once: a comparison a token, no modulo.
+struct GroupRing {
+  int32_t sink = 0, ring = 0, first_row = 0;
+  KVFORGE_HOST_DEVICE int32_t row(int32_t i) const {
+    int32_t r = first_row + i;
+    if (r >= ring) r -= ring;
+    return sink + r;
+  }
+};
+KVFORGE_HOST_DEVICE inline GroupRing group_ring(const TensorPageLayout& l, int32_t first) {
+  return {l.spec.sink_tokens, l.ring_capacity, l.ring_capacity > 0 ? first % l.ring_capacity : 0};
+}
+// exact_row_offset(l, head, row) + d * element bytes, split into a row's part
+// (row * exact_row_stride) and a channel's (exact_channel_offset of
+// channel = head * D + d), so that a loop over tokens and channels computes
+// each once.
+KVFORGE_HOST_DEVICE inline int64_t exact_row_stride(const TensorPageLayout& l) {
+  return static_cast<int64_t>(l.spec.head_dim) * element_bytes(l.spec.element);
+}
+KVFORGE_HOST_DEVICE inline int64_t exact_channel_offset(const TensorPageLayout& l, int32_t channel) {
+  const int32_t head = channel / l.spec.head_dim, d = channel % l.spec.head_dim;
+  const int64_t rows = l.spec.sink_tokens + l.ring_capacity;
+  return (head * rows * l.spec.head_dim + d) * element_bytes(l.spec.element);
+}
+// The 32-bit word of channel `channel` (= head * D + d) in a code row:
+// code_row_offset(l, head, in_page) + 4 * word = in_page * row_bytes +
+// code_channel_offset(l, channel).
+KVFORGE_HOST_DEVICE inline int64_t code_channel_offset(const TensorPageLayout& l, int32_t channel) {
+  const int32_t head = channel / l.spec.head_dim, d = channel % l.spec.head_dim;
+  return code_row_offset(l, head, 0) + 4 * (d / (32 / l.spec.bits));
+}
+
 // Bytes of one layer's keys (or values) of one sequence at context T.
 struct TensorBytes {
   int64_t exact = 0;          // sink and window tokens read (or the exact slot held)

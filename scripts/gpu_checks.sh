@@ -317,6 +317,10 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     append_filter="$append_filter:*AppendCuda.*/rtn_2bit_d128_gqa1_per_sequence:*AppendCuda.*/int2rot_rotated_2bit_d128_gqa4_per_sequence"
     # The rotated token kernel's ring of staged rows at head_dim 256 (32 chunks, 4 in flight).
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
+    # KIVI's group completion over a ring that wraps inside the group (a group of 12, a ring of 11).
+    append_filter="$append_filter:*AppendCuda.*/kivi_group12_2bit_d64_gqa4"
+    # KIVI keys in two channel slices, a block each (append_kernel.cuh, channel_slices).
+    append_filter="$append_filter:*AppendCuda.*/kivi_slices_residual0_2bit_d256_gqa2"
     append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
     # decode_step's decode queued right behind its append: the int8 kernel
     # (rtn: the one-token steps' appends inside its launch, and from empty

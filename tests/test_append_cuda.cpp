@@ -237,6 +237,28 @@ std::vector<Case> cases() {
     c.fit.key_residual_rule = ResidualRule::kSliding;
     all.push_back(c);
   }
+  // KIVI keys in groups whose ring (G - 1 rows without a residual) wraps
+  // inside a group (append_kernel.cuh, quantize_channel_group: a token's
+  // ring row found by one conditional wrap from the group's first): 6, a
+  // ring of 5, and 12, a ring of 11 and groups across page boundaries.
+  for (const int group : {6, 12}) {
+    Case c = make_kernel_case("kivi_group" + std::to_string(group) + "_2bit_d64_gqa4", QuantMethod::kKivi, 2, 64, 8);
+    c.fit.residual_tokens = 0;
+    c.fit.key_group = group;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    all.push_back(c);
+  }
+  // KIVI keys over more channels than an append block's threads (2 KV heads
+  // of 256: two channel slices, append_kernel.cuh channel_slices, each its
+  // own block), with a residual and with a ring that wraps inside a group.
+  for (const int residual : {0, 64}) {
+    Case c = make_kernel_case("kivi_slices_residual" + std::to_string(residual) + "_2bit_d256_gqa2",
+                              QuantMethod::kKivi, 2, 256, 4);
+    c.fit.residual_tokens = residual;
+    c.fit.key_group = residual == 0 ? 12 : 32;
+    c.fit.key_residual_rule = ResidualRule::kSliding;
+    all.push_back(c);
+  }
   {  // KIVI over a long context (as the layouts' long KVQuant and int2-rot).
     Case k = make_kernel_case("kivi_long_2bit_d128_gqa4", QuantMethod::kKivi, 2, 128, 8);
     k.fit.residual_tokens = 128;
