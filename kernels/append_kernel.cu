@@ -75,7 +75,7 @@ void launch(const TensorAppendArgs& args, const InlineBatchArrays& arrays, int32
   const auto kernel = append_device::append_kernel<kGrouping, kBits>;
   allow_shared(kernel, shared);
   const dim3 grid(static_cast<unsigned>(count),
-                  static_cast<unsigned>(append_device::channel_slices(args.cache.layout, args.quantization)));
+                  static_cast<unsigned>(channel_slices(args.cache.layout, args.quantization)));
   kernel<<<grid, append_device::kThreads, static_cast<size_t>(shared), stream>>>(args, arrays);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }
@@ -86,8 +86,9 @@ void launch_pair(const TensorAppendArgs& keys, const TensorAppendArgs& values, c
   const int64_t shared = std::max(shared_bytes(keys), shared_bytes(values));
   const auto kernel = append_device::append_pair_kernel<kKeys, kValues, kBits>;
   allow_shared(kernel, shared);
-  const int32_t key_slices = append_device::channel_slices(keys.cache.layout, keys.quantization);
-  kernel<<<dim3(static_cast<unsigned>(count), static_cast<unsigned>(key_slices + 1)), append_device::kThreads,
+  const int32_t slices = channel_slices(keys.cache.layout, keys.quantization) +
+                         channel_slices(values.cache.layout, values.quantization);
+  kernel<<<dim3(static_cast<unsigned>(count), static_cast<unsigned>(slices)), append_device::kThreads,
            static_cast<size_t>(shared), stream>>>(keys, values, arrays);
   KVFORGE_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,7 +1,8 @@
 #pragma once
 // Device code of quantize-on-append (docs/runtime-layout.md, section 6.1):
-// one thread block per sequence of the batch and tensor kind (per_channel_tokens
-// keys without outliers: per slice of 256 channels, channel_slices), walking the
+// one thread block per sequence of the batch, tensor kind and channel slice
+// (kernels/append_slices.h: per_channel_tokens keys and per_token groups of
+// whole warps without outliers take several), walking the
 // sequence's new tokens in order (a token's outlier entries are numbered
 // after the previous token's, and a per_channel_tokens group reads its
 // earlier tokens back from the ring), the threads sharing each token's
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/append_slices.h"
 #include "kernels/decode_params.h"
 #include "kernels/reciprocal_division.h"
 #include "kernels/span_rank.h"
@@ -24,22 +26,8 @@
 
 namespace kvforge::kernels::append_device {
 
-inline constexpr int kThreads = 256;
+inline constexpr int kThreads = kAppendBlockThreads;
 inline constexpr int kWarps = kThreads / 32;
-
-// The blocks one sequence's tensor takes: per_channel_tokens without
-// outliers, a slice of kThreads channels each (a group's completion is per
-// channel, and one block per sequence completed 1024 channels four a thread
-// on one multiprocessor at batch 1); else one (a token's outlier entries are
-// numbered across all its channels, and the other groupings' groups span
-// the token).
-KVFORGE_HOST_DEVICE inline int32_t channel_slices(const TensorPageLayout& l, const Quantization& q) {
-  if (l.spec.grouping != ScaleGrouping::kPerChannelTokens || q.outliers != OutlierSelection::kNone ||
-      l.outlier_spans > 0) {
-    return 1;
-  }
-  return (l.spec.kv_heads * l.spec.head_dim + kThreads - 1) / kThreads;
-}
 
 // ------------------------------------------------------------ shared memory
 
@@ -304,8 +292,9 @@ class BlockAppender {
   // `arrays`: the launch's inline batch arrays (used when their count is
   // positive).
   __device__ void run(int32_t entry, int32_t slice, const InlineBatchArrays& arrays) {
-    channel_begin_ = slice * kThreads;
-    channel_end_ = channel_slices(l_, q_) > 1 ? min(width_, channel_begin_ + kThreads) : width_;
+    const int32_t per_slice = slice_channels(l_, q_);
+    channel_begin_ = slice * per_slice;
+    channel_end_ = min(width_, channel_begin_ + per_slice);
     const bool in_params = arrays.count > 0;
     slot_ = in_params ? arrays.slots[entry] : a_.batch.slots[entry];
     page_row_ = a_.batch.page_table + static_cast<int64_t>(slot_) * a_.batch.page_table_stride;
@@ -369,9 +358,13 @@ class BlockAppender {
     // Without a rotation the token goes straight to y (one pass and one
     // barrier fewer: a decoding step's append is a chain of latencies).
     double* rounded = r.kind == RotationKind::kNone ? y_ : scratch_;
+    // Without a rotation the block's channels only (a slice's block uses
+    // no other); a rotation mixes each head's channels: all of them.
+    const int32_t begin = r.kind == RotationKind::kNone ? channel_begin_ : 0;
+    const int32_t end = r.kind == RotationKind::kNone ? channel_end_ : width_;
     // Unrolled: a thread's loads in flight together, not one after another.
 #pragma unroll 4
-    for (int i = threadIdx.x; i < width_; i += kThreads) {
+    for (int i = begin + static_cast<int32_t>(threadIdx.x); i < end; i += kThreads) {
       rounded[i] = round_to_element(element_, load_element(a_.input_type, input + i * in_bytes));
     }
     __syncthreads();
@@ -698,7 +691,8 @@ class BlockAppender {
   }
 
   // kPerToken with groups of whole warps' widths (the rtn and int2-rot
-  // defaults): each warp takes its groups from range to codes, the codes of
+  // defaults; KIVI's values): each warp takes its groups of the block's
+  // channels (a slice's: append_slices.h) from range to codes, the codes of
   // 32 channels per round with no division per channel and no barrier
   // between the pairs and the codes (a decoding step's append is a chain of
   // latencies, and the generic path's code is what its instruction fetches
@@ -706,7 +700,8 @@ class BlockAppender {
   __device__ void quantize_groups_by_warp(uint8_t* page, int32_t in_page, const uint32_t* mask, int32_t size) {
     constexpr int per_word = 32 / kBits;
     const int lane = threadIdx.x % 32;
-    for (int32_t g = threadIdx.x / 32; g < m_.groups; g += kWarps) {
+    for (int32_t g = channel_begin_ / size + static_cast<int32_t>(threadIdx.x / 32); g < channel_end_ / size;
+         g += kWarps) {
       const int32_t begin = g * size;
       double min, max;
       group_range(mask, begin, begin + size, min, max);
@@ -945,7 +940,7 @@ class BlockAppender {
 };
 
 // One block per batch entry (blockIdx.x) and channel slice (blockIdx.y,
-// channel_slices) for one tensor kind.
+// append_slices.h) for one tensor kind.
 template <ScaleGrouping kGrouping, int kBits>
 __global__ void __launch_bounds__(kThreads)
     append_kernel(const __grid_constant__ TensorAppendArgs args, const __grid_constant__ InlineBatchArrays arrays) {
@@ -957,8 +952,8 @@ __global__ void __launch_bounds__(kThreads)
   appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
 }
 
-// Keys (blockIdx.y below gridDim.y - 1: their channel slices) and values
-// (the last) of batch entry blockIdx.x in one
+// Keys (blockIdx.y below their channel_slices: a block per slice) and
+// values (the slices after them) of batch entry blockIdx.x in one
 // launch: a decoding step's append is otherwise two small kernels, and at
 // batch 1 their launches, not their work, are its time. The same appenders
 // as append_kernel's (each kind's state in its own static shared memory).
@@ -969,14 +964,16 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t shared[];
   __shared__ uint32_t entry_count;
   __shared__ int32_t pages_used, abort;
-  if (blockIdx.y + 1 < gridDim.y) {
+  const int32_t key_slices = channel_slices(keys.cache.layout, keys.quantization);
+  const auto y = static_cast<int32_t>(blockIdx.y);
+  if (y < key_slices) {
     __shared__ typename BlockAppender<kKeys, kBits>::Scan::TempStorage key_scan;
     BlockAppender<kKeys, kBits> appender(keys, shared, key_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y), arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), y, arrays);
   } else {
     __shared__ typename BlockAppender<kValues, kBits>::Scan::TempStorage value_scan;
     BlockAppender<kValues, kBits> appender(values, shared, value_scan, entry_count, pages_used, abort);
-    appender.run(static_cast<int32_t>(blockIdx.x), 0, arrays);
+    appender.run(static_cast<int32_t>(blockIdx.x), y - key_slices, arrays);
   }
 }
 

@@ -21,7 +21,8 @@ void check_append_params(const AppendParams& params);
 // (kernels/append_token_kernel.cuh: AppendParams::kernel kAuto, the rows
 // known, both kinds per-token groups of whole lanes' channels without
 // outliers, no rotation or a matrix one, head_dim 64, 128 or 256, equal
-// bits); otherwise one block per sequence and kind (or channel slice).
+// bits); otherwise one block per sequence and kind (or channel slice:
+// kernels/append_slices.h).
 bool takes_token_parallel(const AppendParams& params);
 
 // Rows a block of the rotated token kernel takes (1, 2 or 4): the fewest

@@ -319,8 +319,10 @@ print('  load_library alone: torch CPU ops after it', (torch.arange(0, 8, 2).flo
     append_filter="$append_filter:*AppendCuda.*/int2rot_rotated_2bit_d256_gqa2"
     # KIVI's group completion over a ring that wraps inside the group (a group of 12, a ring of 11).
     append_filter="$append_filter:*AppendCuda.*/kivi_group12_2bit_d64_gqa4"
-    # KIVI keys in two channel slices, a block each (append_kernel.cuh, channel_slices).
+    # KIVI keys and values in two channel slices each, a block a slice (append_slices.h).
     append_filter="$append_filter:*AppendCuda.*/kivi_slices_residual0_2bit_d256_gqa2"
+    # Per-token groups of 32 in a slice of 8 groups and a narrower one of 4 (append_slices.h).
+    append_filter="$append_filter:*AppendCuda.*/rtn_groups32_slices_2bit_d192_gqa2"
     append_filter=${SANITIZER_APPEND_FILTER:-$append_filter}
     # decode_step's decode queued right behind its append: the int8 kernel
     # (rtn: the one-token steps' appends inside its launch, and from empty

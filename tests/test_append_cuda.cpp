@@ -249,14 +249,23 @@ std::vector<Case> cases() {
     all.push_back(c);
   }
   // KIVI keys over more channels than an append block's threads (2 KV heads
-  // of 256: two channel slices, append_kernel.cuh channel_slices, each its
-  // own block), with a residual and with a ring that wraps inside a group.
+  // of 256: two channel slices, kernels/append_slices.h, each its own
+  // block; the values' 16 groups of 32 two slices of 8 groups too), with a
+  // residual and with a ring that wraps inside a group.
   for (const int residual : {0, 64}) {
     Case c = make_kernel_case("kivi_slices_residual" + std::to_string(residual) + "_2bit_d256_gqa2",
                               QuantMethod::kKivi, 2, 256, 4);
     c.fit.residual_tokens = residual;
     c.fit.key_group = residual == 0 ? 12 : 32;
     c.fit.key_residual_rule = ResidualRule::kSliding;
+    all.push_back(c);
+  }
+  {  // Per-token groups of 32 without outliers at 2 KV heads of 192 (not the
+     // token-parallel kernel's head_dim): 12 groups a token, keys and values
+     // each in a slice of 8 groups and a narrower one of 4 (append_slices.h).
+    Case c = make_kernel_case("rtn_groups32_slices_2bit_d192_gqa2", QuantMethod::kRtn, 2, 192, 4);
+    c.fit.key_group = 32;
+    c.fit.value_group = 32;
     all.push_back(c);
   }
   {  // KIVI over a long context (as the layouts' long KVQuant and int2-rot).
