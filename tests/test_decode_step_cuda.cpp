@@ -59,6 +59,10 @@ struct StepCase {
   // CacheOptions::rotate_before_exact_blocks off (both caches): the few
   // exact blocks of a matrix key rotation first, not behind the rotation.
   bool exact_blocks_first = false;
+  // The prefill chunks' lengths divided by this (schedule): a short case
+  // for the sanitizers, whose racecheck of the lookup kernel over the full
+  // schedule ran past 270 s.
+  int64_t prefill_divisor = 1;
 };
 
 void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
@@ -66,8 +70,8 @@ void PrintTo(const StepCase& c, std::ostream* os) { *os << c.layout.name; }
 // Rounds of (tokens per sequence): prefill chunks of different lengths (some
 // sequences idle), then decoding steps; sequence s of n. The totals stay
 // under 3000 tokens. `from_empty`: 40 one-token steps of every sequence
-// first.
-std::vector<std::vector<int64_t>> schedule(int n, bool from_empty) {
+// first; `prefill_divisor`: the two long prefill chunks that much shorter.
+std::vector<std::vector<int64_t>> schedule(int n, bool from_empty, int64_t prefill_divisor) {
   std::vector<std::vector<int64_t>> rounds;
   const auto round = [&](auto tokens_of) {
     std::vector<int64_t> r;
@@ -77,9 +81,9 @@ std::vector<std::vector<int64_t>> schedule(int n, bool from_empty) {
   if (from_empty) {
     for (int i = 0; i < 40; ++i) round([](int) { return int64_t{1}; });
   }
-  round([](int s) { return int64_t{700} + 131 * (s % 5); });
+  round([&](int s) { return (int64_t{700} + 131 * (s % 5)) / prefill_divisor; });
   for (int i = 0; i < 3; ++i) round([](int) { return int64_t{1}; });
-  round([](int s) { return s % 3 == 1 ? int64_t{0} : int64_t{997} - 17 * (s % 7); });
+  round([&](int s) { return s % 3 == 1 ? int64_t{0} : (int64_t{997} - 17 * (s % 7)) / prefill_divisor; });
   for (int i = 0; i < 18; ++i) round([i](int s) { return (s + i) % 4 == 3 ? int64_t{0} : int64_t{1}; });
   round([](int s) { return int64_t{33} + s % 40; });
   for (int i = 0; i < 3; ++i) round([](int) { return int64_t{1}; });
@@ -124,7 +128,7 @@ TEST_P(DecodeStepCuda, EqualsAppendThenDecodeAttentionBitForBit) {
     fuses = int64_t{2} * kKvHeads * c.sequences <= int64_t{multiprocessors} * per_multiprocessor;
   }
 
-  const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty);
+  const std::vector<std::vector<int64_t>> rounds = schedule(c.sequences, c.from_empty, c.prefill_divisor);
   std::vector<int64_t> totals(static_cast<size_t>(c.sequences), 0);
   for (const auto& r : rounds) {
     for (int s = 0; s < c.sequences; ++s) totals[static_cast<size_t>(s)] += r[static_cast<size_t>(s)];
@@ -206,8 +210,9 @@ std::vector<StepCase> step_cases() {
   std::vector<StepCase> all;
   const auto add = [&](KernelCase layout, DecodeKernel kernel = DecodeKernel::kAuto, int sequences = 3,
                        int64_t tokens_per_split = 256, bool fuses = false, bool from_empty = false,
-                       bool exact_blocks_first = false) {
-    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty, exact_blocks_first});
+                       bool exact_blocks_first = false, int64_t prefill_divisor = 1) {
+    all.push_back({std::move(layout), kernel, sequences, tokens_per_split, fuses, from_empty, exact_blocks_first,
+                   prefill_divisor});
   };
   const auto with_element = [](KernelCase layout, kernels::ElementType element) {
     layout.element = element;
@@ -281,6 +286,10 @@ std::vector<StepCase> step_cases() {
   add(testing::kivi_sliding_sink_layout("kivi_sliding_sink_4bit_d64_gqa1", 4, 64, 2), DecodeKernel::kAuto, 3, 128);
   // KVQuant: the lookup kernel, outliers.
   add(testing::kvquant_layout("kvquant_2bit_d128_gqa4", 2, 128, 8));
+  // The same with prefills of 70-122 and 98-99 tokens in splits of 64 (the
+  // sanitizers' kvquant case: still several splits, pages and outlier pages).
+  add(testing::kvquant_layout("kvquant_short_2bit_d128_gqa4", 2, 128, 8), DecodeKernel::kAuto, 3, 64, false, false,
+      false, 10);
   // RTN with outliers on the int8 kernel's general variant, on the bf16
   // tensor-core kernel, and on the general kernel.
   add(testing::rtn_groups32_outliers_layout("rtn_groups32_outliers_2bit_d128_gqa4", 2, 128, 8));
