@@ -9,39 +9,53 @@ then the ranges per method, bits and batch.
 
 The append's rate is the decode-step column where the grid has it
 (append_in_step_over_decode_rate: the added time of a decoding step's append,
-fused or as its own launch, against the decode alone), else the separate
-append's (append_over_decode_rate).
+fused or as its own launch, against the decode alone; where the step took
+no longer than the decode alone, append_in_step_us <= 0 and the bench writes
+no rate: the append adds nothing measurable, shown as "none added" and met),
+else, in grids without the step's columns, the separate append's
+(append_over_decode_rate).
 
 Usage: bench/format_decode_targets.py GRID.json [--min-context 32768]
 """
 import argparse
 import json
+import math
 from collections import defaultdict
 
 SPEEDUP, BANDWIDTH, APPEND = 4.0, 0.70, 10.0
 
 
 def append_rate(row):
-    rate = row.get("append_in_step_over_decode_rate")
-    return rate if rate is not None else row.get("append_over_decode_rate")
+    """The decode rate over the append's: math.inf where a decoding step's
+    append added no time, None where the row has no append columns."""
+    if "append_in_step_us" in row:
+        added = row["append_in_step_us"]
+        if added is not None and added <= 0:
+            return math.inf
+        return row.get("append_in_step_over_decode_rate")
+    return row.get("append_over_decode_rate")
 
 
 def met(value, target):
     return value is not None and value >= target
 
 
+def formatted(value, fmt):
+    return "none added" if value == math.inf else fmt.format(value)
+
+
 def mark(value, target, fmt):
     if value is None:
         return "-"
-    return fmt.format(value) + (" ✓" if met(value, target) else "")
+    return formatted(value, fmt) + (" ✓" if met(value, target) else "")
 
 
 def span(values, fmt):
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    low, high = min(values), max(values)
-    return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)}-{fmt.format(high)}"
+    low, high = formatted(min(values), fmt), formatted(max(values), fmt)
+    return low if low == high else f"{low}-{high}"
 
 
 def main():
