@@ -474,13 +474,14 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
   # PROFILE_APPEND_SKIP (default 20) picks the profiled launch (the append
   # launches before it skipped), e.g. one that completes a KIVI key group.
   if [ -n "${PROFILE_APPEND:-}" ] && command -v ncu > /dev/null; then
+    append_warm_up=20  # append launches skipped before the durations (and by default the profile)
     for method in ${PROFILE_APPEND_METHODS:-rtn}; do
       for batch in ${PROFILE_APPEND_BATCHES:-1 32}; do
         name="append_${method}_b$batch"
         append_bench=(./build-gpu/bench/kvforge_bench_decode_attention --contexts 4096 --batches "$batch"
                       --methods "$method" --bits 2 --repeats 2 --out /tmp/profile_append.json)
         step "kernels: ncu profile of the decode-step append kernel ($method, batch $batch, 2 bits)"
-        timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip "${PROFILE_APPEND_SKIP:-20}" --launch-count 1 \
+        timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip "${PROFILE_APPEND_SKIP:-$append_warm_up}" --launch-count 1 \
           --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SchedulerStats \
           --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters \
           --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
@@ -496,7 +497,7 @@ if [ "${GPU_CHECKS_ONLY:-}" = kernels ]; then
         # little under ncu): where a per_channel_tokens layout (KIVI's keys)
         # completes a group every G steps, which launches carry its cost.
         if [ -n "${PROFILE_APPEND_DURATIONS:-}" ]; then
-          timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip 20 \
+          timeout 120 ncu --clock-control none --kernel-name regex:append --launch-skip "$append_warm_up" \
             --launch-count "$PROFILE_APPEND_DURATIONS" --metrics gpu__time_duration.sum --csv \
             "${append_bench[@]}" > "$LOGS/ncu_durations_$name.csv" 2>&1 ||
             echo "ncu (durations) failed: $(tail -1 "$LOGS/ncu_durations_$name.csv")"
