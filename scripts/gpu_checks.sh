@@ -36,37 +36,47 @@ step machine
 # name the commit (KVFORGE_COMMIT).
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; echo "${KVFORGE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } | tee "$LOGS/machine.txt"
 
-# GPU_CHECKS_ONLY=stash: a call that only keeps what it carries in .stash/
-# (ignored, so it stays on the machine while it is warm) and stops: one call
-# carries at most 64 MiB with the tree, so FlashInfer's wheel
-# (scripts/prepare_flashinfer_wheels.sh) and the -dev packages come in calls
-# of their own, back to back: stash with .carry-wheels/a, stash with
-# .carry/debs, then the kernels call with .carry-wheels/b.
+# FlashInfer's wheel (scripts/prepare_flashinfer_wheels.sh) comes in three
+# parts, .carry-wheels/a, b and c, because one call carries at most 64 MiB
+# with the tree: every call keeps the parts it carries in .stash/ (ignored,
+# so they stay on the machine while it is warm), and the call that completes
+# the set joins, checks and installs the wheel. The -dev packages
+# (.carry/debs) are kept the same way.
+# GPU_CHECKS_ONLY=stash: a call that only keeps what it carries and stops.
+# The grid's sequence, back to back: stash with .carry-wheels/a and
+# .carry/debs, the build with .carry-wheels/b, the grid with .carry-wheels/c
+# and SKIP_BUILD=1.
+mkdir -p .stash
+kept=0
+for part in .carry-wheels/*/; do
+  [ -d "$part" ] || continue
+  name=$(basename "$part")
+  rm -rf ".stash/wheels-$name" && cp -r "$part" ".stash/wheels-$name" && kept=1
+done
+if [ -d .carry/debs ]; then rm -rf .stash/debs && cp -r .carry/debs .stash/debs && kept=1; fi
 if [ "${GPU_CHECKS_ONLY:-}" = stash ]; then
-  mkdir -p .stash
-  kept=0
-  if [ -d .carry-wheels/a ]; then rm -rf .stash/wheels-a && cp -r .carry-wheels/a .stash/wheels-a && kept=1; fi
-  if [ -d .carry/debs ]; then rm -rf .stash/debs && cp -r .carry/debs .stash/debs && kept=1; fi
   ls -la .stash/*
-  [ $kept = 1 ] || { echo "gpu_checks (stash): neither .carry-wheels/a nor .carry/debs was carried"; exit 1; }
+  [ $kept = 1 ] || { echo "gpu_checks (stash): neither .carry-wheels/<part> nor .carry/debs was carried"; exit 1; }
   echo "gpu_checks (stash): kept; call again back to back (the machine is released after a short idle time)"
   exit 0
 fi
 
 step dependencies
-# FlashInfer for the decode baselines, when its second part is carried and
-# the first was stashed by the previous call: joined, checked, installed
-# without network (the small wheels only where the import is missing).
-if [ -d .carry-wheels/b ]; then
-  if [ -f .stash/wheels-a/SHA256 ]; then
+# FlashInfer for the decode baselines, once every part of its wheel has been
+# kept (PARTS in part a says how many): joined, checked, installed without
+# network (the small wheels, in the last part, only where the import is
+# missing).
+if [ -f .stash/wheels-a/PARTS ]; then
+  parts=(.stash/wheels-*/flashinfer.part-*)
+  if [ "${#parts[@]}" = "$(cat .stash/wheels-a/PARTS)" ]; then
     wheel_dir=$(mktemp -d)
     wheel=$wheel_dir/$(awk '{print $2}' .stash/wheels-a/SHA256)
-    cat .stash/wheels-a/flashinfer.part-a .carry-wheels/b/flashinfer.part-b > "$wheel"
+    cat "${parts[@]}" > "$wheel"
     if (cd "$wheel_dir" && sha256sum -c "$OLDPWD/.stash/wheels-a/SHA256" > /dev/null); then
       for pair in tvm_ffi:apache_tvm_ffi einops:einops tabulate:tabulate pynvml:nvidia_ml_py packaging:packaging \
                   click:click tqdm:tqdm; do
         python3 -c "import ${pair%%:*}" 2> /dev/null ||
-          python3 -m pip install -q --no-index --no-deps .carry-wheels/b/"${pair#*:}"-*.whl
+          python3 -m pip install -q --no-index --no-deps .stash/wheels-*/"${pair#*:}"-*.whl
       done
       python3 -m pip install -q --no-index --no-deps "$wheel" &&
         python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'installed')"
@@ -75,10 +85,10 @@ if [ -d .carry-wheels/b ]; then
     fi
     rm -rf "$wheel_dir"
   else
-    echo "FlashInfer wheel: .carry-wheels/b carried but no stashed part a (run GPU_CHECKS_ONLY=stash just before)"
+    echo "FlashInfer wheel: ${#parts[@]} of $(cat .stash/wheels-a/PARTS) parts kept so far (${parts[*]})"
   fi
 fi
-debs=.carry/debs; [ -d "$debs" ] || debs=.stash/debs  # carried in this call or stashed by one before
+debs=.stash/debs  # carried in this call or kept by one before
 for pc in libpcre2-8 openssl; do
   if ! pkg-config --exists "$pc" && ls "$debs"/*.deb >/dev/null 2>&1; then
     echo "$pc missing: unpacking carried -dev packages ($debs)"

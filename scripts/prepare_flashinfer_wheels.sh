@@ -2,16 +2,17 @@
 # FlashInfer for the decode baselines (bench/decode_baselines.py) on the GPU
 # machine, which has no network: downloads flashinfer-python and the few
 # packages its import needs (for the GPU image's python 3.12), and splits the
-# 101 MB wheel in two, because one device call carries at most 64 MiB with
-# the tree (~13 MiB; part a is 50 MiB, part b with the small wheels 50.3:
-# each call fits, ~1 MB to spare):
-#   .carry-wheels/a: the wheel's first part and its SHA256;
-#   .carry-wheels/b: the second part and the small wheels.
-# On the GPU machine, three calls back to back (each while the machine is
-# still warm): `GPU_CHECKS_ONLY=stash bash scripts/gpu_checks.sh` with carry
-# [".carry-wheels/a"] keeps part a in .stash/, the same with carry
-# [".carry/debs"] keeps the -dev packages, then the kernels call with carry
-# [".carry-wheels/b"] joins, checks and installs the wheel.
+# 101 MB wheel in three, because one device call carries at most 64 MiB with
+# the tree (~14 MiB; each part ~34 MB, the last with the small wheels ~38):
+#   .carry-wheels/a: the wheel's first part, its SHA256 and PARTS (3);
+#   .carry-wheels/b: the second part;
+#   .carry-wheels/c: the third part and the small wheels.
+# On the GPU machine every gpu_checks.sh call keeps the parts it carries in
+# .stash/ and the one that completes the set installs the wheel; the grid's
+# three calls back to back (each while the machine is still warm):
+# `GPU_CHECKS_ONLY=stash` with carry [".carry-wheels/a", ".carry/debs"], the
+# build with [".carry-wheels/b"], the grid with [".carry-wheels/c"] and
+# SKIP_BUILD=1.
 # Usage: scripts/prepare_flashinfer_wheels.sh [VERSION]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +25,11 @@ python3 -m pip download -q --no-deps -d "$work" "flashinfer-python==$VERSION"
 python3 -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 -d "$work" "apache-tvm-ffi>=0.1.11,<0.2"
 python3 -m pip download -q --no-deps -d "$work" einops tabulate nvidia-ml-py packaging click tqdm
-rm -rf .carry-wheels && mkdir -p .carry-wheels/a .carry-wheels/b
+rm -rf .carry-wheels && mkdir -p .carry-wheels/a .carry-wheels/b .carry-wheels/c
 wheel=$(ls "$work"/flashinfer_python-*.whl)
 (cd "$work" && sha256sum "$(basename "$wheel")") > .carry-wheels/a/SHA256
-split -b 50M -a 1 "$wheel" "$work/part-"
-mv "$work/part-a" .carry-wheels/a/flashinfer.part-a
-mv "$work/part-b" .carry-wheels/b/flashinfer.part-b
-find "$work" -maxdepth 1 -name '*.whl' ! -name 'flashinfer_python-*' -exec mv {} .carry-wheels/b/ \;
-du -sh .carry-wheels/a .carry-wheels/b
+split -n 3 -a 1 "$wheel" "$work/part-"
+echo 3 > .carry-wheels/a/PARTS
+for part in a b c; do mv "$work/part-$part" .carry-wheels/$part/flashinfer.part-$part; done
+find "$work" -maxdepth 1 -name '*.whl' ! -name 'flashinfer_python-*' -exec mv {} .carry-wheels/c/ \;
+du -sh .carry-wheels/a .carry-wheels/b .carry-wheels/c
