@@ -52,7 +52,14 @@
 // steps, whose appends then run on their own:
 // exact_blocks_first_step_device_us, _step_fused,
 // _step_two_launches_device_us, _step_decode_device_us, each round of steps
-// timed right after the default's); with --bf16-tensor-cores also the bf16 tensor-core
+// timed right after the default's); a whole decoding step
+// (QuantizedKVCache::decode_step, fused where the layout allows:
+// step_device_us, step_fused; as two launches: step_two_launches_device_us)
+// against the decode alone at the same lengths (step_decode_device_us, at
+// step_decode_tokens: the steps run past `tokens`), their difference the
+// append's share (append_in_step_us, append_in_two_launch_step_us) and the
+// decode's rate over it (append_in_step_over_decode_rate, ..._two_launch_...;
+// none where the step took no longer); with --bf16-tensor-cores also the bf16 tensor-core
 // kernel's time where the int8 kernel is the default (bf16_tc_time_us,
 // bf16_tc_splits, bf16_tc_speedup_vs_sdpa), the int8 kernel's predecessor;
 // with --general also the general kernel's where the lookup kernel is the
@@ -399,6 +406,11 @@ int run(int argc, char** argv) {
         int64_t* lengths = nullptr;
         KVFORGE_CUDA_CHECK(cudaMalloc(&slots, batch * sizeof(int32_t)));
         KVFORGE_CUDA_CHECK(cudaMalloc(&lengths, batch * sizeof(int64_t)));
+        // The steps' decode alone reads its own lengths (the cache's as they
+        // stand then), so that `lengths` stays the context's for the columns
+        // timed after the steps.
+        int64_t* step_lengths = nullptr;
+        KVFORGE_CUDA_CHECK(cudaMalloc(&step_lengths, batch * sizeof(int64_t)));
         KVFORGE_CUDA_CHECK(cudaMemcpy(slots, sequences.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
         const auto io = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
         const at::Tensor queries = at::randn({batch, kHeads, kHeadDim}, io);
@@ -596,11 +608,41 @@ int run(int argc, char** argv) {
             bool fused = false;
           };
           // A setting of the steps: CacheOptions::rotate_before_exact_blocks
-          // and the decode alone that goes with it (its own workspace).
+          // and the decode alone that goes with it.
           struct StepSetting {
             bool rotate_before_exact = true;
             kernels::DecodeParams decode_alone;
           };
+          // The decode alone at the cache's lengths as they stand: by the
+          // time the steps run, the append runs above and the steps before
+          // have grown every sequence past `tokens` (by ~300-1000 tokens),
+          // and a decode at `tokens` against steps at those lengths counted
+          // the extra tokens' decode, and any change of the plan's splits
+          // between the two lengths, as the append's (a decode at 32768
+          // tokens takes 64 splits of 512 at batch 1, at 33,000 43 of 768).
+          // Its workspace sized for its own plan, its lengths in the launch
+          // or uploaded to step_lengths (outside the timed runs).
+          at::Tensor step_workspace;
+          const auto decode_at_cache_lengths = [&](kernels::DecodeParams alone) {
+            const int64_t now = cache.length(sequences.front(), 0);
+            const std::vector<int64_t> now_lengths(static_cast<size_t>(batch), now);
+            alone.batch.max_length = now;
+            if (alone.inline_arrays.count > 0) {
+              std::copy(now_lengths.begin(), now_lengths.end(), alone.inline_arrays.lengths);
+            } else {
+              KVFORGE_CUDA_CHECK(
+                  cudaMemcpy(step_lengths, now_lengths.data(), batch * sizeof(int64_t), cudaMemcpyHostToDevice));
+              alone.batch.lengths = step_lengths;
+            }
+            const int64_t bytes = kernels::decode_workspace_bytes(alone);
+            if (!step_workspace.defined() || step_workspace.numel() < bytes) {
+              step_workspace = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+            }
+            alone.workspace = step_workspace.data_ptr();
+            alone.workspace_bytes = step_workspace.numel();
+            return alone;
+          };
+          std::vector<int64_t> step_decode_tokens;
           // Each setting's times, the settings taken in turn within each
           // round (so that they see the same contexts and clocks).
           const auto measure_steps = [&](const std::vector<StepSetting>& settings) {
@@ -626,10 +668,13 @@ int run(int argc, char** argv) {
                 const int64_t fused_before = backend.fused_steps();
                 steps[v].push_back(run_steps(true));
                 fused[v] += backend.fused_steps() - fused_before;
-                two_launches[v].push_back(run_steps(false));
+                // Between the fused steps and the two launches: its length
+                // the end of the first run's and the start of the second's.
+                const kernels::DecodeParams alone = decode_at_cache_lengths(settings[v].decode_alone);
+                step_decode_tokens.push_back(alone.batch.max_length);
                 decodes[v].push_back(
-                    queued_run([&] { kernels::launch_decode_attention(settings[v].decode_alone, append_stream); }, 2)
-                        .device_us);
+                    queued_run([&] { kernels::launch_decode_attention(alone, append_stream); }, 2).device_us);
+                two_launches[v].push_back(run_steps(false));
               }
             }
             cache.set_rotate_before_exact_blocks(settings.front().rotate_before_exact);
@@ -690,17 +735,13 @@ int run(int argc, char** argv) {
                         {"append_per_sequence_device_us", per_sequence.device_us}});
             // With --exact-blocks-first where the queries are rotated before
             // the few exact blocks: the exact blocks first as a second
-            // setting (its decode alone in a workspace sized for its plan).
+            // setting (its decode alone in a workspace sized for its plan:
+            // decode_at_cache_lengths).
             std::vector<StepSetting> settings{{launched.rotate_before_exact_blocks, launched}};
-            at::Tensor first_workspace;
             const bool exact_first_too = exact_blocks_first && rotation_before_exact_blocks(plan, params);
             if (exact_first_too) {
               kernels::DecodeParams first = launched;
               first.rotate_before_exact_blocks = false;
-              const int64_t first_bytes = kernels::decode_workspace_bytes(first);
-              first_workspace = at::empty({first_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
-              first.workspace = first_workspace.data_ptr();
-              first.workspace_bytes = first_bytes;
               settings.push_back({false, first});
             }
             const std::vector<StepTimes> step_times = measure_steps(settings);
@@ -712,6 +753,8 @@ int run(int argc, char** argv) {
                         {"step_device_us", steps.step_us},
                         {"step_two_launches_device_us", steps.two_launches_us},
                         {"step_decode_device_us", steps.decode_us},
+                        {"step_decode_tokens", median(std::vector<double>(step_decode_tokens.begin(),
+                                                                          step_decode_tokens.end()))},
                         {"append_in_step_us", added},
                         {"append_in_step_over_decode_rate", rate(added)},
                         {"append_in_two_launch_step_us", added_two},
@@ -803,6 +846,7 @@ int run(int argc, char** argv) {
         }
         cudaFree(slots);
         cudaFree(lengths);
+        cudaFree(step_lengths);
       }
     }
   }
