@@ -15,6 +15,11 @@ no rate: the append adds nothing measurable, shown as "none added" and met),
 else, in grids without the step's columns, the separate append's
 (append_over_decode_rate).
 
+Grids before 6732b3e set the step against a decode alone at the context
+while the steps ran 300-1000 tokens past it (no `step_decode_tokens`
+column): their steps' rates are biased (mostly low; KIVI's at batch 1
+high, its decode at the stale length being slower), said under the table.
+
 Usage: bench/format_decode_targets.py GRID.json [--min-context 32768]
 """
 import argparse
@@ -34,6 +39,12 @@ def append_rate(row):
             return math.inf
         return row.get("append_in_step_over_decode_rate")
     return row.get("append_over_decode_rate")
+
+
+def step_against_stale_decode(rows):
+    """Whether the grid's step columns set each step against a decode at
+    the context rather than at the steps' own lengths (before 6732b3e)."""
+    return any("append_in_step_us" in r and "step_decode_tokens" not in r for r in rows)
 
 
 def met(value, target):
@@ -91,6 +102,11 @@ def main():
               f"{span([r['bandwidth_fraction'] for r in group], '{:.0%}')} | "
               f"{span([append_rate(r) for r in group], '{:.1f}x')} | "
               f"{', '.join(f'{c}K' for c in met_at) if met_at else 'none'} |")
+    if step_against_stale_decode(rows):
+        print("\nThe append's rates here are biased: this grid set each decoding step against the decode "
+              "alone at the context, while its steps ran 300-1000 tokens past it (no step_decode_tokens column; "
+              "mostly too low, KIVI's at batch 1 too high; the benchmark measures at the steps' lengths since "
+              "6732b3e).")
 
 
 if __name__ == "__main__":

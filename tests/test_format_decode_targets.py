@@ -5,7 +5,9 @@ the step's columns; a step that took no longer than the decode alone
 (append_in_step_us <= 0, no rate written) added nothing and meets the 10x
 target ("none added"), not the separate launch's rate in its place; a step
 that added time but has no rate is unknown, not met; grids without the
-step's columns fall back to the separate append's rate."""
+step's columns fall back to the separate append's rate; grids whose steps
+met a decode at the context (no step_decode_tokens) are said to be
+biased."""
 import importlib.util
 import json
 import math
@@ -52,6 +54,15 @@ expect("its mark", targets.mark(targets.append_rate(unknown), targets.APPEND, "{
 expect("a grid without the step's columns", targets.append_rate(old), 4.4)
 expect("a span with a step that added nothing", targets.span([24.0, math.inf, None], "{:.1f}x"), "24.0x-none added")
 
+# Step columns without step_decode_tokens: the decode alone at the context
+# (before 6732b3e), so the rates are biased; with it, at the steps'
+# lengths; no step columns at all, nothing to say.
+expect("a grid whose steps met a stale decode", targets.step_against_stale_decode([fused, old]), True)
+at_lengths = dict(fused, step_decode_tokens=33502)
+expect("a grid whose steps met the decode at their lengths", targets.step_against_stale_decode([at_lengths, old]),
+       False)
+expect("a grid without step columns", targets.step_against_stale_decode([old]), False)
+
 # The whole script on a grid of these rows: the per-row marks and the ranges.
 with tempfile.TemporaryDirectory() as tmp:
     grid = os.path.join(tmp, "grid.json")
@@ -65,6 +76,14 @@ with tempfile.TemporaryDirectory() as tmp:
     expect("kivi batch 1's row", len(kivi_b1) == 1 and kivi_b1[0].endswith("| none added ✓ |"), True)
     kivi_b8 = [l for l in lines if l.startswith("| kivi | 2 | 8 | 32K |")]
     expect("kivi batch 8's row", len(kivi_b8) == 1 and kivi_b8[0].endswith("| - |"), True)
+    expect("the note on a stale decode", any(l.startswith("The append's rates here are biased") for l in lines),
+           True)
+    with open(grid, "w") as f:
+        json.dump({"machine": "synthetic", "commit": "0000000", "copy_bandwidth_bytes_per_s": 3.0e12,
+                   "rows": [at_lengths, old]}, f)
+    out = subprocess.run([sys.executable, SCRIPT, grid], capture_output=True, text=True)
+    expect("no note where the steps met the decode at their lengths",
+           any("are biased" in l for l in out.stdout.splitlines()), False)
 
 if failures:
     print("\n".join(failures))
