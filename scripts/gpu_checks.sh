@@ -66,8 +66,8 @@ step dependencies
 # kept (PARTS in part a says how many): joined, checked, installed without
 # network (the small wheels, in the last part, only where the import is
 # missing).
-if [ -f .stash/wheels-a/PARTS ] && python3 -c "import flashinfer" 2> /dev/null; then
-  echo "flashinfer $(python3 -c 'import flashinfer; print(flashinfer.__version__)') already installed (an earlier call)"
+if [ -f .stash/wheels-a/PARTS ] && installed=$(python3 -c "import flashinfer; print(flashinfer.__version__)" 2> /dev/null); then
+  echo "flashinfer $installed already installed (an earlier call)"
 elif [ -f .stash/wheels-a/PARTS ]; then
   parts=(.stash/wheels-*/flashinfer.part-*)
   if [ "${#parts[@]}" = "$(cat .stash/wheels-a/PARTS)" ]; then
