@@ -59,6 +59,7 @@
 #include "kernels/programmatic_launch.cuh"
 #include "kernels/step_append.cuh"
 #include "kernels/token_addressing.cuh"
+#include "kernels/warp_run.h"
 #include "kernels/warp_reductions.cuh"
 
 namespace kvforge::kernels::decode_attention_device {
@@ -365,17 +366,11 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   auto& out = *reinterpret_cast<Int8Out<D>*>(
       dynamic_shared +
       (value_outliers ? int8_stage_bytes<D, VG, kBits>() + int8_channel_pairs_bytes<D>(channel_pair_bytes) : 0));
-  // This warp's steps: a contiguous run of the split's.
-  const int64_t steps = (last - first + kStepTokens - 1) / kStepTokens;
-  const int64_t per_warp = (steps + kInt8Warps - 1) / kInt8Warps;
-  const int64_t step_begin = warp * per_warp, step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
-  // The run in 32 bits from its first token (a split is far under 2^31
-  // tokens): its steps and tokens; the last step may be partial.
-  const int64_t run_first = first + step_begin * kStepTokens;
-  const int32_t run_steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
-  const int32_t run_tokens =
-      static_cast<int32_t>(last - run_first < int64_t{run_steps} * kStepTokens ? last - run_first
-                                                                               : int64_t{run_steps} * kStepTokens);
+  // This warp's steps: a contiguous run of the split's (warp_run), in 32
+  // bits from its first token; the last step may be partial.
+  const WarpRun my_run = warp_run(first, last, warp, kInt8Warps, kStepTokens);
+  const int64_t run_first = my_run.first;
+  const int32_t run_steps = my_run.steps, run_tokens = my_run.tokens;
   const int page_size = kl.spec.page_size;
   // Lane j's token of the next stage to issue: its page's index in the page
   // table and its slot there, advanced by 32 tokens per stage (one division
@@ -398,21 +393,29 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       next_in_page = static_cast<int32_t>(s_index % page_size);
     }
   }
-  // A step's append (kStepAppend): by the warp whose run ends at the new
-  // token, before it reads the token's page id or bytes: here where the
-  // token's stage is among the first ones the warp issues, else once those
-  // are in flight (below: the append's latency under their copies). The
-  // conditions (the same for the warp's lanes) go through votes, which the
-  // compiler knows to be warp-uniform: as a plain branch it compiled the
-  // step loop's shuffles for a possibly diverged warp (~300 more
-  // instructions in the loop, and retry loops around it).
+  // A step's append (kStepAppend), by the block whose split ends at the new
+  // token (step_append_warps): the values by the keys' warp's neighbour,
+  // first thing, and the keys by the warp whose run ends at the token,
+  // before it reads the token's page id or bytes: here where the token's
+  // stage is among the first ones the warp issues, else once those are in
+  // flight (below: the keys' latency under their copies). The conditions go
+  // through votes, which the compiler knows to be warp-uniform: as a plain
+  // branch it compiled the step loop's shuffles for a possibly diverged
+  // warp (~300 more instructions in the loop, and retry loops around it).
   constexpr int32_t kFirstIssued = (kStages - kStepStages) * kInt8StepTokens;
+  [[maybe_unused]] StepAppendWarps step_warps;
   if constexpr (kStepAppend) {
     const int64_t length = entry_length(p, entry);
-    const bool appends = run_tokens > 0 && run_first + run_tokens == length;
-    if (__all_sync(0xffffffffu, appends && run_tokens <= kFirstIssued)) {
-      step_append_device::append_step_token<D, kBits>(
+    step_warps = step_append_warps(first, last, length, kInt8Warps, kStepTokens);
+    if (__all_sync(0xffffffffu, warp == step_warps.values)) {
+      step_append_device::append_step_rows<false, D, kBits>(
           p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
+      step_append_device::step_values_stored();
+    }
+    if (__all_sync(0xffffffffu, warp == step_warps.keys && run_tokens <= kFirstIssued)) {
+      step_append_device::append_step_rows<true, D, kBits>(
+          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
+      step_append_device::wait_for_step_values();
     }
   }
   // Loaded before the queries (before the wait for them where they were
@@ -715,13 +718,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // Under the first stages' round trip to memory (the wide steps, whose
   // keys are per token).
   if constexpr (!kGeneral) build_key_operands(per_channel_keys);
-  // The step's append where its token's stage comes later (above); the
-  // next stage's page ids read again (the append may have opened its page).
+  // The step's keys where its token's stage comes later (above); the next
+  // stage's page ids read again (the append may have opened its page).
   if constexpr (kStepAppend) {
-    const int64_t length = entry_length(p, entry);
-    if (__all_sync(0xffffffffu, run_tokens > kFirstIssued && run_first + run_tokens == length)) {
-      step_append_device::append_step_token<D, kBits>(
+    if (__all_sync(0xffffffffu, warp == step_warps.keys && run_tokens > kFirstIssued)) {
+      const int64_t length = entry_length(p, entry);
+      step_append_device::append_step_rows<true, D, kBits>(
           p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
+      step_append_device::wait_for_step_values();
       next_page = lane < to_issue ? page_row[next_page_index] : 0;
     }
   }

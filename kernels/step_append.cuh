@@ -14,8 +14,10 @@
 // explicit intrinsics and fmas, so that FMA contraction, on in the decode's
 // files, changes nothing) and stores the same bytes as the append
 // kernel. Two hosts (step_append_host):
-// - Without a rotation, sink or window (rtn's) the int8 kernel's warp
-//   whose run ends at the new token appends it (append_step_token).
+// - Without a rotation, sink or window (rtn's) two warps of the int8
+//   kernel's block whose split ends at the new token append it
+//   (step_append_warps, append_step_rows): the keys the warp whose run ends
+//   there, the values its neighbour.
 // - With matrix rotations and a sliding window in both kinds (int2-rot's),
 //   where the queries are rotated first, the query rotation's kernel
 //   (rotate_queries_kernel.cuh) rotates and stores the token, a block per
@@ -66,44 +68,56 @@ __device__ inline void write_step_page(const DecodeParams& p, const StepAppendAr
   }
 }
 
-template <int kE, int kBits, ElementType kElement>
-__device__ inline void append_step_token_as(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
-                                            int32_t kv_head, const StepToken& token) {
+// One kind of entry `entry`'s new token of KV head `kv_head` (kKeys: its
+// keys, else its values), loaded and stored by the whole warp.
+template <bool kKeys, int kE, int kBits, ElementType kElement>
+__device__ inline void append_step_rows_as(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                           int32_t kv_head, const StepToken& token) {
   // No rotation here (step_append_host).
-  const append_device::TokenTensorArgs keys{p.key_cache, step.key_quantization, Rotation{}, step.keys};
-  const append_device::TokenTensorArgs values{p.value_cache, step.value_quantization, Rotation{}, step.values};
-  // Both kinds' loads first: their round trips overlap.
-  double key_part[kE], value_part[kE];
-  append_device::load_token_part<kE, kElement>(keys, step.input, entry, kv_head, key_part);
-  append_device::load_token_part<kE, kElement>(values, step.input, entry, kv_head, value_part);
-  append_device::store_token_part<kE, kBits, kElement>(keys, token.target, kv_head, key_part);
-  append_device::store_token_part<kE, kBits, kElement>(values, token.target, kv_head, value_part);
+  const append_device::TokenTensorArgs args =
+      kKeys ? append_device::TokenTensorArgs{p.key_cache, step.key_quantization, Rotation{}, step.keys}
+            : append_device::TokenTensorArgs{p.value_cache, step.value_quantization, Rotation{}, step.values};
+  double part[kE];
+  append_device::load_token_part<kE, kElement>(args, step.input, entry, kv_head, part);
+  append_device::store_token_part<kE, kBits, kElement>(args, token.target, kv_head, part);
 }
 
-// The whole warp: entry `entry`'s new token of KV head `kv_head`, keys and
-// values, stored, and a page the step opens written into the page table.
-// On return the warp's later reads (the page table's and its copies into
-// shared memory) see the stored bytes.
-template <int D, int kBits>
-__device__ inline void append_step_token(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
-                                         int32_t kv_head, const StepToken& token) {
+// The whole warp: one kind of entry `entry`'s new token of KV head
+// `kv_head` (kKeys: the keys, and a page the step opens written into the
+// page table; else the values), stored at device scope before it returns:
+// the warp's own later reads (the page table's, its copies into shared
+// memory, which go through L2) see them, and so do the reads of a warp that
+// synchronizes with it after (step_append_warps' pair, a named barrier).
+template <bool kKeys, int D, int kBits>
+__device__ inline void append_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                        int32_t kv_head, const StepToken& token) {
   constexpr int kE = D / 32;
-  if (threadIdx.x % 32 == 0) write_step_page(p, step, token);
+  if (kKeys && threadIdx.x % 32 == 0) write_step_page(p, step, token);
   switch (p.key_cache.layout.spec.element) {
     case ElementType::kFloat16:
-      append_step_token_as<kE, kBits, ElementType::kFloat16>(p, step, entry, kv_head, token);
+      append_step_rows_as<kKeys, kE, kBits, ElementType::kFloat16>(p, step, entry, kv_head, token);
       break;
     case ElementType::kBFloat16:
-      append_step_token_as<kE, kBits, ElementType::kBFloat16>(p, step, entry, kv_head, token);
+      append_step_rows_as<kKeys, kE, kBits, ElementType::kBFloat16>(p, step, entry, kv_head, token);
       break;
     case ElementType::kFloat32:
-      append_step_token_as<kE, kBits, ElementType::kFloat32>(p, step, entry, kv_head, token);
+      append_step_rows_as<kKeys, kE, kBits, ElementType::kFloat32>(p, step, entry, kv_head, token);
       break;
   }
-  // The lanes' stores at device scope before any lane's copy reads them
-  // (the code rows' copies go through L2).
   __threadfence();
   __syncwarp();
+}
+
+// The named barrier of step_append_warps' pair (barrier 1; __syncthreads is
+// barrier 0): the values' warp arrives once its stores are fenced, the
+// keys' warp waits there before it reads the token. 64 threads: the two
+// warps.
+inline constexpr int kStepPairBarrier = 1;
+__device__ inline void step_values_stored() {
+  asm volatile("bar.arrive %0, 64;" ::"n"(kStepPairBarrier) : "memory");
+}
+__device__ inline void wait_for_step_values() {
+  asm volatile("bar.sync %0, 64;" ::"n"(kStepPairBarrier) : "memory");
 }
 
 // ---------------------------------------------------------------- rotated

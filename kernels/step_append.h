@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kernels/decode_params.h"
+#include "kernels/warp_run.h"
 
 namespace kvforge::kernels {
 
@@ -67,6 +68,30 @@ KVFORGE_HOST_DEVICE inline StepTokenPlace step_token_place(const TensorLayoutSpe
     place.page_id = index == place.new_page_index ? place.new_page : page_row[index];
   }
   return place;
+}
+
+// The warps of an int8 decode block (kernels/decode_int8_kernel.cuh) that
+// store a step's token, where the block's tokens [first, last) end at it
+// (last == length, the entry's length counting it): the keys by the warp
+// whose run holds it (last_run_warp: it stores them before it reads the
+// token, which it waits for), the values by that warp's neighbour in the
+// pair (keys ^ 1), which stores them first thing and signals (the named
+// barrier of the pair, 64 threads) so that the two chains of float64 work
+// run side by side instead of one after the other on one warp. Both -1
+// where the block does not end at the token. `warps` even.
+struct StepAppendWarps {
+  int keys = -1;
+  int values = -1;
+};
+
+KVFORGE_HOST_DEVICE inline StepAppendWarps step_append_warps(int64_t first, int64_t last, int64_t length,
+                                                             int warps, int step_tokens) {
+  StepAppendWarps w;
+  if (first < last && last == length) {
+    w.keys = last_run_warp(first, last, warps, step_tokens);
+    w.values = w.keys ^ 1;
+  }
+  return w;
 }
 
 // The step append of `append` (one new token per entry of the decode that
