@@ -398,10 +398,14 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   // first thing, and the keys by the warp whose run ends at the token,
   // before it reads the token's page id or bytes: here where the token's
   // stage is among the first ones the warp issues, else once those are in
-  // flight (below: the keys' latency under their copies). The conditions go
-  // through votes, which the compiler knows to be warp-uniform: as a plain
-  // branch it compiled the step loop's shuffles for a possibly diverged
-  // warp (~300 more instructions in the loop, and retry loops around it).
+  // flight (below: the keys' latency under their copies). No warp reads the
+  // token before the __syncthreads that ends load_group_queries (the first
+  // stages are issued after it), which so orders the values' stores (fenced
+  // at device scope) before the keys' warp's copies of them. The conditions
+  // go through votes, which the compiler knows to be warp-uniform: as a
+  // plain branch it compiled the step loop's shuffles for a possibly
+  // diverged warp (~300 more instructions in the loop, and retry loops
+  // around it).
   constexpr int32_t kFirstIssued = (kStages - kStepStages) * kInt8StepTokens;
   [[maybe_unused]] StepAppendWarps step_warps;
   if constexpr (kStepAppend) {
@@ -410,12 +414,10 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
     if (__all_sync(0xffffffffu, warp == step_warps.values)) {
       step_append_device::append_step_rows<false, D, kBits>(
           p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
-      step_append_device::step_values_stored();
     }
     if (__all_sync(0xffffffffu, warp == step_warps.keys && run_tokens <= kFirstIssued)) {
       step_append_device::append_step_rows<true, D, kBits>(
           p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
-      step_append_device::wait_for_step_values();
     }
   }
   // Loaded before the queries (before the wait for them where they were
@@ -725,7 +727,6 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
       const int64_t length = entry_length(p, entry);
       step_append_device::append_step_rows<true, D, kBits>(
           p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
-      step_append_device::wait_for_step_values();
       next_page = lane < to_issue ? page_row[next_page_index] : 0;
     }
   }

@@ -86,8 +86,8 @@ __device__ inline void append_step_rows_as(const DecodeParams& p, const StepAppe
 // `kv_head` (kKeys: the keys, and a page the step opens written into the
 // page table; else the values), stored at device scope before it returns:
 // the warp's own later reads (the page table's, its copies into shared
-// memory, which go through L2) see them, and so do the reads of a warp that
-// synchronizes with it after (step_append_warps' pair, a named barrier).
+// memory, which go through L2) see them, and so do the reads of any warp of
+// the block after a __syncthreads that follows.
 template <bool kKeys, int D, int kBits>
 __device__ inline void append_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
                                         int32_t kv_head, const StepToken& token) {
@@ -106,18 +106,6 @@ __device__ inline void append_step_rows(const DecodeParams& p, const StepAppendA
   }
   __threadfence();
   __syncwarp();
-}
-
-// The named barrier of step_append_warps' pair (barrier 1; __syncthreads is
-// barrier 0): the values' warp arrives once its stores are fenced, the
-// keys' warp waits there before it reads the token. 64 threads: the two
-// warps.
-inline constexpr int kStepPairBarrier = 1;
-__device__ inline void step_values_stored() {
-  asm volatile("bar.arrive %0, 64;" ::"n"(kStepPairBarrier) : "memory");
-}
-__device__ inline void wait_for_step_values() {
-  asm volatile("bar.sync %0, 64;" ::"n"(kStepPairBarrier) : "memory");
 }
 
 // ---------------------------------------------------------------- rotated

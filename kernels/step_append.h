@@ -74,11 +74,11 @@ KVFORGE_HOST_DEVICE inline StepTokenPlace step_token_place(const TensorLayoutSpe
 // store a step's token, where the block's tokens [first, last) end at it
 // (last == length, the entry's length counting it): the keys by the warp
 // whose run holds it (last_run_warp: it stores them before it reads the
-// token, which it waits for), the values by that warp's neighbour in the
-// pair (keys ^ 1), which stores them first thing and signals (the named
-// barrier of the pair, 64 threads) so that the two chains of float64 work
-// run side by side instead of one after the other on one warp. Both -1
-// where the block does not end at the token. `warps` even.
+// token), the values by another warp (its neighbour, keys ^ 1), first
+// thing, ahead of the block's __syncthreads that precedes every read of the
+// token: the two chains of float64 work run side by side instead of one
+// after the other on one warp. Both -1 where the block does not end at the
+// token. `warps` even.
 struct StepAppendWarps {
   int keys = -1;
   int values = -1;
