@@ -28,7 +28,8 @@ KVFORGE_HOST_DEVICE inline WarpRun warp_run(int64_t first, int64_t last, int war
   run.first = first + step_begin * step_tokens;
   run.steps = step_end > step_begin ? static_cast<int32_t>(step_end - step_begin) : 0;
   const int64_t full = int64_t{run.steps} * step_tokens;
-  run.tokens = static_cast<int32_t>(last - run.first < full ? last - run.first : full);
+  // A warp past the block's steps: its run starts past `last`, no tokens.
+  run.tokens = run.steps == 0 ? 0 : static_cast<int32_t>(last - run.first < full ? last - run.first : full);
   return run;
 }
 
