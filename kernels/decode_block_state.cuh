@@ -31,15 +31,23 @@ inline constexpr int kMaxTensorCoreGroup = 8;  // query heads per KV head: the m
 // `query` (`raw` untouched); else one element a thread and iteration (the
 // lookup and bf16 kernels: at their register cap, ptxas spilled in their
 // main loops with the row loads in the prologue).
-template <int D, int kRowsInFlight = 16, bool kRowLoads = false>
+// `before_sync()`: run by every thread after its loads and before the first
+// barrier (a decoding step's append stores its token there, its own loads
+// issued before this call: their round trips overlap the queries').
+struct NothingBeforeSync {
+  __device__ void operator()() const {}
+};
+template <int D, int kRowsInFlight = 16, bool kRowLoads = false, typename BeforeSync = NothingBeforeSync>
 __device__ inline void load_group_queries(const DecodeParams& p, const float* rotated, int64_t state_base, int group,
                                           int kv_head, float (&query)[kMaxTensorCoreGroup][D],
-                                          float (&raw)[kMaxTensorCoreGroup][D], float* out, int out_count) {
+                                          float (&raw)[kMaxTensorCoreGroup][D], float* out, int out_count,
+                                          BeforeSync before_sync = {}) {
   for (int i = threadIdx.x; i < out_count; i += blockDim.x) out[i] = 0;
   if (rotated != nullptr) {
     wait_for_prerequisite_grid();
     allow_dependent_launch();
     load_rows<D>(ElementType::kFloat32, rotated, state_base, group, kMaxTensorCoreGroup, &query[0][0]);
+    before_sync();
     __syncthreads();
     return;
   }
@@ -47,6 +55,7 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
     // Keys without a rotation: the raw queries are the queries.
     const bool rotate = p.key_rotation.kind != RotationKind::kNone;
     load_rows<D>(p.io, p.queries, state_base, group, kMaxTensorCoreGroup, rotate ? &raw[0][0] : &query[0][0]);
+    before_sync();
     __syncthreads();
     if (!rotate) return;
   } else {
@@ -54,6 +63,7 @@ __device__ inline void load_group_queries(const DecodeParams& p, const float* ro
       const int h = i / D, d = i % D;
       raw[h][d] = h < group ? load_io(p.io, p.queries, (state_base + h) * D + d) : 0.0f;
     }
+    before_sync();
     __syncthreads();
   }
   rotate_group_queries<D, kRowsInFlight>(p.key_rotation, kv_head, group, kMaxTensorCoreGroup, &raw[0][0],

@@ -395,42 +395,55 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   }
   // A step's append (kStepAppend), by the block whose split ends at the new
   // token (step_append_warps): the values by the keys' warp's neighbour,
-  // first thing, and the keys by the warp whose run ends at the token,
-  // before it reads the token's page id or bytes: here where the token's
-  // stage is among the first ones the warp issues, else once those are in
-  // flight (below: the keys' latency under their copies). No warp reads the
-  // token before the __syncthreads that ends load_group_queries (the first
-  // stages are issued after it), which so orders the values' stores (fenced
-  // at device scope) before the keys' warp's copies of them. The conditions
-  // go through votes, which the compiler knows to be warp-uniform: as a
-  // plain branch it compiled the step loop's shuffles for a possibly
-  // diverged warp (~300 more instructions in the loop, and retry loops
-  // around it).
+  // and the keys by the warp whose run ends at the token, before it reads
+  // the token's page id or bytes: before the block's first barrier (the
+  // one that ends load_group_queries) where the token's stage is among the
+  // first ones the warp issues, else once those are in flight (below: the
+  // keys' latency under their copies). The early ones load the token's rows
+  // before the queries and store them after the queries' loads, before that
+  // barrier: the two round trips overlap. No warp reads the token before
+  // that barrier (the first stages are issued after it), which so orders
+  // the values' stores (fenced at device scope) before the keys' warp's
+  // copies of them. The conditions go through votes, which the compiler
+  // knows to be warp-uniform: as a plain branch it compiled the step loop's
+  // shuffles for a possibly diverged warp (~300 more instructions in the
+  // loop, and retry loops around it).
   constexpr int32_t kFirstIssued = (kStages - kStepStages) * kInt8StepTokens;
   [[maybe_unused]] StepAppendWarps step_warps;
+  [[maybe_unused]] bool stores_early = false, early_keys = false;
+  [[maybe_unused]] step_append_device::StepToken early_token;
+  [[maybe_unused]] double early_part[kStepAppend ? D / 32 : 1];
   if constexpr (kStepAppend) {
     const int64_t length = entry_length(p, entry);
     step_warps = step_append_warps(first, last, length, kInt8Warps, kStepTokens);
-    if (__all_sync(0xffffffffu, warp == step_warps.values)) {
-      step_append_device::append_step_rows<false, D, kBits>(
-          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
-    }
-    if (__all_sync(0xffffffffu, warp == step_warps.keys && run_tokens <= kFirstIssued)) {
-      step_append_device::append_step_rows<true, D, kBits>(
-          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
+    early_keys = __all_sync(0xffffffffu, warp == step_warps.keys && run_tokens <= kFirstIssued);
+    stores_early = early_keys || __all_sync(0xffffffffu, warp == step_warps.values);
+    if (stores_early) {
+      early_token = step_append_device::step_token(p, step_append, entry, slot, length, page_row);
+      if (early_keys) step_append_device::open_step_page(p, step_append, early_token);
+      step_append_device::load_step_rows<D>(p, step_append, entry, kv_head, early_keys, early_part);
     }
   }
+  auto store_early = [&] {
+    if constexpr (kStepAppend) {
+      if (stores_early) {
+        step_append_device::store_step_rows<D, kBits>(p, step_append, kv_head, early_keys, early_token, early_part);
+      }
+    }
+  };
   // Loaded before the queries (before the wait for them where they were
   // rotated first), so that its round trip overlaps theirs (on the H200
   // within noise of loading it after the key operands: bench/README.md).
   int32_t next_page = lane < run_tokens ? page_row[next_page_index] : 0;
   if constexpr (kGeneral) {
     load_group_queries<D, kQueryRowsInFlight, true>(p, workspace.queries, state_base, group, kv_head, shared.query,
-                                              shared.raw_query, &out[0][0][0],
-                          value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0);
+                                                    shared.raw_query, &out[0][0][0],
+                                                    value_outliers ? kInt8Warps * kMaxTensorCoreGroup * D : 0,
+                                                    store_early);
   } else {  // the raw queries over the stages: no copy has started
-    load_group_queries<D, kQueryRowsInFlight, true>(p, workspace.queries, state_base, group, kv_head, shared.query,
-                          *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0);
+    load_group_queries<D, kQueryRowsInFlight, true>(
+        p, workspace.queries, state_base, group, kv_head, shared.query,
+        *reinterpret_cast<float(*)[kMaxTensorCoreGroup][D]>(dynamic_shared), nullptr, 0, store_early);
   }
 
   // B column g's head (zeros past the group); packed: part
@@ -725,8 +738,9 @@ __global__ void __launch_bounds__(kInt8Warps * kWarpSize,
   if constexpr (kStepAppend) {
     if (__all_sync(0xffffffffu, warp == step_warps.keys && run_tokens > kFirstIssued)) {
       const int64_t length = entry_length(p, entry);
-      step_append_device::append_step_rows<true, D, kBits>(
-          p, step_append, entry, kv_head, step_append_device::step_token(p, step_append, entry, slot, length, page_row));
+      step_append_device::append_step_rows<D, kBits>(
+          p, step_append, entry, kv_head, true,
+          step_append_device::step_token(p, step_append, entry, slot, length, page_row));
       next_page = lane < to_issue ? page_row[next_page_index] : 0;
     }
   }

@@ -16,8 +16,8 @@
 // kernel. Two hosts (step_append_host):
 // - Without a rotation, sink or window (rtn's) two warps of the int8
 //   kernel's block whose split ends at the new token append it
-//   (step_append_warps, append_step_rows): the keys the warp whose run ends
-//   there, the values its neighbour.
+//   (step_append_warps; load_step_rows, store_step_rows): the keys the warp
+//   whose run ends there, the values its neighbour.
 // - With matrix rotations and a sliding window in both kinds (int2-rot's),
 //   where the queries are rotated first, the query rotation's kernel
 //   (rotate_queries_kernel.cuh) rotates and stores the token, a block per
@@ -68,44 +68,78 @@ __device__ inline void write_step_page(const DecodeParams& p, const StepAppendAr
   }
 }
 
-// One kind of entry `entry`'s new token of KV head `kv_head` (kKeys: its
-// keys, else its values), loaded and stored by the whole warp.
-template <bool kKeys, int kE, int kBits, ElementType kElement>
-__device__ inline void append_step_rows_as(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
-                                           int32_t kv_head, const StepToken& token) {
-  // No rotation here (step_append_host).
-  const append_device::TokenTensorArgs args =
-      kKeys ? append_device::TokenTensorArgs{p.key_cache, step.key_quantization, Rotation{}, step.keys}
-            : append_device::TokenTensorArgs{p.value_cache, step.value_quantization, Rotation{}, step.values};
-  double part[kE];
-  append_device::load_token_part<kE, kElement>(args, step.input, entry, kv_head, part);
-  append_device::store_token_part<kE, kBits, kElement>(args, token.target, kv_head, part);
+// One kind of entry `entry`'s new token of KV head `kv_head` (keys: its
+// keys, else its values) as the whole warp loads and stores it, in two
+// halves, so that the loads' round trip can overlap the warp's others
+// (the int8 kernel's queries'): the lane's kE elements, rounded to the
+// cache's element type, loaded by load_step_rows and stored by
+// store_step_rows. No rotation here (step_append_host).
+__device__ inline append_device::TokenTensorArgs step_rows_args(const DecodeParams& p, const StepAppendArgs& step,
+                                                                bool keys) {
+  return keys ? append_device::TokenTensorArgs{p.key_cache, step.key_quantization, Rotation{}, step.keys}
+              : append_device::TokenTensorArgs{p.value_cache, step.value_quantization, Rotation{}, step.values};
 }
 
-// The whole warp: one kind of entry `entry`'s new token of KV head
-// `kv_head` (kKeys: the keys, and a page the step opens written into the
-// page table; else the values), stored at device scope before it returns:
-// the warp's own later reads (the page table's, its copies into shared
-// memory, which go through L2) see them, and so do the reads of any warp of
-// the block after a __syncthreads that follows.
-template <bool kKeys, int D, int kBits>
-__device__ inline void append_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
-                                        int32_t kv_head, const StepToken& token) {
+template <int D>
+__device__ inline void load_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                      int32_t kv_head, bool keys, double (&part)[D / 32]) {
   constexpr int kE = D / 32;
-  if (kKeys && threadIdx.x % 32 == 0) write_step_page(p, step, token);
+  const append_device::TokenTensorArgs args = step_rows_args(p, step, keys);
   switch (p.key_cache.layout.spec.element) {
     case ElementType::kFloat16:
-      append_step_rows_as<kKeys, kE, kBits, ElementType::kFloat16>(p, step, entry, kv_head, token);
+      append_device::load_token_part<kE, ElementType::kFloat16>(args, step.input, entry, kv_head, part);
       break;
     case ElementType::kBFloat16:
-      append_step_rows_as<kKeys, kE, kBits, ElementType::kBFloat16>(p, step, entry, kv_head, token);
+      append_device::load_token_part<kE, ElementType::kBFloat16>(args, step.input, entry, kv_head, part);
       break;
     case ElementType::kFloat32:
-      append_step_rows_as<kKeys, kE, kBits, ElementType::kFloat32>(p, step, entry, kv_head, token);
+      append_device::load_token_part<kE, ElementType::kFloat32>(args, step.input, entry, kv_head, part);
+      break;
+  }
+}
+
+// Stored at device scope before it returns: the warp's own later reads
+// (its copies into shared memory go through L2) see them, and so do the
+// reads of any warp of the block after a __syncthreads that follows. The
+// keys' warp writes a page the step opens into the page table beforehand
+// (write_step_page), before it reads the table.
+template <int D, int kBits>
+__device__ inline void store_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t kv_head, bool keys,
+                                       const StepToken& token, const double (&part)[D / 32]) {
+  constexpr int kE = D / 32;
+  const append_device::TokenTensorArgs args = step_rows_args(p, step, keys);
+  switch (p.key_cache.layout.spec.element) {
+    case ElementType::kFloat16:
+      append_device::store_token_part<kE, kBits, ElementType::kFloat16>(args, token.target, kv_head, part);
+      break;
+    case ElementType::kBFloat16:
+      append_device::store_token_part<kE, kBits, ElementType::kBFloat16>(args, token.target, kv_head, part);
+      break;
+    case ElementType::kFloat32:
+      append_device::store_token_part<kE, kBits, ElementType::kFloat32>(args, token.target, kv_head, part);
       break;
   }
   __threadfence();
   __syncwarp();
+}
+
+// A page the step opens, by the keys' warp (every KV head's writes the same
+// id) before any of its lanes reads the page table: the warp's own reads see
+// it after the __syncwarp.
+__device__ inline void open_step_page(const DecodeParams& p, const StepAppendArgs& step, const StepToken& token) {
+  if (threadIdx.x % 32 == 0) write_step_page(p, step, token);
+  __syncwarp();
+}
+
+// Both halves at once (the keys' late store in the int8 kernel, with its
+// first stages' copies in flight): the keys' warp opens the step's page.
+template <int D, int kBits>
+__device__ inline void append_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t entry,
+                                        int32_t kv_head, bool keys, const StepToken& token) {
+  if (keys) open_step_page(p, step, token);
+  double part[D / 32];
+  load_step_rows<D>(p, step, entry, kv_head, keys, part);
+  store_step_rows<D, kBits>(p, step, kv_head, keys, token, part);
 }
 
 // ---------------------------------------------------------------- rotated
