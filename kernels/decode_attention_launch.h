@@ -138,8 +138,9 @@ DecodePlan plan_decode_attention(const DecodeParams& params, int multiprocessors
 // lengths minus one.
 // - kInt8Kernel: no rotation, sink or window, and every token on the int8
 //   kernel's 64-token steps with no exact ranges (rtn's layout at 2 and 4
-//   bits, GQA groups of at most 4 heads): the warp whose run ends at the
-//   token appends it.
+//   bits, GQA groups of at most 4 heads): in the block whose split ends at
+//   the token, the warp whose run ends there stores its keys and another
+//   warp its values (step_append_warps).
 // - kRotateQueries: the keys' matrix rotation (the values' a matrix or
 //   none) the decode's own, a sliding window in both kinds, and a plan that
 //   rotates the queries first (int2-rot's layout from batch 8 at 32K

@@ -260,8 +260,10 @@ constexpr int int8_blocks_per_multiprocessor() {
     return kFit < 4 ? kFit : 4;
   }
 }
-// kStepAppend: each entry's new token (its last) is appended by the warp
-// whose run ends there, before that warp reads it (the wide steps only).
+// kStepAppend: each entry's new token (its last) is appended by the block
+// whose split ends there (its keys by the warp whose run ends there, before
+// that warp reads it, its values by another: step_append_warps), the wide
+// steps only.
 template <int D, int VG, bool kPacked, int kBits, int kStepStages = 1, int kStages = kInt8Stages,
           bool kStepAppend = false>
 __global__ void __launch_bounds__(kInt8Warps * kWarpSize,

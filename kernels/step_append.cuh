@@ -101,8 +101,8 @@ __device__ inline void load_step_rows(const DecodeParams& p, const StepAppendArg
 // Stored at device scope before it returns: the warp's own later reads
 // (its copies into shared memory go through L2) see them, and so do the
 // reads of any warp of the block after a __syncthreads that follows. The
-// keys' warp writes a page the step opens into the page table beforehand
-// (write_step_page), before it reads the table.
+// keys' warp opens a page the step opens beforehand (open_step_page),
+// before it reads the page table.
 template <int D, int kBits>
 __device__ inline void store_step_rows(const DecodeParams& p, const StepAppendArgs& step, int32_t kv_head, bool keys,
                                        const StepToken& token, const double (&part)[D / 32]) {

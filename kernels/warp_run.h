@@ -17,11 +17,24 @@ struct WarpRun {
   int32_t tokens = 0;  // its tokens: steps * step_tokens, fewer where it ends the block
 };
 
+// The block's steps and each warp's share of them (the last run may be
+// shorter, later ones empty).
+struct BlockSteps {
+  int64_t steps = 0;
+  int64_t per_warp = 0;
+};
+KVFORGE_HOST_DEVICE inline BlockSteps block_steps(int64_t first, int64_t last, int warps, int step_tokens) {
+  BlockSteps b;
+  b.steps = (last - first + step_tokens - 1) / step_tokens;
+  b.per_warp = (b.steps + warps - 1) / warps;
+  return b;
+}
+
 // Warp `warp`'s run of the block's tokens [first, last) (first < last: a
 // split is far under 2^31 tokens, so a run's counts fit 32 bits).
 KVFORGE_HOST_DEVICE inline WarpRun warp_run(int64_t first, int64_t last, int warp, int warps, int step_tokens) {
-  const int64_t steps = (last - first + step_tokens - 1) / step_tokens;
-  const int64_t per_warp = (steps + warps - 1) / warps;
+  const BlockSteps b = block_steps(first, last, warps, step_tokens);
+  const int64_t steps = b.steps, per_warp = b.per_warp;
   const int64_t step_begin = warp * per_warp;
   const int64_t step_end = step_begin + per_warp < steps ? step_begin + per_warp : steps;
   WarpRun run;
@@ -35,9 +48,8 @@ KVFORGE_HOST_DEVICE inline WarpRun warp_run(int64_t first, int64_t last, int war
 
 // The warp whose run holds the block's last token: the last non-empty one.
 KVFORGE_HOST_DEVICE inline int last_run_warp(int64_t first, int64_t last, int warps, int step_tokens) {
-  const int64_t steps = (last - first + step_tokens - 1) / step_tokens;
-  const int64_t per_warp = (steps + warps - 1) / warps;
-  return static_cast<int>((steps - 1) / per_warp);
+  const BlockSteps b = block_steps(first, last, warps, step_tokens);
+  return static_cast<int>((b.steps - 1) / b.per_warp);
 }
 
 }  // namespace kvforge::kernels
